@@ -1,3 +1,25 @@
 """ember: an LLM inference server for GPUs at the edge."""
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
 __version__ = "0.1.0"
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "__version__"]
+
+if TYPE_CHECKING:
+    from ember.api import LLM, CompletionOutput, RequestOutput
+    from ember.sampling_params import SamplingParams
+
+
+def __getattr__(name: str):
+    # Imported on first use so that `ember --help` and the front end don't pay for torch.
+    if name in ("LLM", "RequestOutput", "CompletionOutput"):
+        from ember import api
+
+        return getattr(api, name)
+    if name == "SamplingParams":
+        from ember.sampling_params import SamplingParams
+
+        return SamplingParams
+    raise AttributeError(f"module 'ember' has no attribute {name!r}")

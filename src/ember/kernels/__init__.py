@@ -1,0 +1,21 @@
+"""Triton kernels for the GPU fast path, one concern per module.
+
+Each op has a plain-PyTorch twin with the same signature in ``ember.layers.reference_ops``; the
+kernels are tested against those on a CPU under ``TRITON_INTERPRET=1``.
+"""
+
+from ember.kernels.activation import silu_and_mul
+from ember.kernels.paged_attention import choose_num_kv_splits, paged_attention
+from ember.kernels.rmsnorm import fused_add_rms_norm, rms_norm
+from ember.kernels.rope_cache_write import rope_and_cache_write
+from ember.kernels.sampling import sample
+
+__all__ = [
+    "choose_num_kv_splits",
+    "fused_add_rms_norm",
+    "paged_attention",
+    "rms_norm",
+    "rope_and_cache_write",
+    "sample",
+    "silu_and_mul",
+]

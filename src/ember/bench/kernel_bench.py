@@ -1,0 +1,195 @@
+"""Decode attention alone on the GPU, judged against the HBM roofline.
+
+A decode step's attention must read every sequence's K and V once; its floor is
+``bytes moved / HBM bandwidth``. ``bench_attention`` times ``ember.kernels.paged_attention`` on
+decode-only steps of the Llama-3.1-8B attention shape with ``triton.testing.do_bench`` (median,
+L2 flushed between runs) and reports the fraction of that floor it reaches. The split-KV
+heuristic's choice is timed next to the unsplit kernel so a bad split shows up.
+
+Import-safe without a GPU: torch and Triton's GPU parts are touched only when a function runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+DECODE_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+DECODE_CONTEXTS = (512, 4096)
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+
+
+LLAMA_8B = AttentionShape(num_q_heads=32, num_kv_heads=8, head_dim=128, block_size=16)
+
+
+def decode_attention_bytes(shape: AttentionShape, batch: int, context: int, elem: int) -> int:
+    """Bytes a decode step's attention must move: K and V of every cached token, q in, out out,
+    and the block tables."""
+    kv = 2 * batch * context * shape.num_kv_heads * shape.head_dim * elem
+    q_and_out = 2 * batch * shape.num_q_heads * shape.head_dim * elem
+    tables = batch * -(-context // shape.block_size) * 4
+    return kv + q_and_out + tables
+
+
+def _decode_inputs(shape: AttentionShape, batch: int, context: int, dtype: torch.dtype):
+    """A decode step over a shuffled block pool (block 0 left unused, as in the engine)."""
+    blocks_per_seq = -(-context // shape.block_size)
+    num_blocks = 1 + batch * blocks_per_seq
+    cache_shape = (num_blocks, shape.block_size, shape.num_kv_heads, shape.head_dim)
+    k_cache = torch.randn(cache_shape, dtype=dtype, device="cuda")
+    v_cache = torch.randn(cache_shape, dtype=dtype, device="cuda")
+    ids = torch.randperm(num_blocks - 1, device="cuda", dtype=torch.int32) + 1
+    return {
+        "q": torch.randn(batch, shape.num_q_heads, shape.head_dim, dtype=dtype, device="cuda"),
+        "k_cache": k_cache,
+        "v_cache": v_cache,
+        "query_start_loc": torch.arange(batch + 1, dtype=torch.int32, device="cuda"),
+        "seq_lens": torch.full((batch,), context, dtype=torch.int32, device="cuda"),
+        "block_tables": ids.view(batch, blocks_per_seq),
+    }
+
+
+def measure_hbm_bytes_per_s(num_bytes: int = 2 << 30) -> float:
+    """Device-to-device copy bandwidth, bytes read + bytes written per second."""
+    from triton.testing import do_bench
+
+    src = torch.empty(num_bytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = do_bench(lambda: dst.copy_(src), return_mode="median")
+    return 2 * num_bytes / (ms * 1e-3)
+
+
+def bench_attention(
+    hbm_bytes_per_s: float | None = None,
+    *,
+    batches: tuple[int, ...] = DECODE_BATCHES,
+    contexts: tuple[int, ...] = DECODE_CONTEXTS,
+    shape: AttentionShape = LLAMA_8B,
+    dtype: torch.dtype = torch.bfloat16,
+) -> list[dict]:
+    """Time decode attention per (batch, context); one JSON-ready dict per point.
+
+    ``hbm_bytes_per_s`` is the ceiling to judge against (measured by a copy when None).
+    """
+    from triton.testing import do_bench
+
+    from ember.kernels import choose_num_kv_splits, paged_attention
+
+    if hbm_bytes_per_s is None:
+        hbm_bytes_per_s = measure_hbm_bytes_per_s()
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    scale = shape.head_dim**-0.5
+    elem = torch.tensor([], dtype=dtype).element_size()
+    rows = []
+    for context in contexts:
+        for batch in batches:
+            inputs = _decode_inputs(shape, batch, context, dtype)
+            out = torch.empty_like(inputs["q"])
+            splits = choose_num_kv_splits(batch, shape.num_kv_heads, context, num_sms)
+
+            def run(num_kv_splits=None, inputs=inputs, out=out, context=context):
+                paged_attention(**inputs, scale=scale, out=out, max_query_len=1,
+                                max_seq_len=context, num_kv_splits=num_kv_splits,
+                                num_sms=num_sms)  # fmt: skip
+
+            seconds = do_bench(run, return_mode="median") * 1e-3
+            moved = decode_attention_bytes(shape, batch, context, elem)
+            row = {
+                "batch": batch,
+                "context": context,
+                "kv_splits": splits,
+                "us": seconds * 1e6,
+                "bytes": moved,
+                "gb_per_s": moved / seconds / 1e9,
+                "roofline_us": moved / hbm_bytes_per_s * 1e6,
+                "roofline_fraction": moved / hbm_bytes_per_s / seconds,
+            }
+            if splits > 1:
+                row["unsplit_us"] = do_bench(lambda: run(1), return_mode="median") * 1e3
+            rows.append(row)
+            del inputs, out
+    torch.cuda.empty_cache()
+    return rows
+
+
+def bench_prefill_attention(
+    chunks: tuple[int, ...] = (512, 2048, 8192),
+    *,
+    shape: AttentionShape = LLAMA_8B,
+    dtype: torch.dtype = torch.bfloat16,
+    bf16_flops_per_s: float = 790e12,
+) -> list[dict]:
+    """One causal prefill chunk from position 0: time against the bf16 tensor-core peak."""
+    from triton.testing import do_bench
+
+    from ember.kernels import paged_attention
+
+    rows = []
+    for chunk in chunks:
+        inputs = _decode_inputs(shape, 1, chunk, dtype)
+        q = torch.randn(chunk, shape.num_q_heads, shape.head_dim, dtype=dtype, device="cuda")
+        inputs.update(q=q, query_start_loc=torch.tensor([0, chunk], dtype=torch.int32,
+                                                        device="cuda"))  # fmt: skip
+        out = torch.empty_like(q)
+        seconds = 1e-3 * do_bench(
+            lambda inputs=inputs, out=out, chunk=chunk: paged_attention(
+                **inputs, scale=shape.head_dim**-0.5, out=out, max_query_len=chunk,
+                max_seq_len=chunk,
+            ),
+            return_mode="median",
+        )  # fmt: skip
+        # QK^T and PV over the causal half of the score matrix.
+        flops = 2 * 2 * shape.num_q_heads * shape.head_dim * chunk * (chunk + 1) / 2
+        rows.append({"chunk": chunk, "us": seconds * 1e6, "tflops": flops / seconds / 1e12,
+                     "fraction_of_bf16_peak": flops / seconds / bf16_flops_per_s})  # fmt: skip
+    return rows
+
+
+def bench_sampling(
+    batches: tuple[int, ...] = (1, 64, 256), vocab: int = 151_936
+) -> list[dict]:  # fmt: skip
+    """The sampler per batch size on a Qwen-sized vocabulary: plain temperature sampling (one
+    pass) and top-k 50 + top-p 0.9 (the threshold search), with logits-read time for scale."""
+    from triton.testing import do_bench
+
+    from ember.kernels import sample
+
+    rows = []
+    for batch in batches:
+        logits = torch.randn(batch, vocab, device="cuda") * 4
+        ones = torch.ones(batch, device="cuda")
+        ids = torch.arange(batch, device="cuda")
+        cases = {
+            "plain": (ones, 0, 1.0),
+            "top_k50_top_p0.9": (ones, 50, 0.9),
+            "top_p0.95": (ones, 0, 0.95),
+        }
+        for name, (temperature, top_k, top_p) in cases.items():
+            args = (logits, temperature, torch.full_like(ids, top_k, dtype=torch.int32),
+                    torch.full_like(ones, top_p), torch.zeros_like(ones), ids, ids)  # fmt: skip
+            seconds = 1e-3 * do_bench(lambda args=args: sample(*args), return_mode="median")
+            rows.append({"batch": batch, "case": name, "us": seconds * 1e6,
+                         "logits_gb_per_s": logits.numel() * 4 / seconds / 1e9})  # fmt: skip
+    return rows
+
+
+def main() -> None:
+    """``python -m ember.bench.kernel_bench``: print one JSON line per point."""
+    import json
+
+    if not torch.cuda.is_available():
+        raise SystemExit("kernel_bench needs a CUDA GPU")
+    for row in bench_attention() + bench_prefill_attention() + bench_sampling():
+        print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,193 @@
+"""`ember bench make-model`: write a random-weight checkpoint of a known shape to disk.
+
+GPU and load-time benchmarks need a real HF directory (config.json, sharded safetensors, a
+tokenizer) with the shape of a real model, and nothing may be downloaded. The tokenizer is
+SmolLM2's, rebuilt from the GGUF file we ship; its ids fit in every preset's vocabulary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+PRESETS: dict[str, dict] = {
+    "llama-3.1-8b": dict(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        max_position_embeddings=131072,
+        rope_theta=500000.0,
+        tie_word_embeddings=False,
+        rope_scaling=dict(
+            rope_type="llama3",
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=8192,
+        ),
+    ),
+    "llama-3.2-1b": dict(
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        max_position_embeddings=131072,
+        rope_theta=500000.0,
+        tie_word_embeddings=True,
+        rope_scaling=dict(
+            rope_type="llama3",
+            factor=32.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=8192,
+        ),
+    ),
+    "tiny": dict(
+        hidden_size=256,
+        intermediate_size=768,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        vocab_size=49152,
+        max_position_embeddings=8192,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+    ),
+}
+
+_SHARD_BYTES = 4 << 30
+
+
+def hf_config(preset: str) -> dict:
+    shape = dict(PRESETS[preset])
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-5,
+        "attention_bias": False,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "torch_dtype": "bfloat16",
+        **shape,
+    }
+
+
+def tensor_shapes(cfg: dict) -> list[tuple[str, tuple[int, ...]]]:
+    """HF names and shapes of every tensor of a Llama checkpoint with this config."""
+    h, i, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    d = h // cfg["num_attention_heads"]
+    kv = cfg["num_key_value_heads"] * d
+    shapes = [("model.embed_tokens.weight", (v, h))]
+    for layer in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{layer}"
+        shapes += [
+            (f"{p}.input_layernorm.weight", (h,)),
+            (f"{p}.self_attn.q_proj.weight", (h, h)),
+            (f"{p}.self_attn.k_proj.weight", (kv, h)),
+            (f"{p}.self_attn.v_proj.weight", (kv, h)),
+            (f"{p}.self_attn.o_proj.weight", (h, h)),
+            (f"{p}.post_attention_layernorm.weight", (h,)),
+            (f"{p}.mlp.gate_proj.weight", (i, h)),
+            (f"{p}.mlp.up_proj.weight", (i, h)),
+            (f"{p}.mlp.down_proj.weight", (h, i)),
+        ]
+    shapes.append(("model.norm.weight", (h,)))
+    if not cfg["tie_word_embeddings"]:
+        shapes.append(("lm_head.weight", (v, h)))
+    return shapes
+
+
+def random_tensor(name: str, shape: tuple[int, ...], gen: torch.Generator, device: str):
+    if len(shape) == 1:  # norms: around 1 so activations keep their scale
+        return 1.0 + 0.05 * torch.randn(shape, generator=gen, device=device)
+    fan_in = shape[1]
+    std = 1.0 / fan_in**0.5 if "embed_tokens" not in name else 1.0
+    return std * torch.randn(shape, generator=gen, device=device)
+
+
+def make_model(preset: str, out: Path, seed: int = 0, device: str | None = None) -> Path:
+    """Write the checkpoint into `out`; returns it. Random bf16 weights, drawn on `device`."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = hf_config(preset)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    weight_map: dict[str, str] = {}
+    shard: dict[str, torch.Tensor] = {}
+    shard_bytes, shard_index, total = 0, 0, 0
+    shapes = tensor_shapes(cfg)
+
+    def flush() -> None:
+        nonlocal shard, shard_bytes, shard_index
+        if not shard:
+            return
+        shard_index += 1
+        name = f"model-{shard_index:05d}.safetensors"
+        save_file(shard, str(out / name), metadata={"format": "pt"})
+        weight_map.update({k: name for k in shard})
+        shard, shard_bytes = {}, 0
+
+    for name, shape in shapes:
+        tensor = random_tensor(name, shape, gen, device).to(torch.bfloat16).cpu()
+        nbytes = tensor.numel() * 2
+        if shard_bytes + nbytes > _SHARD_BYTES:
+            flush()
+        shard[name] = tensor
+        shard_bytes += nbytes
+        total += nbytes
+    flush()
+    count = shard_index
+    renamed = {}
+    for i in range(1, count + 1):
+        old = out / f"model-{i:05d}.safetensors"
+        new = out / f"model-{i:05d}-of-{count:05d}.safetensors"
+        old.rename(new)
+        renamed[old.name] = new.name
+    index = {
+        "metadata": {"total_size": total},
+        "weight_map": {k: renamed[v] for k, v in weight_map.items()},
+    }
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    (out / "generation_config.json").write_text(
+        json.dumps({"bos_token_id": cfg["bos_token_id"], "eos_token_id": cfg["eos_token_id"]})
+    )
+    _write_tokenizer(out)
+    return out
+
+
+def _write_tokenizer(out: Path) -> None:
+    from ember.weights.default_model import default_model_path
+    from ember.weights.gguf_checkpoint import GGUFCheckpoint
+
+    source = GGUFCheckpoint(default_model_path())
+    source.tokenizer.save(str(out / "tokenizer.json"))
+    tok_cfg = dict(source.tokenizer_config)
+    tok_cfg.setdefault("tokenizer_class", "PreTrainedTokenizerFast")
+    (out / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="llama-3.1-8b")
+    parser.add_argument("--out", type=Path, required=True, help="directory to write")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default=None, help="where to draw the weights (default: cuda)")
+
+
+def run(args: argparse.Namespace) -> int:
+    start = time.perf_counter()
+    path = make_model(args.preset, args.out, args.seed, args.device)
+    print(f"wrote {args.preset} to {path} in {time.perf_counter() - start:.1f} s")
+    return 0

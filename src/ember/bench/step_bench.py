@@ -1,0 +1,239 @@
+"""`ember bench step`: engine step times on a GPU against the roofline measured in the same run.
+
+Decode steps are measured through the real engine loop (scheduler, runner, CUDA graphs, overlap):
+B requests start with L-1 tokens of context already in a KV cache filled with random values, so
+every timed step is a pure decode at context ~L. Prefill is one chunk of C prompt tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from ember.bench.roofline import Ceilings, measure_ceilings, time_cuda
+from ember.config import CacheConfig, EngineConfig, SchedulerConfig
+from ember.engine.model_instance import ModelInstance
+from ember.sampling_params import SamplingParams
+
+DECODE_BATCHES = (1, 8, 32, 64, 128, 256)
+DECODE_CONTEXTS = (512, 4096)
+PREFILL_CHUNKS = (512, 1024, 2048, 4096, 8192)
+
+
+class StepBench:
+    def __init__(self, instance: ModelInstance, ceilings: Ceilings) -> None:
+        self.inst = instance
+        self.ceil = ceilings
+        cfg = instance.model_config
+        self.cfg = cfg
+        elem = instance.kv_cache.element_size()
+        self.kv_bytes_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * elem
+        embed = cfg.vocab_size * cfg.hidden_size
+        params = sum(p.numel() for p in instance.model.parameters())
+        # Every GEMM weight is read once per step; the embedding table only row by row.
+        self.matmul_params = params - (embed if not cfg.tie_word_embeddings else 0)
+        self.weight_bytes = self.matmul_params * elem
+        self._ids = 0
+
+    def _attn_flops(self, queries: int, context: float) -> float:
+        cfg = self.cfg
+        return 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * queries * context
+
+    def _add_warm_request(self, context: int, max_tokens: int) -> str:
+        """A request whose first context-1 tokens are already 'in' the cache."""
+        inst = self.inst
+        self._ids += 1
+        rid = f"bench-{self._ids}"
+        prompt = torch.randint(3, self.cfg.vocab_size, (context,)).tolist()
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        request = inst.make_request(rid, prompt, params)
+        if inst.kv_manager.allocate_slots(rid, context - 1) is None:
+            raise MemoryError("KV pool exhausted")
+        request.num_computed_tokens = context - 1
+        inst.scheduler.add_request(request)
+        return rid
+
+    def _drain(self, ids: list[str]) -> None:
+        for rid in ids:
+            self.inst.abort(rid)
+        while self.inst.has_work():
+            self.inst.step()
+
+    def decode(self, batch: int, context: int, steps: int = 40, warmup: int = 8) -> dict:
+        inst = self.inst
+        need = batch * (context + steps + warmup + 2)
+        capacity = inst.kv_manager.pool.capacity * inst.kv_manager.block_size
+        row = {"batch": batch, "context": context}
+        if need > capacity:
+            gib = need * self.kv_bytes_per_token / 2**30
+            return {**row, "skipped": f"KV for {need} tokens ({gib:.0f} GiB) exceeds the pool"}
+        ids = [self._add_warm_request(context, steps + warmup + 4) for _ in range(batch)]
+        for _ in range(warmup):
+            inst.step()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(steps):
+            inst.step()
+        torch.cuda.synchronize()
+        step_s = (time.perf_counter() - start) / steps
+        gpu_s = self._gpu_only_step_seconds(batch)
+        self._drain(ids)
+        ctx = context + (warmup + steps / 2)
+        bytes_moved = self.weight_bytes + batch * ctx * self.kv_bytes_per_token
+        flops = 2 * self.matmul_params * batch + self._attn_flops(batch, ctx)
+        floor = self.ceil.floor_seconds(bytes_moved, flops)
+        return {
+            **row,
+            "step_ms": step_s * 1e3,
+            "gpu_only_ms": gpu_s * 1e3 if gpu_s else None,
+            "gpu_idle_fraction": (1 - gpu_s / step_s) if gpu_s else None,
+            "tokens_per_s": batch / step_s,
+            "roofline_ms": floor * 1e3,
+            "fraction_of_roofline": floor / step_s,
+            "bytes_moved": bytes_moved,
+            "flops": flops,
+        }
+
+    def _gpu_only_step_seconds(self, batch: int) -> float | None:
+        """Replays the decode graph back to back: the step's GPU time with no CPU in between."""
+        graphs = self.inst.runner.graphs
+        bucket = graphs.bucket_for(batch) if graphs else None
+        if bucket is None or bucket not in graphs.captured:
+            return None
+        return time_cuda(lambda: graphs.replay(bucket), warmup=2, repeat=20)
+
+    def eager_vs_graph(self, batch: int, context: int = 512) -> dict:
+        with_graphs = self.decode(batch, context)
+        graphs, self.inst.runner.graphs = self.inst.runner.graphs, None
+        try:
+            eager = self.decode(batch, context)
+        finally:
+            self.inst.runner.graphs = graphs
+        return {
+            "batch": batch,
+            "context": context,
+            "graph_step_ms": with_graphs.get("step_ms"),
+            "eager_step_ms": eager.get("step_ms"),
+            "speedup": eager["step_ms"] / with_graphs["step_ms"] if "step_ms" in eager else None,
+        }
+
+    def prefill(self, chunk: int, repeat: int = 3) -> dict:
+        inst = self.inst
+        times = []
+        for _ in range(repeat + 1):
+            self._ids += 1
+            rid = f"prefill-{self._ids}"
+            prompt = torch.randint(3, self.cfg.vocab_size, (chunk,)).tolist()
+            inst.add_request(rid, prompt, SamplingParams(temperature=0, max_tokens=1))
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            inst.step()
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+            self._drain([rid])
+        seconds = sorted(times[1:])[len(times[1:]) // 2]
+        flops = 2 * self.matmul_params * chunk + self._attn_flops(chunk, chunk / 2)
+        floor = self.ceil.floor_seconds(self.weight_bytes + chunk * self.kv_bytes_per_token, flops)
+        return {
+            "chunk": chunk,
+            "step_ms": seconds * 1e3,
+            "tokens_per_s": chunk / seconds,
+            "tflops": flops / seconds / 1e12,
+            "fraction_of_bf16_peak": flops / seconds / self.ceil.bf16_flops_per_s,
+            "fraction_of_roofline": floor / seconds,
+        }
+
+
+def run_step_bench(model: str, out_dir: Path, max_model_len: int = 4160) -> dict:
+    ceilings = measure_ceilings()
+    config = EngineConfig(
+        model=model,
+        cache=CacheConfig(gpu_memory_utilization=0.92),
+        scheduler=SchedulerConfig(
+            max_num_seqs=256, max_num_batched_tokens=8192, max_model_len=max_model_len
+        ),
+    )
+    inst = ModelInstance(config)
+    inst.kv_cache.normal_(0, 0.5)  # never time on zeros
+    bench = StepBench(inst, ceilings)
+    result: dict = {
+        "model": model,
+        "gpu": torch.cuda.get_device_name(),
+        "hbm_copy_tb_per_s": ceilings.hbm_bytes_per_s / 1e12,
+        "bf16_tflops": ceilings.bf16_flops_per_s / 1e12,
+        "weight_gib": bench.weight_bytes / 2**30,
+        "kv_pool_tokens": inst.kv_manager.pool.capacity * inst.kv_manager.block_size,
+        "load_seconds": inst.load_report.seconds,
+    }
+    result["decode"] = [bench.decode(b, c) for c in DECODE_CONTEXTS for b in DECODE_BATCHES]
+    result["graphs_vs_eager"] = [bench.eager_vs_graph(b) for b in (1, 64)]
+    result["prefill"] = [bench.prefill(c) for c in PREFILL_CHUNKS]
+    try:
+        from ember.bench.kernel_bench import bench_attention
+
+        result["attention"] = bench_attention(ceilings.hbm_bytes_per_s)
+    except ImportError as exc:  # the kernel benchmark is optional
+        result["attention"] = {"skipped": str(exc)}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "step_bench.json").write_text(json.dumps(result, indent=2))
+    _plot(result, out_dir / "step_bench.png")
+    return result
+
+
+def _plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for context in DECODE_CONTEXTS:
+        rows = [r for r in result["decode"] if r["context"] == context and "step_ms" in r]
+        axes[0].plot(
+            [r["batch"] for r in rows],
+            [r["step_ms"] for r in rows],
+            "o-",
+            label=f"measured, ctx {context}",
+        )
+        axes[0].plot(
+            [r["batch"] for r in rows],
+            [r["roofline_ms"] for r in rows],
+            "x--",
+            label=f"roofline, ctx {context}",
+        )
+    axes[0].set(xscale="log", xlabel="batch", ylabel="decode step (ms)", title="Decode step")
+    axes[0].legend()
+    rows = result["prefill"]
+    axes[1].plot([r["chunk"] for r in rows], [r["fraction_of_bf16_peak"] for r in rows], "o-")
+    axes[1].set(
+        xscale="log",
+        xlabel="prefill chunk (tokens)",
+        ylabel="fraction of bf16 peak",
+        title="Prefill",
+        ylim=(0, 1),
+    )
+    fig.suptitle(f"{result['gpu']}: {result['model']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, help="checkpoint directory (see make-model)")
+    parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    parser.add_argument("--max-model-len", type=int, default=4160)
+
+
+def run(args: argparse.Namespace) -> int:
+    if not torch.cuda.is_available():
+        print("ember bench step needs a CUDA GPU")
+        return 2
+    result = run_step_bench(args.model, args.out, args.max_model_len)
+    for row in result["decode"]:
+        print(json.dumps(row))
+    for row in result["prefill"] + result["graphs_vs_eager"]:
+        print(json.dumps(row))
+    return 0

@@ -1,0 +1,228 @@
+"""Everything one served model needs, hung off one object: weights, KV pool, scheduler, runner.
+
+Nothing here is global, so an engine process can hold several instances side by side.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ember.config import EngineConfig, ModelConfig
+from ember.engine.kv_cache_manager import KVCacheManager
+from ember.engine.request import Request
+from ember.engine.scheduler import Scheduler
+from ember.engine.step_types import RequestUpdate, SchedulerOutput
+from ember.layers.ops import select_ops
+from ember.layers.reference_ops import build_cos_sin_cache
+from ember.models.registry import model_class
+from ember.runner.model_runner import ModelRunner, StepHandle
+from ember.runner.sampler import Sampler
+from ember.sampling_params import SamplingParams
+from ember.tokenizer.tokenizer import Tokenizer
+from ember.weights.checkpoint import Checkpoint
+from ember.weights.resolve import open_checkpoint
+
+logger = logging.getLogger(__name__)
+
+_CPU_KV_BYTES_DEFAULT = 1 << 30
+_GPU_ACTIVATION_RESERVE = 1 << 30
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    seconds: float
+    weight_bytes: int
+    kv_cache_bytes: int
+    num_blocks: int
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device, hf_config: dict) -> torch.dtype:
+    if dtype == "auto":
+        if device.type == "cpu":
+            return torch.float32  # CPU bf16 matmuls are slow and lossy; CPU is the oracle path
+        stored = hf_config.get("torch_dtype") or hf_config.get("dtype")
+        return torch.float16 if stored == "float16" else torch.bfloat16
+    names = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+             "half": torch.float16, "float": torch.float32, "bf16": torch.bfloat16}
+    if dtype not in names:
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of auto, {', '.join(names)}")
+    return names[dtype]
+
+
+class ModelInstance:
+    """A loaded model with its own KV cache, scheduler and runner."""
+
+    def __init__(self, config: EngineConfig, checkpoint: Checkpoint | None = None) -> None:
+        start = time.perf_counter()
+        self.config = config
+        ckpt = checkpoint or open_checkpoint(config.model)
+        self.name = config.served_model_name or config.model or ckpt.name
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device, ckpt.hf_config)
+        self.tokenizer = Tokenizer.from_checkpoint(ckpt)
+        self.model_config = _with_generation_eos(
+            ModelConfig.from_hf_dict(ckpt.hf_config), ckpt, self.tokenizer
+        )
+        cfg = self.model_config
+        self.max_model_len = min(
+            config.scheduler.max_model_len or cfg.max_position_embeddings,
+            cfg.max_position_embeddings,
+        )
+        self.ops = select_ops(self.device)
+        self.model = self._load_model(ckpt)
+        block_size = config.cache.block_size
+        num_blocks = self._num_kv_blocks()
+        self.kv_cache = torch.zeros(
+            (cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim),
+            dtype=self.dtype,
+            device=self.device,
+        )
+        if (num_blocks - 1) * block_size < self.max_model_len:
+            raise ValueError(
+                f"the KV cache holds {(num_blocks - 1) * block_size} tokens, fewer than "
+                f"max_model_len={self.max_model_len}; give it more memory or lower max_model_len"
+            )
+        self.kv_manager = KVCacheManager(num_blocks, block_size)
+        scheduler_config = config.scheduler
+        if scheduler_config.max_model_len != self.max_model_len:
+            import dataclasses
+
+            scheduler_config = dataclasses.replace(scheduler_config, max_model_len=self.max_model_len)
+        self.scheduler = Scheduler(scheduler_config, self.kv_manager)
+        cos_sin = build_cos_sin_cache(
+            cfg.head_dim, self.max_model_len, cfg.rope_theta, cfg.rope_scaling
+        ).to(self.device)
+        self.runner = ModelRunner(
+            model=self.model,
+            model_config=cfg,
+            kv_cache=self.kv_cache,
+            cos_sin_cache=cos_sin,
+            block_size=block_size,
+            sampler=Sampler(self.ops, cfg.vocab_size, self.device),
+            stop_ids_until_min_tokens=cfg.eos_token_ids,
+            max_num_seqs=scheduler_config.max_num_seqs,
+            max_num_batched_tokens=scheduler_config.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            use_cuda_graphs=not config.enforce_eager,
+        )
+        # Overlap: launch step N+1 before collecting step N (on by default on a GPU).
+        self.overlap = config.overlap if config.overlap is not None else self.device.type == "cuda"
+        self._in_flight: tuple[SchedulerOutput, StepHandle] | None = None
+        self._rng = random.Random(config.seed)
+        self.load_report = LoadReport(
+            seconds=time.perf_counter() - start,
+            weight_bytes=sum(p.numel() * p.element_size() for p in self.model.parameters()),
+            kv_cache_bytes=self.kv_cache.numel() * self.kv_cache.element_size(),
+            num_blocks=num_blocks,
+        )
+        logger.info("loaded %s in %.2f s: %s", self.name, self.load_report.seconds, self.load_report)
+
+    def _load_model(self, ckpt: Checkpoint) -> torch.nn.Module:
+        cls = model_class(self.model_config.architecture)
+        with torch.device("meta"):
+            model = cls(self.model_config, self.ops)
+        model = model.to(dtype=self.dtype).to_empty(device=self.device)
+        model.load_weights(ckpt.iter_tensors(self.dtype))
+        return model.eval()
+
+    def _num_kv_blocks(self) -> int:
+        cache = self.config.cache
+        cfg = self.model_config
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        block_bytes = 2 * cfg.num_layers * cache.block_size * cfg.num_kv_heads * cfg.head_dim * elem
+        if cache.num_blocks is not None:
+            return cache.num_blocks
+        if cache.kv_cache_memory_bytes is not None:
+            budget = cache.kv_cache_memory_bytes
+        elif self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            used = total - free
+            budget = int(total * cache.gpu_memory_utilization) - used - _GPU_ACTIVATION_RESERVE
+        else:
+            budget = _CPU_KV_BYTES_DEFAULT
+        return max(2, budget // block_bytes)
+
+    # -- requests ---------------------------------------------------------------------------------
+
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> Request:
+        """Validate and queue a request; ValueError (and nothing queued) on bad input."""
+        self.validate_prompt(prompt_token_ids, params)
+        request = self.make_request(request_id, prompt_token_ids, params)
+        self.scheduler.add_request(request)
+        return request
+
+    def make_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> Request:
+        room = self.max_model_len - len(prompt_token_ids)
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        return Request(
+            request_id=request_id,
+            prompt_token_ids=list(prompt_token_ids),
+            params=params,
+            seed=seed,
+            max_tokens=max_tokens,
+            eos_token_ids=self.model_config.eos_token_ids,
+        )
+
+    def validate_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(prompt_token_ids)} tokens; this model's context length "
+                f"is {self.max_model_len}, so the prompt must have fewer"
+            )
+        for token_id in list(params.logit_bias or ()) + list(params.stop_token_ids):
+            if not 0 <= int(token_id) < vocab:
+                raise ValueError(f"token id {token_id} is outside the vocabulary [0, {vocab})")
+
+    def abort(self, request_id: str) -> bool:
+        return self.scheduler.abort(request_id)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_unfinished() or self._in_flight is not None
+
+    def step(self) -> list[RequestUpdate]:
+        """Advance by one step; returns what changed for each request."""
+        if not self.overlap:
+            scheduled = self.scheduler.schedule()
+            return self.scheduler.update(scheduled, self.runner.execute(scheduled))
+        # Schedule and launch the next step while the previous one still runs on the GPU, then
+        # collect the previous one.
+        scheduled = self.scheduler.schedule()
+        handle = self.runner.launch(scheduled)
+        updates: list[RequestUpdate] = []
+        if self._in_flight is not None:
+            prev_scheduled, prev_handle = self._in_flight
+            updates = self.scheduler.update(prev_scheduled, self.runner.collect(prev_handle))
+        self._in_flight = None if scheduled.is_empty else (scheduled, handle)
+        return updates
+
+
+def _with_generation_eos(cfg: ModelConfig, ckpt: Checkpoint, tokenizer: Tokenizer) -> ModelConfig:
+    """EOS ids come from config.json, generation_config.json and the tokenizer, merged."""
+    ids: list[int] = list(cfg.eos_token_ids)
+    gen_eos = ckpt.generation_config.get("eos_token_id")
+    ids += gen_eos if isinstance(gen_eos, list) else ([gen_eos] if gen_eos is not None else [])
+    if tokenizer.eos_token_id is not None:
+        ids.append(tokenizer.eos_token_id)
+    return cfg.with_eos(tuple(dict.fromkeys(int(i) for i in ids)))

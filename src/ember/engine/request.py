@@ -1,0 +1,68 @@
+"""A request as the engine tracks it: its tokens, how many are in the KV cache, its state."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from ember.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, a stop token, or (decided by the front end) a stop string
+    LENGTH = "length"  # max_tokens or the model's context length
+    ABORT = "abort"
+
+
+@dataclass(eq=False)
+class Request:
+    """One sequence to generate. `seed` is always set: unseeded requests get a random one."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int
+    max_tokens: int
+    eos_token_ids: tuple[int, ...] = ()
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    num_preemptions: int = 0
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED
+
+    def stop_reason_after(self, token_id: int) -> FinishReason | None:
+        """Why generation ends once `token_id` has been appended, or None to go on."""
+        n_out = len(self.output_token_ids)
+        if n_out >= self.max_tokens:
+            return FinishReason.LENGTH
+        if n_out < self.params.min_tokens:
+            return None
+        if not self.params.ignore_eos and token_id in self.eos_token_ids:
+            return FinishReason.STOP
+        if token_id in self.params.stop_token_ids:
+            return FinishReason.STOP
+        return None

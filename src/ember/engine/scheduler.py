@@ -1,0 +1,226 @@
+"""Continuous batching with chunked prefill under a per-step token budget.
+
+The scheduler speaks in tokens per request, not in phases: each step it decides how many tokens
+every request feeds (1 for a decode, up to the remaining budget for a prompt chunk). Running
+decodes go first, then unfinished prompt chunks, then new requests. When the KV pool runs dry it
+preempts the newest running request, freeing its blocks; it is recomputed later. It never touches
+tensors.
+
+Tokens sampled by a step the engine has not yet reported back are "pending": the scheduler may
+already schedule the decode that feeds them (overlap of CPU and GPU), since the runner keeps the
+sampled ids on its side.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from ember.config import SchedulerConfig
+from ember.engine.kv_cache_manager import KVCacheManager
+from ember.engine.request import FinishReason, Request, RequestStatus
+from ember.engine.step_types import (
+    CachedRequestData,
+    NewRequestData,
+    RequestUpdate,
+    RunnerOutput,
+    SchedulerOutput,
+)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager) -> None:
+        self.config = config
+        self.kv_cache = kv_cache
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._pending: dict[str, int] = {}  # request id -> samples scheduled but not reported
+        self._known_to_runner: set[str] = set()
+        self._runner_must_forget: set[str] = set()
+        self.num_preemptions = 0
+
+    # -- requests in and out -------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort(self, request_id: str) -> bool:
+        """End a request now and free its blocks; False if it is unknown or already ended."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return False
+        self._finish(request, FinishReason.ABORT)
+        return True
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.requests)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # -- one step ------------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+
+        # Decodes first, then the prompt chunks of running requests, each in arrival order.
+        decodes = [r for r in self.running if self._is_decoding(r)]
+        prefills = [r for r in self.running if not self._is_decoding(r)]
+        for request in decodes + prefills:
+            if budget <= 0:
+                break
+            if request.status != RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            budget -= self._schedule_running(request, budget, out)
+
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            num_new = self._chunk_size(request, budget)
+            new_blocks = self.kv_cache.allocate_slots(
+                request.request_id, request.num_computed_tokens + num_new
+            )
+            if new_blocks is None:
+                break  # no room: new work waits rather than preempting running work
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.new_requests.append(
+                NewRequestData(
+                    request_id=request.request_id,
+                    token_ids=request.all_token_ids,
+                    num_prompt_tokens=request.num_prompt_tokens,
+                    params=request.params,
+                    seed=request.seed,
+                    num_output_tokens=len(request.output_token_ids),
+                    block_ids=list(self.kv_cache.block_ids(request.request_id)),
+                    num_computed_tokens=request.num_computed_tokens,
+                )
+            )
+            self._known_to_runner.add(request.request_id)
+            self._commit(request, num_new, out)
+            budget -= num_new
+        # Sent last so that requests preempted in this very step are included; the runner drops
+        # these before it adds this step's new requests.
+        out.finished_request_ids, self._runner_must_forget = self._runner_must_forget, set()
+        return out
+
+    def _schedule_running(self, request: Request, budget: int, out: SchedulerOutput) -> int:
+        """Schedule one running request, preempting others if blocks run out; tokens used."""
+        num_new = self._chunk_size(request, budget)
+        if num_new <= 0:
+            return 0
+        while True:
+            new_blocks = self.kv_cache.allocate_slots(
+                request.request_id, request.num_computed_tokens + num_new
+            )
+            if new_blocks is not None:
+                break
+            victim = self._preemption_victim(out)
+            if victim is None or victim is request:
+                self._preempt(request)
+                return 0
+            self._preempt(victim)
+        out.cached_requests.append(
+            CachedRequestData(request.request_id, new_blocks, request.num_computed_tokens)
+        )
+        self._commit(request, num_new, out)
+        return num_new
+
+    def _commit(self, request: Request, num_new: int, out: SchedulerOutput) -> None:
+        out.num_scheduled_tokens[request.request_id] = num_new
+        request.num_computed_tokens += num_new
+        if request.num_computed_tokens == self._num_tokens_known(request):
+            self._pending[request.request_id] = self._pending.get(request.request_id, 0) + 1
+
+    def _num_tokens_known(self, request: Request) -> int:
+        """Tokens of the request including samples still on their way back."""
+        return request.num_tokens + self._pending.get(request.request_id, 0)
+
+    def _is_decoding(self, request: Request) -> bool:
+        return request.num_computed_tokens >= request.num_prompt_tokens
+
+    def _chunk_size(self, request: Request, budget: int) -> int:
+        if len(request.output_token_ids) + self._pending.get(request.request_id, 0) >= (
+            request.max_tokens
+        ):
+            return 0  # its last token is on the way; nothing more to feed
+        remaining = self._num_tokens_known(request) - request.num_computed_tokens
+        limit = self.config.long_prefill_token_threshold or budget
+        return max(0, min(remaining, budget, limit))
+
+    def _preemption_victim(self, out: SchedulerOutput) -> Request | None:
+        for candidate in reversed(self.running):
+            if candidate.request_id not in out.num_scheduled_tokens:
+                return candidate
+        return None
+
+    def _preempt(self, request: Request) -> None:
+        """Free the request's blocks and queue it for recomputation from scratch."""
+        self.running.remove(request)
+        self.kv_cache.free(request.request_id)
+        self._forget_in_runner(request.request_id)
+        self._pending.pop(request.request_id, None)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.WAITING
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    # -- results of a step ---------------------------------------------------------------------
+
+    def update(
+        self, scheduled: SchedulerOutput, result: RunnerOutput
+    ) -> list[RequestUpdate]:
+        """Append the sampled tokens, finish requests that are done, report what changed."""
+        updates = []
+        for i, request_id in enumerate(result.request_ids):
+            request = self.requests.get(request_id)
+            if request_id in self._pending:
+                self._pending[request_id] -= 1
+                if self._pending[request_id] == 0:
+                    del self._pending[request_id]
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # aborted or preempted while the step ran: drop the token
+            token_id = result.sampled_token_ids[i]
+            request.output_token_ids.append(token_id)
+            reason = request.stop_reason_after(token_id)
+            if reason is not None:
+                self._finish(request, reason)
+            updates.append(
+                RequestUpdate(
+                    request_id=request_id,
+                    new_token_ids=[token_id],
+                    new_logprobs=[result.logprobs[i] if result.logprobs else None],
+                    finish_reason=reason.value if reason else None,
+                    num_prompt_tokens=request.num_prompt_tokens,
+                )
+            )
+        return updates
+
+    def _finish(self, request: Request, reason: FinishReason) -> None:
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.kv_cache.free(request.request_id)
+        self._forget_in_runner(request.request_id)
+        self._pending.pop(request.request_id, None)
+        del self.requests[request.request_id]
+
+    def _forget_in_runner(self, request_id: str) -> None:
+        if request_id in self._known_to_runner:
+            self._known_to_runner.discard(request_id)
+            self._runner_must_forget.add(request_id)
+
+    def check_invariants(self) -> None:
+        """Blocks are held only by live requests and none is lost (AssertionError if not)."""
+        self.kv_cache.check_invariants(set(self.requests))
+        if not self.requests:
+            assert self.kv_cache.num_free_blocks == self.kv_cache.pool.capacity

@@ -1,0 +1,76 @@
+"""The messages of one engine step: scheduler -> runner -> scheduler.
+
+They carry plain Python values, never tensors, so they can cross a process boundary as they are.
+New requests travel in full the first step they are scheduled; after that only diffs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ember.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    request_id: str
+    token_ids: list[int]  # prompt, plus outputs already generated when resuming after preemption
+    num_prompt_tokens: int
+    params: SamplingParams
+    seed: int
+    num_output_tokens: int  # outputs already generated (the sampler's step counter starts here)
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class CachedRequestData:
+    request_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class SchedulerOutput:
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    cached_requests: list[CachedRequestData] = field(default_factory=list)
+    # Tokens each scheduled request feeds this step, in batch order (decodes first).
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    # Requests the runner must forget (finished, aborted or preempted since the last step).
+    finished_request_ids: set[str] = field(default_factory=set)
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.num_scheduled_tokens
+
+
+@dataclass
+class TokenLogprobs:
+    """Logprob of the sampled token and of the top alternatives at one position."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass
+class RunnerOutput:
+    # Requests that sampled a token this step (prefill chunks that end mid-prompt sample nothing).
+    request_ids: list[str] = field(default_factory=list)
+    sampled_token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+
+
+@dataclass
+class RequestUpdate:
+    """What one request gained in a step, as reported to the caller of the engine."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobs | None]
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0

@@ -1,0 +1,406 @@
+"""Paged attention over the block-table KV cache for one mixed step (prefill chunks + decodes).
+
+One launch covers every sequence of the step. A program owns one KV head and one tile of query
+tokens of one sequence; its rows are (query token, query head of the GQA group) pairs, so the K/V
+tiles it streams are read once for all the group's query heads. Scores go through tensor cores
+(``tl.dot``), softmax is online in fp32 in the log2 domain.
+
+Decode-only steps (every ``q_len == 1``) can also take the split-KV ("flash-decoding") path:
+each sequence's KV range is cut into segments handled by separate programs that write partial
+(max, sum, acc) triples, and a small reduce kernel merges them. That is what fills the GPU when
+``num_seqs * num_kv_heads`` programs would leave SMs idle (small batch, long context).
+
+Layouts and metadata follow docs/CONTRACTS.md ("Paged KV cache layout", "Attention metadata").
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+
+# The split heuristic aims for this many resident programs per SM: two decode programs fit in
+# an SM's shared memory, and a second one hides the latency of the first one's loads.
+_PROGRAMS_PER_SM = 2
+# A KV segment shorter than this costs more in partial writes and the reduce than it saves.
+_MIN_TOKENS_PER_SPLIT = 256
+_MAX_SPLITS = 32
+# Used when there is no CUDA device to ask (the CPU interpreter): an H200's SM count.
+_DEFAULT_NUM_SMS = 132
+
+
+@triton.jit
+def _find_sequence(query_start_loc_ptr, num_seqs, tile_id, BLOCK_Q: tl.constexpr):
+    """Sequence owning query tile ``tile_id``: sequence s owns tiles from qsl[s] // BLOCK_Q + s.
+
+    The ``+ s`` leaves room for each sequence's partial last tile, so tile starts are increasing
+    and a binary search over ``query_start_loc`` finds the owner without a host-side tile map.
+    """
+    lo = 0
+    hi = num_seqs
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        mid_start = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+        is_at_or_before = mid_start <= tile_id
+        lo = tl.where(is_at_or_before, mid, lo)
+        hi = tl.where(is_at_or_before, hi, mid)
+    return lo
+
+
+@triton.jit
+def _attend_kv_tile(
+    q,
+    m_i,
+    l_i,
+    acc,
+    k_cache_ptr,
+    v_cache_ptr,
+    table_row_ptr,
+    kv_head_offset,
+    kv_start,
+    kv_end,
+    row_pos,
+    qk_scale,
+    stride_cache_block,
+    stride_cache_slot,
+    PAGE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    MASKED: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """One online-softmax step over KV positions [kv_start, kv_start + BLOCK_N)."""
+    kv_pos = kv_start + tl.arange(0, BLOCK_N)
+    dims = tl.arange(0, HEAD_DIM)
+    if MASKED:
+        kv_in_range = kv_pos < kv_end
+        block_ids = tl.load(table_row_ptr + kv_pos // PAGE, mask=kv_in_range, other=0)
+    else:
+        block_ids = tl.load(table_row_ptr + kv_pos // PAGE)
+    # int64: block id * block stride overflows int32 on large caches.
+    slot_offsets = (
+        block_ids.to(tl.int64) * stride_cache_block
+        + (kv_pos % PAGE) * stride_cache_slot
+        + kv_head_offset
+    )
+    kv_offsets = slot_offsets[:, None] + dims[None, :]
+    if MASKED:
+        k = tl.load(k_cache_ptr + kv_offsets, mask=kv_in_range[:, None], other=0.0)
+    else:
+        k = tl.load(k_cache_ptr + kv_offsets)
+
+    scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+    if MASKED:
+        # Causal; also hides positions past the sequence since row_pos < seq_len.
+        scores = tl.where(kv_pos[None, :] <= row_pos[:, None], scores, float("-inf"))
+
+    m_new = tl.maximum(m_i, tl.max(scores, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(scores - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+
+    if MASKED:
+        v = tl.load(v_cache_ptr + kv_offsets, mask=kv_in_range[:, None], other=0.0)
+    else:
+        v = tl.load(v_cache_ptr + kv_offsets)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,
+    query_start_loc_ptr,
+    seq_lens_ptr,
+    block_tables_ptr,
+    part_max_ptr,
+    part_sum_ptr,
+    part_acc_ptr,
+    qk_scale,
+    num_seqs,
+    num_splits,
+    stride_q_tok,
+    stride_q_head,
+    stride_o_tok,
+    stride_o_head,
+    stride_cache_block,
+    stride_cache_slot,
+    stride_cache_head,
+    stride_table,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DECODE_ONLY: tl.constexpr,
+    SPLIT_KV: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    tile_id = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    if DECODE_ONLY:
+        seq = tile_id
+        local_tile = 0
+    else:
+        seq = _find_sequence(query_start_loc_ptr, num_seqs, tile_id, BLOCK_Q)
+        local_tile = tile_id - (tl.load(query_start_loc_ptr + seq) // BLOCK_Q + seq)
+    seq_q_start = tl.load(query_start_loc_ptr + seq)
+    seq_q_end = tl.load(query_start_loc_ptr + seq + 1)
+    tile_q_start = seq_q_start + local_tile * BLOCK_Q
+    if tile_q_start >= seq_q_end:
+        return  # a sequence's spare tile, or an empty (padding) sequence
+
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context_len = seq_len - (seq_q_end - seq_q_start)
+
+    # Row r is query token r // GROUP of the tile, query head r % GROUP of this KV head's group.
+    rows = tl.arange(0, BLOCK_M)
+    row_q = rows // GROUP
+    row_head = kv_head * GROUP + rows % GROUP
+    row_tok = tile_q_start + row_q
+    row_valid = (row_q < BLOCK_Q) & (row_tok < seq_q_end)
+    first_pos = context_len + local_tile * BLOCK_Q
+    # Padding rows borrow the tile's first position so their softmax stays finite.
+    row_pos = tl.where(row_valid, context_len + (row_tok - seq_q_start), first_pos)
+
+    dims = tl.arange(0, HEAD_DIM)
+    q = tl.load(
+        q_ptr + row_tok[:, None] * stride_q_tok + row_head[:, None] * stride_q_head + dims[None, :],
+        mask=row_valid[:, None],
+        other=0.0,
+    )
+
+    kv_end = tl.minimum(seq_len, first_pos + BLOCK_Q)  # one past the tile's last visible key
+    num_kv_tiles = tl.cdiv(kv_end, BLOCK_N)
+    # Tiles below the tile's first query position are visible to every row: no mask needed.
+    num_full_tiles = (first_pos + 1) // BLOCK_N
+    if SPLIT_KV:
+        tiles_per_split = tl.cdiv(num_kv_tiles, num_splits)
+        tile_lo = split * tiles_per_split
+        tile_hi = tl.minimum(num_kv_tiles, tile_lo + tiles_per_split)
+    else:
+        tile_lo = 0
+        tile_hi = num_kv_tiles
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    table_row_ptr = block_tables_ptr + seq * stride_table
+    kv_head_offset = kv_head * stride_cache_head
+
+    for kv_tile in range(tile_lo, tl.minimum(tile_hi, num_full_tiles)):
+        m_i, l_i, acc = _attend_kv_tile(
+            q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_row_ptr, kv_head_offset,
+            kv_tile * BLOCK_N, kv_end, row_pos, qk_scale, stride_cache_block, stride_cache_slot,
+            PAGE, BLOCK_N, HEAD_DIM, False, DOT_PRECISION,
+        )  # fmt: skip
+    for kv_tile in range(tl.maximum(tile_lo, num_full_tiles), tile_hi):
+        m_i, l_i, acc = _attend_kv_tile(
+            q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_row_ptr, kv_head_offset,
+            kv_tile * BLOCK_N, kv_end, row_pos, qk_scale, stride_cache_block, stride_cache_slot,
+            PAGE, BLOCK_N, HEAD_DIM, True, DOT_PRECISION,
+        )  # fmt: skip
+
+    if SPLIT_KV:
+        # Partials are indexed [seq, q_head, split]; an empty split writes (-inf, 0, 0).
+        part_row = (seq * (tl.num_programs(1) * GROUP) + row_head) * num_splits + split
+        tl.store(part_max_ptr + part_row, m_i, mask=row_valid)
+        tl.store(part_sum_ptr + part_row, l_i, mask=row_valid)
+        tl.store(
+            part_acc_ptr + part_row[:, None] * HEAD_DIM + dims[None, :],
+            acc,
+            mask=row_valid[:, None],
+        )
+    else:
+        out = acc / l_i[:, None]
+        tl.store(
+            out_ptr + row_tok[:, None] * stride_o_tok + row_head[:, None] * stride_o_head
+            + dims[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=row_valid[:, None],
+        )  # fmt: skip
+
+
+@triton.jit
+def _split_kv_reduce_kernel(
+    out_ptr,
+    part_max_ptr,
+    part_sum_ptr,
+    part_acc_ptr,
+    query_start_loc_ptr,
+    num_splits,
+    stride_o_tok,
+    stride_o_head,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SPLITS: tl.constexpr,
+):
+    """Merge one (sequence, query head)'s split partials: rescale each to the global max."""
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    tok = tl.load(query_start_loc_ptr + seq)
+    if tl.load(query_start_loc_ptr + seq + 1) == tok:
+        return  # empty (padding) sequence: the attention kernel wrote no partials
+
+    splits = tl.arange(0, BLOCK_SPLITS)
+    split_valid = splits < num_splits
+    part_row = (seq * tl.num_programs(1) + head) * num_splits + splits
+    part_max = tl.load(part_max_ptr + part_row, mask=split_valid, other=float("-inf"))
+    part_sum = tl.load(part_sum_ptr + part_row, mask=split_valid, other=0.0)
+    weight = tl.exp2(part_max - tl.max(part_max, 0))  # empty splits have max -inf: weight 0
+    dims = tl.arange(0, HEAD_DIM)
+    part_acc = tl.load(
+        part_acc_ptr + part_row[:, None] * HEAD_DIM + dims[None, :],
+        mask=split_valid[:, None],
+        other=0.0,
+    )
+    out = tl.sum(part_acc * weight[:, None], 0) / tl.sum(part_sum * weight, 0)
+    tl.store(
+        out_ptr + tok * stride_o_tok + head * stride_o_head + dims,
+        out.to(out_ptr.dtype.element_ty),
+    )
+
+
+def choose_num_kv_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
+    """KV segments per sequence for a decode-only step.
+
+    Split only as far as needed to give every SM ``_PROGRAMS_PER_SM`` programs, and never into
+    segments shorter than ``_MIN_TOKENS_PER_SPLIT`` tokens.
+    """
+    programs = max(1, num_seqs * num_kv_heads)
+    wanted = triton.cdiv(_PROGRAMS_PER_SM * num_sms, programs)
+    by_length = triton.cdiv(max(1, max_seq_len), _MIN_TOKENS_PER_SPLIT)
+    return max(1, min(wanted, by_length, _MAX_SPLITS))
+
+
+def _device_sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return _DEFAULT_NUM_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _tile_config(group: int, max_query_len: int, decode_only: bool) -> dict[str, int]:
+    """Tile sizes from the step's shape. Rows of a program = query tokens x the GQA group."""
+    min_rows = max(16, triton.next_power_of_2(group))  # tl.dot needs M >= 16
+    if decode_only:
+        # One query per sequence: the group's heads are the rows. Memory-bound, so a 64-key tile
+        # with 3-stage pipelining keeps enough K/V bytes in flight per SM.
+        return {"BLOCK_M": min_rows, "BLOCK_Q": 1, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
+    block_m = max(min_rows, 128 if max_query_len * group >= 128 else 64)
+    return {
+        "BLOCK_M": block_m,
+        "BLOCK_Q": block_m // group,
+        "BLOCK_N": 64,
+        "num_warps": 8 if block_m >= 128 else 4,
+        "num_stages": 2,
+    }
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+    *,
+    max_query_len: int,
+    max_seq_len: int,
+    num_kv_splits: int | None = None,
+    num_sms: int | None = None,
+) -> torch.Tensor:
+    """Causal attention of this step's queries over the paged KV cache; writes and returns ``out``.
+
+    Args:
+        q: ``[num_tokens, num_q_heads, head_dim]`` (last dim contiguous; may be a view of a
+            fused qkv buffer).
+        k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, already holding
+            this step's keys/values.
+        query_start_loc, seq_lens, block_tables: step metadata as in docs/CONTRACTS.md.
+        scale: softmax scale, usually ``head_dim ** -0.5``.
+        out: ``[num_tokens, num_q_heads, head_dim]``; rows outside ``[0, query_start_loc[-1])``
+            are left untouched.
+        max_query_len, max_seq_len: host-side bounds of ``q_len`` and ``seq_lens`` (never read
+            from the tensors, so no host sync). ``max_query_len == 1`` selects the decode kernel.
+        num_kv_splits: force the split-KV path's segment count (decode-only steps); None picks it
+            from the shape. Under CUDA graphs pass a fixed ``max_seq_len`` (the bucket's bound):
+            segments are cut per sequence in the kernel, so short sequences stay cheap.
+        num_sms: SM count for the split heuristic; None asks the device (or assumes an H200).
+
+    The split path allocates its fp32 partials (``num_seqs * num_q_heads * splits * (head_dim+2)``
+    floats) with ``torch.empty``: no sync and capturable, but the only scratch this op uses.
+    """
+    num_tokens, num_q_heads, head_dim = q.shape
+    _, page, num_kv_heads, _ = k_cache.shape
+    num_seqs = seq_lens.shape[0]
+    group = num_q_heads // num_kv_heads
+    if num_q_heads != group * num_kv_heads:
+        raise ValueError(f"num_q_heads {num_q_heads} is not a multiple of {num_kv_heads}")
+    if head_dim < 16 or head_dim & (head_dim - 1):
+        raise ValueError(f"head_dim must be a power of two >= 16, got {head_dim}")
+    if k_cache.stride() != v_cache.stride() or k_cache.dtype != v_cache.dtype:
+        raise ValueError("k_cache and v_cache must share dtype and layout")
+    if q.stride(2) != 1 or out.stride(2) != 1 or k_cache.stride(3) != 1:
+        raise ValueError("head_dim must be the contiguous dimension")
+    if num_seqs == 0 or num_tokens == 0:
+        return out
+
+    decode_only = max_query_len == 1
+    if num_kv_splits is None:
+        sms = num_sms if num_sms is not None else _device_sm_count(q.device)
+        splits = choose_num_kv_splits(num_seqs, num_kv_heads, max_seq_len, sms)
+    else:
+        splits = num_kv_splits
+    if splits > 1 and not decode_only:
+        if num_kv_splits is not None:
+            raise ValueError("split-KV attention only serves decode-only steps (max_query_len 1)")
+        splits = 1
+    config = _tile_config(group, max_query_len, decode_only)
+    split_kv = splits > 1
+
+    if split_kv:
+        part_max = torch.empty(num_seqs * num_q_heads * splits, device=q.device)
+        part_sum = torch.empty_like(part_max)
+        part_acc = torch.empty(num_seqs * num_q_heads * splits * head_dim, device=q.device)
+    else:
+        part_max = part_sum = part_acc = out  # unused by the kernel when SPLIT_KV is off
+
+    if decode_only:
+        num_tiles = num_seqs
+    else:
+        num_tiles = num_tokens // config["BLOCK_Q"] + num_seqs  # see _find_sequence
+    _paged_attention_kernel[(num_tiles, num_kv_heads, splits)](
+        q, k_cache, v_cache, out,
+        query_start_loc, seq_lens, block_tables,
+        part_max, part_sum, part_acc,
+        scale * _LOG2E, num_seqs, splits,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0),
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        PAGE=page,
+        DECODE_ONLY=decode_only,
+        SPLIT_KV=split_kv,
+        # fp32 inputs must not silently drop to tf32 on the tensor cores.
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        **config,
+    )  # fmt: skip
+    if split_kv:
+        _split_kv_reduce_kernel[(num_seqs, num_q_heads)](
+            out, part_max, part_sum, part_acc, query_start_loc, splits,
+            out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim,
+            BLOCK_SPLITS=triton.next_power_of_2(splits),
+            num_warps=4,
+        )  # fmt: skip
+    return out

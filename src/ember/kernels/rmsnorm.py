@@ -1,0 +1,115 @@
+"""RMSNorm, and residual-add fused with RMSNorm, with Hugging Face's cast order.
+
+HF ``LlamaRMSNorm``: normalise in fp32, cast to the input dtype, then multiply by the weight
+(a product rounded to the dtype). The fused op also rounds ``residual + x`` to the dtype before
+normalising it, as HF's decoder layer adds in the model dtype.
+
+A program normalises ``ROWS`` rows at once so that short rows (Qwen3's per-head q/k norm,
+``head_dim`` wide) still give each program a few KiB of work; long rows (hidden size) get one
+program each.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# Elements a program handles per launch: rows of hidden-size width get one program each.
+_ELEMENTS_PER_PROGRAM = 2048
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr,
+    residual_ptr,
+    weight_ptr,
+    out_ptr,
+    num_rows,
+    inner_rows,
+    stride_x_outer,
+    stride_x_inner,
+    stride_r_row,
+    stride_o_outer,
+    stride_o_inner,
+    eps,
+    HIDDEN: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    ROWS: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+):
+    """Rows are addressed as (row // inner_rows, row % inner_rows) so 3-D strided views work."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK_H)
+    row_mask = rows < num_rows
+    mask = row_mask[:, None] & (cols < HIDDEN)[None, :]
+    outer = (rows // inner_rows).to(tl.int64)
+    inner = rows % inner_rows
+    x_offsets = (outer * stride_x_outer + inner * stride_x_inner)[:, None] + cols[None, :]
+    x = tl.load(x_ptr + x_offsets, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r_offsets = (rows.to(tl.int64) * stride_r_row)[:, None] + cols[None, :]
+        residual = tl.load(residual_ptr + r_offsets, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + residual.to(tl.float32)).to(residual_ptr.dtype.element_ty)
+        tl.store(residual_ptr + r_offsets, x, mask=mask)
+    xf = x.to(tl.float32)
+    mean_square = tl.math.div_rn(tl.sum(xf * xf, 1), HIDDEN)
+    inv_rms = tl.math.div_rn(1.0, tl.math.sqrt_rn(mean_square + eps))  # as torch.rsqrt on CPU
+    normed = (xf * inv_rms[:, None]).to(x.dtype).to(tl.float32)
+    weight = tl.load(weight_ptr + cols, mask=cols < HIDDEN, other=0.0).to(tl.float32)
+    out = (normed * weight[None, :]).to(out_ptr.dtype.element_ty)
+    o_offsets = (outer * stride_o_outer + inner * stride_o_inner)[:, None] + cols[None, :]
+    tl.store(out_ptr + o_offsets, out, mask=mask)
+
+
+def _row_layout(t: torch.Tensor) -> tuple[int, int, int]:
+    """(inner_rows, outer stride, inner stride) of a 2-D or 3-D tensor's rows."""
+    if t.dim() == 2:
+        return 1, t.stride(0), 0
+    if t.dim() == 3:
+        return t.shape[1], t.stride(0), t.stride(1)
+    raise ValueError(f"expected a 2-D or 3-D tensor, got shape {tuple(t.shape)}")
+
+
+def _launch(x, residual, weight, out, eps):
+    hidden = x.shape[-1]
+    if x.stride(-1) != 1 or out.stride(-1) != 1:
+        raise ValueError("the normalised dim must be contiguous")
+    num_rows = x.numel() // hidden
+    if num_rows == 0:
+        return
+    inner_rows, sx_outer, sx_inner = _row_layout(x)
+    _, so_outer, so_inner = _row_layout(out)
+    block_h = triton.next_power_of_2(hidden)
+    rows = max(1, _ELEMENTS_PER_PROGRAM // block_h)
+    _rms_norm_kernel[(triton.cdiv(num_rows, rows),)](
+        x, residual if residual is not None else x, weight, out,
+        num_rows, inner_rows, sx_outer, sx_inner,
+        residual.stride(0) if residual is not None else 0,
+        so_outer, so_inner, eps,
+        HIDDEN=hidden,
+        BLOCK_H=block_h,
+        ROWS=rows,
+        HAS_RESIDUAL=residual is not None,
+        num_warps=8 if block_h >= 4096 else 4,
+    )  # fmt: skip
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """RMSNorm over the last dim of ``x`` (``[T, H]``, or ``[T, heads, D]`` for q/k norm, any
+    strides with a contiguous last dim); returns ``out`` (allocated like ``x`` if None)."""
+    if out is None:
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    _launch(x, None, weight, out, eps)
+    return out
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> None:
+    """In place on ``[T, H]`` tensors: ``residual += x`` then ``x = rmsnorm(residual) * weight``."""
+    if x.dim() != 2 or residual.shape != x.shape or residual.stride(-1) != 1:
+        raise ValueError("x and residual must be [T, H] with a contiguous last dim")
+    _launch(x, residual, weight, x, eps)

@@ -1,0 +1,137 @@
+"""RoPE on q and k fused with the paged KV-cache write of k and v.
+
+One program per token: it rotates all of the token's query and key heads in place (HF
+"rotate_half" / neox style, fp32 math, cast back) and stores the rotated key and the value at the
+token's cache slot. Fusing saves a second read of k and a launch per layer. Semantics follow
+docs/CONTRACTS.md ("RoPE", "Paged KV cache layout"); ``slot_mapping[t] == -1`` writes nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rotate_heads_in_place(
+    x_ptr,
+    stride_head,
+    cos,
+    sin,
+    NUM_HEADS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    HALF: tl.constexpr,
+):
+    """Rotate one token's ``[NUM_HEADS, 2 * HALF]`` heads in place; returns the rotated halves."""
+    heads = tl.arange(0, BLOCK_H)
+    dims = tl.arange(0, HALF)
+    offsets = heads[:, None] * stride_head + dims[None, :]
+    mask = (heads < NUM_HEADS)[:, None]
+    x1 = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x_ptr + offsets + HALF, mask=mask, other=0.0).to(tl.float32)
+    out1 = x1 * cos[None, :] - x2 * sin[None, :]
+    out2 = x2 * cos[None, :] + x1 * sin[None, :]
+    tl.store(x_ptr + offsets, out1.to(x_ptr.dtype.element_ty), mask=mask)
+    tl.store(x_ptr + offsets + HALF, out2.to(x_ptr.dtype.element_ty), mask=mask)
+    return out1, out2
+
+
+@triton.jit
+def _rope_cache_write_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    positions_ptr,
+    cos_sin_ptr,
+    slot_mapping_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    stride_q_tok,
+    stride_q_head,
+    stride_k_tok,
+    stride_k_head,
+    stride_v_tok,
+    stride_v_head,
+    stride_cache_block,
+    stride_cache_slot,
+    stride_cache_head,
+    NUM_Q_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    BLOCK_HQ: tl.constexpr,
+    BLOCK_HKV: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PAGE: tl.constexpr,
+):
+    tok = tl.program_id(0).to(tl.int64)
+    half: tl.constexpr = HEAD_DIM // 2
+    dims = tl.arange(0, half)
+    pos = tl.load(positions_ptr + tok)
+    cos = tl.load(cos_sin_ptr + pos * HEAD_DIM + dims)
+    sin = tl.load(cos_sin_ptr + pos * HEAD_DIM + half + dims)
+
+    _rotate_heads_in_place(
+        q_ptr + tok * stride_q_tok, stride_q_head, cos, sin, NUM_Q_HEADS, BLOCK_HQ, half
+    )
+    k1, k2 = _rotate_heads_in_place(
+        k_ptr + tok * stride_k_tok, stride_k_head, cos, sin, NUM_KV_HEADS, BLOCK_HKV, half
+    )
+
+    slot = tl.load(slot_mapping_ptr + tok)
+    heads = tl.arange(0, BLOCK_HKV)
+    # A padded token (slot -1) still gets rotated above; it just is not stored.
+    mask = ((heads < NUM_KV_HEADS) & (slot >= 0))[:, None]
+    cache_base = (slot // PAGE) * stride_cache_block + (slot % PAGE) * stride_cache_slot
+    cache_offsets = cache_base + heads[:, None] * stride_cache_head + dims[None, :]
+    cache_ty = k_cache_ptr.dtype.element_ty
+    tl.store(k_cache_ptr + cache_offsets, k1.to(cache_ty), mask=mask)
+    tl.store(k_cache_ptr + cache_offsets + half, k2.to(cache_ty), mask=mask)
+
+    v_offsets = tok * stride_v_tok + heads[:, None] * stride_v_head + dims[None, :]
+    v1 = tl.load(v_ptr + v_offsets, mask=mask, other=0.0)
+    v2 = tl.load(v_ptr + v_offsets + half, mask=mask, other=0.0)
+    tl.store(v_cache_ptr + cache_offsets, v1.to(cache_ty), mask=mask)
+    tl.store(v_cache_ptr + cache_offsets + half, v2.to(cache_ty), mask=mask)
+
+
+def rope_and_cache_write(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+) -> None:
+    """Rotate ``q [T, Hq, D]`` and ``k [T, Hkv, D]`` in place and write k, v to the cache.
+
+    ``q``, ``k``, ``v`` may be strided views (e.g. of a fused qkv output) with a contiguous last
+    dim; ``positions`` and ``slot_mapping`` are int64 ``[T]``; ``cos_sin_cache`` is float32
+    ``[P, D]`` from ``reference_ops.build_cos_sin_cache``; caches are
+    ``[num_blocks, block_size, Hkv, D]``.
+    """
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    if head_dim % 2 or (head_dim // 2) & (head_dim // 2 - 1):
+        raise ValueError(f"head_dim must be twice a power of two, got {head_dim}")
+    if k_cache.stride() != v_cache.stride():
+        raise ValueError("k_cache and v_cache must share a layout")
+    if min(q.stride(2), k.stride(2), v.stride(2), k_cache.stride(3)) != 1:
+        raise ValueError("head_dim must be the contiguous dimension")
+    if cos_sin_cache.dtype != torch.float32 or not cos_sin_cache.is_contiguous():
+        raise ValueError("cos_sin_cache must be contiguous float32")
+    if num_tokens == 0:
+        return
+    _rope_cache_write_kernel[(num_tokens,)](
+        q, k, v, positions, cos_sin_cache, slot_mapping, k_cache, v_cache,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        NUM_Q_HEADS=num_q_heads,
+        NUM_KV_HEADS=num_kv_heads,
+        BLOCK_HQ=triton.next_power_of_2(num_q_heads),
+        BLOCK_HKV=triton.next_power_of_2(num_kv_heads),
+        HEAD_DIM=head_dim,
+        PAGE=k_cache.shape[1],
+        num_warps=4,
+    )  # fmt: skip

@@ -1,0 +1,252 @@
+"""Plain-PyTorch references of ember's custom ops: the CPU path and the kernels' specification.
+
+Each function has the same signature and semantics as its Triton kernel in ``ember.kernels``
+(``paged_attention_reference`` <-> ``paged_attention`` and so on) and follows docs/CONTRACTS.md.
+They favour obvious correctness over speed, may read tensors on the host, and are what the
+kernel tests compare against.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ember.config import RopeScaling
+
+# ---------------------------------------------------------------------------------------------
+# RoPE
+
+
+def _llama3_scaled_inv_freq(inv_freq: torch.Tensor, scaling: RopeScaling) -> torch.Tensor:
+    """Llama 3.1 frequency scaling: long wavelengths slowed by ``factor``, short ones kept, and a
+    smooth blend in between (same arithmetic, in the same order, as HF transformers)."""
+    context = scaling.original_max_position_embeddings
+    low_freq_wavelen = context / scaling.low_freq_factor
+    high_freq_wavelen = context / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (context / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    blended = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, blended, scaled)
+
+
+def build_cos_sin_cache(
+    head_dim: int, max_positions: int, theta: float, rope_scaling: RopeScaling | None
+) -> torch.Tensor:
+    """float32 ``[max_positions, head_dim]``: cos in ``[:, :head_dim//2]``, sin in the rest."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
+    inv_freq = 1.0 / (theta**exponents)
+    if rope_scaling is not None:
+        inv_freq = _llama3_scaled_inv_freq(inv_freq, rope_scaling)
+    positions = torch.arange(max_positions, dtype=torch.float32)
+    angles = positions[:, None] * inv_freq[None, :]
+    return torch.cat([angles.cos(), angles.sin()], dim=-1)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """rotate_half (neox) rotation of ``x [T, H, D]`` in fp32, cast back to ``x.dtype``."""
+    half = x.shape[-1] // 2
+    xf = x.float()
+    x1, x2 = xf[..., :half], xf[..., half:]
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+def rope_and_cache_write_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+) -> None:
+    """Rotate ``q`` and ``k`` in place, then store ``k`` and ``v`` at their slots (-1: skip)."""
+    half = q.shape[-1] // 2
+    cos_sin = cos_sin_cache[positions]
+    cos, sin = cos_sin[:, :half], cos_sin[:, half:]
+    q.copy_(_rotate(q, cos, sin))
+    k.copy_(_rotate(k, cos, sin))
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    k_cache.view(-1, num_kv_heads, head_dim)[slots] = k[keep].to(k_cache.dtype)
+    v_cache.view(-1, num_kv_heads, head_dim)[slots] = v[keep].to(v_cache.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Attention
+
+
+def paged_attention_reference(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+    *,
+    max_query_len: int,
+    max_seq_len: int,
+) -> torch.Tensor:
+    """Causal attention over the paged cache, one sequence at a time in fp32; returns ``out``.
+
+    ``max_query_len``/``max_seq_len`` are accepted for signature parity and not needed here.
+    """
+    del max_query_len, max_seq_len
+    num_q_heads, head_dim = q.shape[1], q.shape[2]
+    page, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_q_heads // num_kv_heads
+    starts = query_start_loc.tolist()
+    for seq, seq_len in enumerate(seq_lens.tolist()):
+        q_start, q_end = starts[seq], starts[seq + 1]
+        q_len = q_end - q_start
+        if q_len == 0:
+            continue
+        blocks = block_tables[seq, : (seq_len + page - 1) // page].long()
+        keys = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].float()
+        values = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].float()
+        queries = q[q_start:q_end].float().view(q_len, num_kv_heads, group, head_dim)
+        scores = torch.einsum("qhgd,khd->hgqk", queries, keys) * scale
+        query_pos = torch.arange(seq_len - q_len, seq_len)
+        visible = torch.arange(seq_len)[None, :] <= query_pos[:, None]
+        scores = scores.masked_fill(~visible, float("-inf"))
+        attn = torch.einsum("hgqk,khd->qhgd", scores.softmax(dim=-1), values)
+        out[q_start:q_end] = attn.reshape(q_len, num_q_heads, head_dim).to(out.dtype)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Normalisation and activation (Hugging Face cast order)
+
+
+def _rms_normalize(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # HF LlamaRMSNorm: normalise in fp32, cast to the input dtype, then multiply by the weight.
+    xf = x.float()
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight.to(x.dtype) * normed.to(x.dtype)).to(x.dtype)
+
+
+def rms_norm_reference(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """RMSNorm over the last dim of ``x [..., H]``; returns ``out`` (new if None)."""
+    result = _rms_normalize(x, weight, eps)
+    if out is None:
+        return result
+    out.copy_(result)
+    return out
+
+
+def fused_add_rms_norm_reference(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> None:
+    """In place: ``residual += x`` (rounded to its dtype, as HF adds), ``x = rmsnorm(residual)``."""
+    residual.copy_(residual + x)
+    x.copy_(_rms_normalize(residual, weight, eps))
+
+
+def silu_and_mul_reference(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``silu(x[:, :I]) * x[:, I:]`` for ``x [T, 2I]``: SiLU rounded to the dtype, then the mul."""
+    inter = x.shape[-1] // 2
+    result = torch.nn.functional.silu(x[..., :inter]) * x[..., inter:]
+    if out is None:
+        return result
+    out.copy_(result)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Sampling
+
+_MASK32 = 0xFFFFFFFF
+
+
+def _mul32(x: torch.Tensor, constant: int) -> torch.Tensor:
+    """``x * constant mod 2**32`` in int64 without overflow: the 16-bit halves separately."""
+    low = x * (constant & 0xFFFF)
+    high = ((x * (constant >> 16)) & 0xFFFF) << 16
+    return (low + high) & _MASK32
+
+
+def hash_mix32(x: torch.Tensor) -> torch.Tensor:
+    """The contract's 32-bit integer finaliser on int64 tensors holding uint32 values."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def hash_uniform(seeds: torch.Tensor, steps: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """``u [B, num_tokens]`` in (0, 1): the counter-based stream of each (seed, step) row."""
+    seeds = seeds.long()
+    seed_lo, seed_hi = seeds & _MASK32, (seeds >> 32) & _MASK32
+    row_key = hash_mix32(hash_mix32(hash_mix32(seed_lo) ^ seed_hi) ^ (steps.long() & _MASK32))
+    token_key = hash_mix32(torch.arange(num_tokens, dtype=torch.int64, device=seeds.device))
+    bits = hash_mix32(row_key[:, None] ^ token_key[None, :])
+    # Evaluated in float32, (2**24 - 1) + 0.5 rounds up to 2**24 and u to 1.0, which would make
+    # E = 0 and that token win outright; clamp to the largest float32 below 1.
+    u = ((bits >> 8).to(torch.float32) + 0.5) / float(1 << 24)
+    return u.clamp(max=1.0 - 2.0**-24)
+
+
+def sampling_keep_mask(
+    logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+    min_p: torch.Tensor,
+) -> torch.Tensor:  # fmt: skip
+    """bool ``[B, V]``: the tokens a sampled row may draw after top-k, top-p and min-p.
+
+    The most probable token is always kept (so ``top_p <= 0`` degenerates to it). Top-p masses
+    are summed in float64 so the reference sits as close to the exact rule as it can.
+    """
+    vocab = logits.shape[-1]
+    scaled = logits.float() / torch.where(temperature > 0, temperature, 1.0)[:, None]
+    ordered = scaled.sort(dim=-1, descending=True).values
+    top = ordered[:, :1]
+
+    k_on = ((top_k > 0) & (top_k < vocab))[:, None]
+    kth = ordered.gather(1, (top_k.long().clamp(1, vocab) - 1)[:, None])
+    keep = ~k_on | (scaled >= kth)
+
+    # Mass strictly above each sorted value, among the top-k survivors (a prefix of `ordered`).
+    in_top_k = ~k_on | (ordered >= kth)
+    mass = torch.where(in_top_k, torch.exp((ordered - top).double()), 0.0)
+    above = mass.cumsum(dim=-1) - mass
+    budget = top_p.double()[:, None] * mass.sum(dim=-1, keepdim=True)
+    p_cut = torch.where(in_top_k & (above < budget), ordered, float("inf")).min(dim=-1).values
+    p_cut = torch.minimum(p_cut[:, None], top)
+    keep &= (top_p[:, None] >= 1) | (scaled >= p_cut)
+
+    keep &= (min_p[:, None] <= 0) | (torch.exp(scaled - top) >= min_p[:, None])
+    return keep
+
+
+def sample_reference(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+    seeds: torch.Tensor,
+    steps: torch.Tensor,
+) -> torch.Tensor:
+    """int64 ``[B]`` token ids per docs/CONTRACTS.md "Sampling semantics".
+
+    ``temperature <= 0`` is greedy (first maximum). Otherwise the exponential race
+    ``argmax(l - log(-log(u)))`` over the kept tokens, ``u`` from ``hash_uniform``.
+    """
+    logits = logits.float()
+    greedy = logits.argmax(dim=-1)
+    scaled = logits / torch.where(temperature > 0, temperature, 1.0)[:, None]
+    keep = sampling_keep_mask(logits, temperature, top_k, top_p, min_p)
+    u = hash_uniform(seeds, steps, logits.shape[-1])
+    race = torch.where(keep, scaled - torch.log(-torch.log(u)), float("-inf"))
+    return torch.where(temperature > 0, race.argmax(dim=-1), greedy)

@@ -1,0 +1,205 @@
+"""The Llama family in one implementation, with switches per architecture.
+
+Llama 3.x and SmolLM2 (LlamaForCausalLM), Mistral (same graph), Qwen2 (q/k/v bias) and Qwen3
+(per-head q/k RMSNorm, explicit head_dim). q/k/v and gate/up are fused into single GEMMs at load
+time; the attention, norms and activation go through the instance's `Ops`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from ember.config import ModelConfig
+from ember.layers.forward_context import ForwardContext
+from ember.layers.ops import Ops
+
+# Checkpoint name fragment -> (fused parameter fragment, shard index).
+_FUSED_SHARDS = {
+    ".q_proj.": (".qkv_proj.", 0),
+    ".k_proj.": (".qkv_proj.", 1),
+    ".v_proj.": (".qkv_proj.", 2),
+    ".gate_proj.": (".gate_up_proj.", 0),
+    ".up_proj.": (".gate_up_proj.", 1),
+}
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, ops: Ops) -> None:
+        super().__init__()
+        self.cfg, self.ops = cfg, ops
+        self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, cfg.attention_bias)
+        self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = nn.Parameter(torch.ones(cfg.head_dim))
+            self.k_norm = nn.Parameter(torch.ones(cfg.head_dim))
+        self.scale = cfg.head_dim**-0.5
+        self.shard_sizes = [cfg.q_size, cfg.kv_size, cfg.kv_size]
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        ctx: ForwardContext,
+        cos_sin_cache: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        cfg, n = self.cfg, x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.shard_sizes, dim=-1)
+        q = q.reshape(n, cfg.num_heads, cfg.head_dim)
+        k = k.reshape(n, cfg.num_kv_heads, cfg.head_dim)
+        v = v.reshape(n, cfg.num_kv_heads, cfg.head_dim)
+        if cfg.qk_norm:
+            eps = cfg.rms_norm_eps
+            q = self.ops.rms_norm(q.reshape(-1, cfg.head_dim), self.q_norm, eps).view_as(q)
+            k = self.ops.rms_norm(k.reshape(-1, cfg.head_dim), self.k_norm, eps).view_as(k)
+        self.ops.rope_and_cache_write(
+            q, k, v, ctx.positions, cos_sin_cache, ctx.slot_mapping, k_cache, v_cache
+        )
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        self.ops.paged_attention(
+            q,
+            k_cache,
+            v_cache,
+            ctx.query_start_loc,
+            ctx.seq_lens,
+            ctx.block_tables,
+            self.scale,
+            out,
+            max_query_len=ctx.max_query_len,
+            max_seq_len=ctx.max_seq_len,
+        )
+        return self.o_proj(out.view(n, cfg.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, ops: Ops) -> None:
+        super().__init__()
+        self.ops = ops
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, ops: Ops) -> None:
+        super().__init__()
+        self.ops, self.eps = ops, cfg.rms_norm_eps
+        self.self_attn = Attention(cfg, ops)
+        self.mlp = MLP(cfg, ops)
+        self.input_layernorm = nn.Parameter(torch.ones(cfg.hidden_size))
+        self.post_attention_layernorm = nn.Parameter(torch.ones(cfg.hidden_size))
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        ctx: ForwardContext,
+        cos_sin_cache: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = x
+            x = self.ops.rms_norm(x, self.input_layernorm, self.eps)
+        else:
+            self.ops.fused_add_rms_norm(x, residual, self.input_layernorm, self.eps)
+        x = self.self_attn(x, ctx, cos_sin_cache, k_cache, v_cache)
+        self.ops.fused_add_rms_norm(x, residual, self.post_attention_layernorm, self.eps)
+        return self.mlp(x), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    """Token ids in, final hidden states out; `compute_logits` on the rows that sample."""
+
+    def __init__(self, cfg: ModelConfig, ops: Ops) -> None:
+        super().__init__()
+        self.cfg, self.ops = cfg, ops
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, ops) for _ in range(cfg.num_layers))
+        self.norm = nn.Parameter(torch.ones(cfg.hidden_size))
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size))
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        ctx: ForwardContext,
+        cos_sin_cache: torch.Tensor,
+        kv_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        residual = None
+        for i, layer in enumerate(self.layers):
+            x, residual = layer(x, residual, ctx, cos_sin_cache, kv_cache[i, 0], kv_cache[i, 1])
+        self.ops.fused_add_rms_norm(x, residual, self.norm, self.cfg.rms_norm_eps)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head
+        return torch.matmul(hidden, weight.t()).float()
+
+    # -- weights ---------------------------------------------------------------------------------
+
+    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors (HF names) into the fused parameters; every one must land."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for hf_name, tensor in tensors:
+            name, shard = self._param_name(hf_name)
+            if name is None:
+                continue
+            if name not in params:
+                raise ValueError(f"checkpoint tensor {hf_name!r} has no place in {self.cfg.architecture}")
+            param = params[name]
+            target = param.data if shard is None else self._shard_view(param.data, name, shard)
+            if target.shape != tensor.shape:
+                raise ValueError(
+                    f"checkpoint tensor {hf_name!r} has shape {tuple(tensor.shape)}, "
+                    f"expected {tuple(target.shape)}"
+                )
+            target.copy_(tensor)
+            loaded.add(name if shard is None else f"{name}#{shard}")
+        self._check_all_loaded(params, loaded)
+
+    def _param_name(self, hf_name: str) -> tuple[str | None, int | None]:
+        if "rotary_emb" in hf_name:
+            return None, None  # some checkpoints store inv_freq; we compute our own
+        name = hf_name.removeprefix("model.")
+        if name == "lm_head.weight":
+            return (None, None) if self.cfg.tie_word_embeddings else ("lm_head", None)
+        for suffix in ("input_layernorm", "post_attention_layernorm", "q_norm", "k_norm"):
+            name = name.replace(f".{suffix}.weight", f".{suffix}")
+        if name == "norm.weight":
+            name = "norm"
+        for fragment, (fused, shard) in _FUSED_SHARDS.items():
+            if fragment in name:
+                return name.replace(fragment, fused), shard
+        return name, None
+
+    def _shard_view(self, data: torch.Tensor, name: str, shard: int) -> torch.Tensor:
+        cfg = self.cfg
+        sizes = (
+            [cfg.q_size, cfg.kv_size, cfg.kv_size]
+            if ".qkv_proj." in name
+            else [cfg.intermediate_size, cfg.intermediate_size]
+        )
+        start = sum(sizes[:shard])
+        return data.narrow(0, start, sizes[shard])
+
+    def _check_all_loaded(self, params: dict[str, nn.Parameter], loaded: set[str]) -> None:
+        missing = []
+        for name in params:
+            if name.endswith((".qkv_proj.weight", ".qkv_proj.bias")):
+                wanted = [f"{name}#{i}" for i in range(3)]
+            elif name.endswith(".gate_up_proj.weight"):
+                wanted = [f"{name}#{i}" for i in range(2)]
+            else:
+                wanted = [name]
+            missing += [w for w in wanted if w not in loaded]
+        if missing:
+            raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")

@@ -1,0 +1,21 @@
+"""Maps a Hugging Face architecture name to the class that implements it, imported lazily."""
+
+from __future__ import annotations
+
+import importlib
+
+from ember.config import SUPPORTED_ARCHITECTURES
+
+# HF architecture name -> (module, class). The Llama file covers the whole family.
+_MODELS = {arch: ("ember.models.llama", "LlamaForCausalLM") for arch in SUPPORTED_ARCHITECTURES}
+
+
+def model_class(architecture: str) -> type:
+    try:
+        module_name, class_name = _MODELS[architecture]
+    except KeyError:
+        raise ValueError(
+            f"unsupported architecture {architecture!r}; ember supports: "
+            + ", ".join(sorted(_MODELS))
+        ) from None
+    return getattr(importlib.import_module(module_name), class_name)

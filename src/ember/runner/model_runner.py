@@ -1,0 +1,308 @@
+"""Builds a step's inputs from the scheduler's decision, runs the model, samples.
+
+The runner keeps a persistent record of every request it has seen (its tokens and block table),
+updated from the scheduler's diffs; it never decides policy.
+
+A step is `launch` (stage inputs, enqueue the forward pass and sampling, start an async copy of
+the sampled ids to host memory) then `collect` (wait for that copy, hand back plain lists). The
+engine launches step N+1 before it collects step N: a decode that feeds a token sampled in step N
+reads it on the device (`gather_src` -> `gather_dst`), so the CPU never waits for it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from ember.config import ModelConfig
+from ember.engine.step_types import RunnerOutput, SchedulerOutput, TokenLogprobs
+from ember.layers.forward_context import ForwardContext
+from ember.runner.cuda_graphs import DecodeGraphs
+from ember.runner.input_buffers import InputBuffers
+from ember.runner.sampler import Sampler, SamplingRow
+from ember.sampling_params import SamplingParams
+
+
+@dataclass(eq=False)
+class RequestState:
+    request_id: str
+    token_ids: list[int]  # known on the host
+    num_prompt_tokens: int
+    params: SamplingParams
+    seed: int
+    num_output_tokens: int  # includes samples still on their way back
+    block_ids: list[int]
+    num_computed_tokens: int
+    # The launched step whose sample is our newest token, and the row of that sample.
+    pending_step: StepHandle | None = None
+    pending_row: int = 0
+
+    @property
+    def num_known_tokens(self) -> int:
+        return len(self.token_ids) + (self.pending_step is not None)
+
+
+@dataclass(eq=False)
+class StepHandle:
+    """A launched step: what it sampled for whom, and where the ids will land on the host."""
+
+    states: list[RequestState]
+    tokens: torch.Tensor | None  # device
+    host_tokens: torch.Tensor | None  # pinned on CUDA
+    done: torch.cuda.Event | None
+    logprobs: list[TokenLogprobs | None] | None
+    result: RunnerOutput | None = None
+    num_tokens: int = 0
+    used_graph: bool = False
+    extra: dict = field(default_factory=dict)
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        model_config: ModelConfig,
+        kv_cache: torch.Tensor,
+        cos_sin_cache: torch.Tensor,
+        block_size: int,
+        sampler: Sampler,
+        stop_ids_until_min_tokens: tuple[int, ...],
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        use_cuda_graphs: bool,
+    ) -> None:
+        self.model = model
+        self.model_config = model_config
+        self.kv_cache = kv_cache
+        self.cos_sin_cache = cos_sin_cache
+        self.block_size = block_size
+        self.sampler = sampler
+        self.device = kv_cache.device
+        self.stop_ids_until_min_tokens = stop_ids_until_min_tokens
+        self.states: dict[str, RequestState] = {}
+        self.buffers = InputBuffers(
+            max_tokens=max(max_num_batched_tokens, max_num_seqs),
+            max_seqs=max_num_seqs,
+            max_blocks_per_seq=-(-max_model_len // block_size),
+            device=self.device,
+        )
+        self.graphs = (
+            DecodeGraphs(model, self.buffers, kv_cache, cos_sin_cache, max_num_seqs, max_model_len)
+            if use_cuda_graphs and self.device.type == "cuda"
+            else None
+        )
+        self._in_flight: StepHandle | None = None
+
+    # -- the step ---------------------------------------------------------------------------------
+
+    def execute(self, scheduled: SchedulerOutput) -> RunnerOutput:
+        """Launch and collect one step (no overlap)."""
+        return self.collect(self.launch(scheduled))
+
+    def launch(self, scheduled: SchedulerOutput) -> StepHandle:
+        self._apply_diffs(scheduled)
+        if scheduled.is_empty:
+            return StepHandle([], None, None, None, None, result=RunnerOutput())
+        with torch.inference_mode():
+            handle = self._launch(scheduled)
+        self._in_flight = handle
+        return handle
+
+    def collect(self, handle: StepHandle) -> RunnerOutput:
+        """Wait for a launched step and return its samples (idempotent)."""
+        if handle.result is not None:
+            return handle.result
+        if handle.done is not None:
+            handle.done.synchronize()  # a blocking-sync event: the thread sleeps, no spinning
+        token_list = handle.host_tokens.tolist()
+        ids, tokens, logprobs = [], [], []
+        for i, state in enumerate(handle.states):
+            if state.pending_step is handle:
+                state.pending_step = None
+            if self.states.get(state.request_id) is not state:
+                continue  # finished or preempted while the step ran: its sample is stale
+            state.token_ids.append(token_list[i])
+            ids.append(state.request_id)
+            tokens.append(token_list[i])
+            logprobs.append(handle.logprobs[i] if handle.logprobs else None)
+        handle.result = RunnerOutput(ids, tokens, logprobs if handle.logprobs else [])
+        if self._in_flight is handle:
+            self._in_flight = None
+        return handle.result
+
+    def _launch(self, scheduled: SchedulerOutput) -> StepHandle:
+        staging = self.buffers.next_staging()
+        plan = self._stage_inputs(scheduled, staging)
+        prev = self._in_flight
+        if prev is not None and any(s.params.uses_penalties for s in plan.sampling_states):
+            self.collect(prev)  # penalties need the whole output history on the host
+        rows = [self._sampling_row(s) for s in plan.sampling_states]
+        bucket = self._graph_bucket(plan)
+        padded = self._pad_for_graph(staging, plan, bucket) if bucket else plan
+        self.buffers.upload(staging, padded.upload_counts)
+        buf = self.buffers
+        if plan.num_gathers:
+            dst = buf["gather_dst"][: plan.num_gathers]
+            src = buf["gather_src"][: plan.num_gathers]
+            buf["input_ids"].index_copy_(0, dst, prev.tokens.index_select(0, src))
+        if bucket:
+            logits = self.graphs.replay(bucket)[: plan.num_seqs]
+        else:
+            hidden = self.model(
+                buf["input_ids"][: plan.num_tokens],
+                self._context(plan),
+                self.cos_sin_cache,
+                self.kv_cache,
+            )
+            if not plan.sampling_states:
+                return StepHandle([], None, None, None, None, result=RunnerOutput())
+            logits = self.model.compute_logits(
+                hidden.index_select(0, buf["sample_indices"][: len(plan.sampling_states)])
+            )
+        tokens, logprobs = self.sampler(logits, rows)
+        host_tokens, done = self._copy_to_host(tokens)
+        handle = StepHandle(
+            plan.sampling_states, tokens, host_tokens, done, logprobs,
+            num_tokens=plan.num_tokens, used_graph=bool(bucket),
+        )
+        for i, state in enumerate(plan.sampling_states):
+            state.num_output_tokens += 1
+            state.pending_step, state.pending_row = handle, i
+        return handle
+
+    def _copy_to_host(self, tokens: torch.Tensor):
+        if self.device.type != "cuda":
+            return tokens, None
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        host.copy_(tokens, non_blocking=True)
+        done = torch.cuda.Event(blocking=True)
+        done.record()
+        return host, done
+
+    # -- inputs -----------------------------------------------------------------------------------
+
+    def _apply_diffs(self, scheduled: SchedulerOutput) -> None:
+        for request_id in scheduled.finished_request_ids:
+            self.states.pop(request_id, None)
+        for new in scheduled.new_requests:
+            self.states[new.request_id] = RequestState(
+                request_id=new.request_id,
+                token_ids=list(new.token_ids),
+                num_prompt_tokens=new.num_prompt_tokens,
+                params=new.params,
+                seed=new.seed,
+                num_output_tokens=new.num_output_tokens,
+                block_ids=list(new.block_ids),
+                num_computed_tokens=new.num_computed_tokens,
+            )
+        for cached in scheduled.cached_requests:
+            state = self.states[cached.request_id]
+            state.block_ids.extend(cached.new_block_ids)
+            state.num_computed_tokens = cached.num_computed_tokens
+
+    def _stage_inputs(self, scheduled: SchedulerOutput, st) -> _StepPlan:
+        bs = self.block_size
+        ids, pos, slots = st.numpy("input_ids"), st.numpy("positions"), st.numpy("slot_mapping")
+        qsl, seq_lens = st.numpy("query_start_loc"), st.numpy("seq_lens")
+        tables, sample_idx = st.numpy("block_tables"), st.numpy("sample_indices")
+        gather_dst, gather_src = st.numpy("gather_dst"), st.numpy("gather_src")
+        plan = _StepPlan()
+        t = 0
+        qsl[0] = 0
+        for s, (request_id, n) in enumerate(scheduled.num_scheduled_tokens.items()):
+            state = self.states[request_id]
+            start = state.num_computed_tokens
+            known = len(state.token_ids)
+            end = start + n
+            host_end = min(end, known)
+            ids[t : t + host_end - start] = state.token_ids[start:host_end]
+            if end > known:  # the last token fed was sampled by the step still in flight
+                gather_dst[plan.num_gathers] = t + n - 1
+                gather_src[plan.num_gathers] = state.pending_row
+                plan.num_gathers += 1
+            p = np.arange(start, end)
+            blocks = np.asarray(state.block_ids, dtype=np.int64)
+            pos[t : t + n] = p
+            slots[t : t + n] = blocks[p // bs] * bs + p % bs
+            tables[s, : len(blocks)] = blocks
+            seq_lens[s] = end
+            t += n
+            qsl[s + 1] = t
+            plan.max_query_len = max(plan.max_query_len, n)
+            plan.max_seq_len = max(plan.max_seq_len, end)
+            state.num_computed_tokens = end
+            if end == state.num_known_tokens:
+                sample_idx[len(plan.sampling_states)] = t - 1
+                plan.sampling_states.append(state)
+        plan.num_tokens, plan.num_seqs = t, len(scheduled.num_scheduled_tokens)
+        return plan
+
+    def _graph_bucket(self, plan: _StepPlan) -> int | None:
+        if self.graphs is None or plan.max_query_len != 1:
+            return None
+        if len(plan.sampling_states) != plan.num_seqs:
+            return None
+        return self.graphs.bucket_for(plan.num_seqs)
+
+    def _pad_for_graph(self, st, plan: _StepPlan, bucket: int) -> _StepPlan:
+        """Padded rows: a 1-token sequence at position 0 of scratch block 0, written nowhere."""
+        b, n = plan.num_seqs, bucket
+        st.numpy("input_ids")[b:n] = 0
+        st.numpy("positions")[b:n] = 0
+        st.numpy("slot_mapping")[b:n] = -1
+        st.numpy("seq_lens")[b:n] = 1
+        st.numpy("query_start_loc")[b + 1 : n + 1] = np.arange(b + 1, n + 1)
+        st.numpy("block_tables")[b:n] = 0
+        padded = _StepPlan(**{**plan.__dict__})
+        padded.num_tokens = padded.num_seqs = n
+        return padded
+
+    def _context(self, plan: _StepPlan) -> ForwardContext:
+        buf = self.buffers
+        return ForwardContext(
+            positions=buf["positions"][: plan.num_tokens],
+            slot_mapping=buf["slot_mapping"][: plan.num_tokens],
+            query_start_loc=buf["query_start_loc"][: plan.num_seqs + 1],
+            seq_lens=buf["seq_lens"][: plan.num_seqs],
+            block_tables=buf["block_tables"][: plan.num_seqs],
+            max_query_len=plan.max_query_len,
+            max_seq_len=plan.max_seq_len,
+        )
+
+    def _sampling_row(self, state: RequestState) -> SamplingRow:
+        return SamplingRow(
+            params=state.params,
+            seed=state.seed,
+            step=state.num_output_tokens,
+            prompt_token_ids=state.token_ids[: state.num_prompt_tokens],
+            output_token_ids=state.token_ids[state.num_prompt_tokens :],
+            stop_ids_until_min_tokens=self.stop_ids_until_min_tokens
+            + tuple(state.params.stop_token_ids),
+        )
+
+
+@dataclass
+class _StepPlan:
+    num_tokens: int = 0
+    num_seqs: int = 0
+    max_query_len: int = 0
+    max_seq_len: int = 0
+    num_gathers: int = 0
+    sampling_states: list[RequestState] = field(default_factory=list)
+
+    @property
+    def upload_counts(self) -> dict[str, int]:
+        return {
+            "input_ids": self.num_tokens,
+            "positions": self.num_tokens,
+            "slot_mapping": self.num_tokens,
+            "query_start_loc": self.num_seqs + 1,
+            "seq_lens": self.num_seqs,
+            "block_tables": self.num_seqs,
+            "sample_indices": len(self.sampling_states),
+            "gather_dst": self.num_gathers,
+            "gather_src": self.num_gathers,
+        }

@@ -1,0 +1,96 @@
+"""The ASGI app factory: one FastAPI app per call, all its state on `app.state.ember`.
+
+Startup (the app's lifespan) spawns the engine process and loads the tokenizers, then lets the
+HTTP server listen while the engine is still loading the weights; /health turns 200 once both
+are ready. Shutdown tells the engine to exit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI
+
+from ember.server.auth import APIKeyMiddleware
+from ember.server.body_limit import BodyLimitMiddleware
+from ember.server.config import ServerConfig
+from ember.server.engine_client import EngineClient
+from ember.server.errors import install_error_handlers
+from ember.server.lifecycle import Lifecycle
+from ember.server.metrics import ServerMetrics
+from ember.server.models import ModelRegistry, load_served_model
+from ember.server.progress import LoadProgressBar
+from ember.server.routes import build_router
+from ember.server.state import ServerState
+
+logger = logging.getLogger(__name__)
+
+
+def build_app(config: ServerConfig) -> FastAPI:
+    """A new app serving `config.models`; nothing starts until its lifespan runs."""
+    progress = LoadProgressBar(config.show_progress)
+    client = EngineClient([spec.engine for spec in config.models], on_progress=progress.update)
+    state = ServerState(
+        config=config,
+        client=client,
+        models=ModelRegistry(list(config.models)),
+        metrics=ServerMetrics(lambda: list(client.stats.values())),
+        lifecycle=Lifecycle(client, config.shutdown_timeout_s),
+    )
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await client.start()
+        watcher = None
+        try:
+            for spec in config.models:
+                state.models.add(await asyncio.to_thread(load_served_model, spec))
+            watcher = asyncio.create_task(_await_engine(state, progress))
+            yield
+        finally:
+            if watcher is not None:
+                watcher.cancel()
+            progress.close()
+            await client.stop()
+
+    app = FastAPI(
+        title="ember",
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+    )
+    app.state.ember = state
+    install_error_handlers(app)
+    app.include_router(build_router())
+    # Added last = runs first: the key is checked before a byte of the body is read.
+    app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes)
+    if config.api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
+    return app
+
+
+async def _await_engine(state: ServerState, progress: LoadProgressBar) -> None:
+    """Mark the server ready when the engine has loaded; end it if loading failed."""
+    loaded = await state.client.wait_loaded()
+    progress.close()
+    if not loaded:
+        logger.error("the engine failed to load: %s", state.client.failure)
+        state.lifecycle.request_exit(1)
+        return
+    for model in state.models.loaded():
+        model.info = state.client.model_infos.get(model.name)
+    state.lifecycle.front_end_ready = True
+    for model in state.models.loaded():
+        info = model.info
+        logger.info(
+            "ready: %s (context %d tokens, %d KV blocks of %d, loaded in %.1f s)",
+            model.name,
+            info.max_model_len,
+            info.num_kv_blocks,
+            info.block_size,
+            info.load_seconds,
+        )

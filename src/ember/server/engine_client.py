@@ -1,0 +1,287 @@
+"""The front end's handle on the engine process: start it, send it requests and aborts, and route
+its outputs to the HTTP handlers waiting for them.
+
+One asyncio task reads the engine's output socket and puts each update on the queue of the HTTP
+request it belongs to; handlers never touch the socket. Sends are non-blocking (the socket's
+queue is unbounded), so `submit` and `abort` are plain synchronous calls that are safe in a
+`finally` block of a cancelled task. If the engine process dies, every waiting handler gets an
+`EngineDeadError` at once and new requests are refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import logging
+import multiprocessing.process
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from ember.config import EngineConfig
+from ember.engine.ipc import (
+    AbortRequests,
+    AddRequest,
+    EngineFailed,
+    EngineMessage,
+    EngineReady,
+    IpcAddresses,
+    LoadProgress,
+    ModelInfo,
+    ModelStats,
+    Shutdown,
+    StepOutputs,
+    configure_pull,
+    configure_push,
+)
+from ember.engine.step_types import RequestUpdate
+from ember.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineState(enum.Enum):
+    LOADING = "loading"
+    READY = "ready"
+    STOPPING = "stopping"
+    DEAD = "dead"
+
+
+class EngineDeadError(Exception):
+    """The engine process failed or exited; the request cannot complete."""
+
+
+class RequestRejectedError(Exception):
+    """The engine refused the request (invalid for the model); nothing was generated."""
+
+
+# What a handler's queue receives: (choice index, an update or one of the errors above).
+QueueItem = tuple[int, RequestUpdate | EngineDeadError | RequestRejectedError]
+
+
+@dataclass
+class _Route:
+    queue: asyncio.Queue[QueueItem]
+    index: int
+    model: str
+    waiting: bool = True  # no token yet: queued or prefilling in the engine
+
+
+class EngineClient:
+    """Owns the engine process and the two sockets to it."""
+
+    def __init__(
+        self,
+        configs: list[EngineConfig],
+        on_progress: Callable[[LoadProgress], None] | None = None,
+    ) -> None:
+        self.configs = configs
+        self.state = EngineState.LOADING
+        self.failure: str | None = None
+        self.model_infos: dict[str, ModelInfo] = {}
+        self.stats: dict[str, ModelStats] = {}
+        self._on_progress = on_progress
+        self._routes: dict[str, _Route] = {}
+        self._num_waiting: dict[str, int] = {}
+        self._loaded = asyncio.Event()  # set once ready or dead
+        self._exited = asyncio.Event()
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(EngineMessage)
+        # Created in start(), on the event loop that will read them.
+        self._addresses: IpcAddresses | None = None
+        self._sync_context: zmq.Context | None = None
+        self._async_context: zmq.asyncio.Context | None = None
+        self._requests: zmq.Socket | None = None
+        self._outputs: zmq.asyncio.Socket | None = None
+        self._process: multiprocessing.process.BaseProcess | None = None
+        self._reader: asyncio.Task | None = None
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Bind the sockets and spawn the engine process; loading goes on in the background."""
+        from ember.engine.engine_core import start_engine_process
+
+        self._addresses = IpcAddresses.fresh()
+        self._sync_context = zmq.Context(io_threads=1)
+        self._async_context = zmq.asyncio.Context(io_threads=1)
+        self._requests = self._sync_context.socket(zmq.PUSH)
+        configure_push(self._requests)
+        self._requests.bind(self._addresses.requests)
+        self._outputs = self._async_context.socket(zmq.PULL)
+        configure_pull(self._outputs)
+        self._outputs.bind(self._addresses.outputs)
+        self._process = start_engine_process(self.configs, self._addresses)
+        loop = asyncio.get_running_loop()
+        loop.add_reader(self._process.sentinel, self._on_process_exit)
+        self._reader = asyncio.create_task(self._read_outputs(), name="engine-output-reader")
+
+    async def wait_loaded(self) -> bool:
+        """Wait until the engine has loaded every model (True) or failed (False)."""
+        await self._loaded.wait()
+        return self.state == EngineState.READY
+
+    async def stop(self, timeout_s: float = 10.0) -> None:
+        """Tell the engine to exit, wait for it (then kill it), and release the sockets."""
+        if self.state in (EngineState.LOADING, EngineState.READY):
+            self.state = EngineState.STOPPING
+        self._fail_all("the server is shutting down")
+        if self._process is not None and self._process.is_alive():
+            try:
+                self._requests.send(self._encoder.encode(Shutdown()), zmq.NOBLOCK)
+            except zmq.Again:
+                self._process.terminate()  # it has not connected yet: nothing to lose
+            try:
+                await asyncio.wait_for(self._exited.wait(), timeout_s)
+            except TimeoutError:
+                logger.warning("the engine did not exit in %.0f s; killing it", timeout_s)
+                self._process.kill()
+                await asyncio.to_thread(self._process.join, 5)
+        if self._reader is not None:
+            self._reader.cancel()
+        if self._requests is not None:
+            self._requests.close(linger=0)
+            self._outputs.close(linger=0)
+            self._sync_context.term()
+            self._async_context.term()
+            self._addresses.cleanup()
+            self._requests = None
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid if self._process is not None else None
+
+    # -- requests --------------------------------------------------------------------------------
+
+    def submit(
+        self,
+        request_id: str,
+        model: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        queue: asyncio.Queue[QueueItem],
+        index: int,
+    ) -> None:
+        """Queue a sequence in the engine; its updates go to `queue` tagged with `index`."""
+        if self.state != EngineState.READY:
+            raise EngineDeadError(self.unavailable_reason())
+        self._routes[request_id] = _Route(queue, index, model)
+        self._num_waiting[model] = self._num_waiting.get(model, 0) + 1
+        self._send(AddRequest(request_id, model, prompt_token_ids, params))
+
+    def abort(self, request_ids: list[str]) -> None:
+        """Stop these sequences now; their KV blocks are freed and later updates dropped."""
+        live = [request_id for request_id in request_ids if self._forget(request_id)]
+        if live and self._requests is not None and self.state != EngineState.DEAD:
+            with contextlib.suppress(EngineDeadError):  # cleanup paths call this: never raise
+                self._send(AbortRequests(live))
+
+    def num_waiting(self, model: str) -> int:
+        """Sequences of `model` submitted that have not produced a token yet."""
+        return self._num_waiting.get(model, 0)
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._routes)
+
+    def unavailable_reason(self) -> str:
+        if self.state == EngineState.LOADING:
+            return "the model is still loading"
+        if self.state == EngineState.STOPPING:
+            return "the server is shutting down"
+        return f"the engine process is not running: {self.failure or 'unknown failure'}"
+
+    def _send(self, message: AddRequest | AbortRequests) -> None:
+        if self._requests is None:
+            raise EngineDeadError("the engine connection is closed")
+        try:
+            self._requests.send(self._encoder.encode(message), zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            self._mark_dead(f"cannot reach the engine: {exc}")
+            raise EngineDeadError(self.unavailable_reason()) from exc
+
+    def _forget(self, request_id: str) -> bool:
+        route = self._routes.pop(request_id, None)
+        if route is None:
+            return False
+        if route.waiting:
+            self._num_waiting[route.model] -= 1
+        return True
+
+    # -- outputs ---------------------------------------------------------------------------------
+
+    async def _read_outputs(self) -> None:
+        try:
+            while True:
+                frame = await self._outputs.recv(copy=False)
+                self._dispatch(self._decoder.decode(frame.buffer))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a message we cannot read: the two sides disagree
+            logger.exception("reading engine outputs failed")
+            self._mark_dead(f"bad message from the engine: {exc}")
+
+    def _dispatch(self, message: EngineMessage) -> None:
+        if isinstance(message, StepOutputs):
+            self._route_updates(message)
+        elif isinstance(message, LoadProgress):
+            if self._on_progress is not None:
+                self._on_progress(message)
+        elif isinstance(message, EngineReady):
+            self.model_infos = {info.name: info for info in message.models}
+            if self.state == EngineState.LOADING:
+                self.state = EngineState.READY
+            self._loaded.set()
+        elif isinstance(message, EngineFailed):
+            logger.error("engine failed: %s", message.message)
+            self._mark_dead(message.message.splitlines()[0] if message.message else "failed")
+
+    def _route_updates(self, message: StepOutputs) -> None:
+        if message.stats is not None:
+            for stats in message.stats:
+                self.stats[stats.model] = stats
+        for rejected in message.rejected:
+            route = self._routes.get(rejected.request_id)
+            if route is not None:
+                self._forget(rejected.request_id)
+                route.queue.put_nowait((route.index, RequestRejectedError(rejected.message)))
+        for update in message.updates:
+            route = self._routes.get(update.request_id)
+            if route is None:
+                continue  # aborted by the front end while the engine was stepping
+            if route.waiting:
+                route.waiting = False
+                self._num_waiting[route.model] -= 1
+            if update.finish_reason is not None:
+                del self._routes[update.request_id]
+            route.queue.put_nowait((route.index, update))
+
+    # -- failure ---------------------------------------------------------------------------------
+
+    def _on_process_exit(self) -> None:
+        assert self._process is not None
+        asyncio.get_running_loop().remove_reader(self._process.sentinel)
+        self._process.join(0)
+        self._exited.set()
+        if self.state != EngineState.STOPPING:
+            self._mark_dead(f"the engine process exited with code {self._process.exitcode}")
+
+    def _mark_dead(self, reason: str) -> None:
+        if self.state == EngineState.DEAD:
+            return
+        if self.state != EngineState.STOPPING:
+            logger.error("engine unavailable: %s", reason)
+            self.failure = reason
+            self.state = EngineState.DEAD
+        self._loaded.set()
+        self._fail_all(self.unavailable_reason())
+
+    def _fail_all(self, reason: str) -> None:
+        routes, self._routes = self._routes, {}
+        self._num_waiting.clear()
+        for route in routes.values():
+            route.queue.put_nowait((route.index, EngineDeadError(reason)))

@@ -1,0 +1,126 @@
+"""Prometheus metrics, named like vLLM's with an `ember:` prefix and a `model_name` label.
+
+Two sources: the front end observes requests (token counters, latency histograms) as they
+finish; the engine's scheduler state (running, waiting, KV usage, preemptions) arrives with its
+outputs and is read at scrape time by a custom collector. Each app owns its registry, so two
+apps in one process (tests) never share a metric.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from ember.engine.ipc import ModelStats
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
+TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1, 2.5, 5, 10)
+E2E_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 60, 120, 300, 600, 1200, 3600)
+
+
+class EngineStatsCollector(Collector):
+    """Exposes the latest engine stats snapshot of every model at scrape time."""
+
+    def __init__(self, snapshot: Callable[[], Iterable[ModelStats]]) -> None:
+        self._snapshot = snapshot
+
+    def collect(self) -> Iterable[Metric]:
+        labels = ["model_name"]
+        running = GaugeMetricFamily(
+            "ember:num_requests_running", "Requests in the running batch.", labels=labels
+        )
+        waiting = GaugeMetricFamily(
+            "ember:num_requests_waiting", "Requests waiting to be scheduled.", labels=labels
+        )
+        usage = GaugeMetricFamily(
+            "ember:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).", labels=labels
+        )
+        blocks = GaugeMetricFamily(
+            "ember:kv_cache_blocks_used", "KV cache blocks held by requests.", labels=labels
+        )
+        preemptions = CounterMetricFamily(
+            "ember:num_preemptions", "Requests preempted to free KV blocks.", labels=labels
+        )
+        for stats in self._snapshot():
+            label = [stats.model]
+            running.add_metric(label, stats.num_running)
+            waiting.add_metric(label, stats.num_waiting)
+            usage.add_metric(label, stats.kv_blocks_used / max(1, stats.kv_blocks_total))
+            blocks.add_metric(label, stats.kv_blocks_used)
+            preemptions.add_metric(label, stats.num_preemptions)
+        return [running, waiting, usage, blocks, preemptions]
+
+
+class ServerMetrics:
+    """The app's metrics and its private registry."""
+
+    def __init__(self, engine_stats: Callable[[], Iterable[ModelStats]]) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        labels = ["model_name"]
+        self.prompt_tokens = Counter(
+            "ember:prompt_tokens", "Prompt tokens processed.", labels, registry=self.registry
+        )
+        self.generation_tokens = Counter(
+            "ember:generation_tokens", "Tokens generated.", labels, registry=self.registry
+        )
+        self.request_success = Counter(
+            "ember:request_success",
+            "Requests finished, by finish reason.",
+            [*labels, "finished_reason"],
+            registry=self.registry,
+        )
+        self.time_to_first_token = Histogram(
+            "ember:time_to_first_token_seconds",
+            "Time from arrival to the first generated token.",
+            labels,
+            buckets=TTFT_BUCKETS,
+            registry=self.registry,
+        )
+        self.time_per_output_token = Histogram(
+            "ember:time_per_output_token_seconds",
+            "Mean time between output tokens after the first, per sequence.",
+            labels,
+            buckets=TPOT_BUCKETS,
+            registry=self.registry,
+        )
+        self.e2e_request_latency = Histogram(
+            "ember:e2e_request_latency_seconds",
+            "Time from arrival to the last generated token.",
+            labels,
+            buckets=E2E_BUCKETS,
+            registry=self.registry,
+        )
+        self.registry.register(EngineStatsCollector(engine_stats))
+
+    def observe_sequence(
+        self,
+        model: str,
+        arrival: float,
+        first_token: float | None,
+        last_token: float | None,
+        num_prompt_tokens: int,
+        num_tokens: int,
+        finish_reason: str | None,
+    ) -> None:
+        """Record one finished sequence (times from `time.monotonic()`). Each sequence counts
+        its prompt: the engine computes it once per sequence."""
+        self.prompt_tokens.labels(model).inc(num_prompt_tokens)
+        self.generation_tokens.labels(model).inc(num_tokens)
+        if finish_reason is not None:
+            self.request_success.labels(model, finish_reason).inc()
+        if first_token is None or last_token is None:
+            return
+        self.time_to_first_token.labels(model).observe(first_token - arrival)
+        self.e2e_request_latency.labels(model).observe(last_token - arrival)
+        if num_tokens > 1:
+            self.time_per_output_token.labels(model).observe(
+                (last_token - first_token) / (num_tokens - 1)
+            )
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,115 @@
+"""The models the front end serves: each one's tokenizer (loaded here, in the front end) and
+what the engine reported about it once loaded (context length, vocabulary size)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ember.engine.ipc import ModelInfo
+from ember.server.config import ServedModelSpec
+from ember.server.errors import NotFoundError, ServiceUnavailableError
+from ember.tokenizer.tokenizer import Tokenizer
+
+
+def served_name_for(model: str | None, served_model_name: str | None) -> str:
+    """The name clients use: --served-model-name, else MODEL as typed, else the default
+    model's file name."""
+    if served_model_name:
+        return served_model_name
+    if model:
+        return model
+    from ember.weights.default_model import default_model_path
+
+    return Path(default_model_path()).stem
+
+
+@dataclass
+class ServedModel:
+    """One model as the front end sees it."""
+
+    spec: ServedModelSpec
+    tokenizer: Tokenizer
+    created: int = field(default_factory=lambda: int(time.time()))
+    info: ModelInfo | None = None  # set when the engine has loaded the model
+    _token_texts: dict[int, str] = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def max_model_len(self) -> int:
+        assert self.info is not None, "the engine has not loaded this model yet"
+        return self.info.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        assert self.info is not None, "the engine has not loaded this model yet"
+        return self.info.vocab_size
+
+    def token_text(self, token_id: int) -> str:
+        """The text of one token on its own (for logprobs), cached: the vocabulary is bounded."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            self._token_texts[token_id] = text
+        return text
+
+
+def load_served_model(spec: ServedModelSpec) -> ServedModel:
+    """Open the checkpoint's metadata and build the tokenizer (no weights are read)."""
+    from ember.weights.resolve import open_checkpoint
+
+    checkpoint = open_checkpoint(spec.engine.model)
+    try:
+        tokenizer = Tokenizer.from_checkpoint(checkpoint, spec.chat_template)
+    finally:
+        close = getattr(checkpoint, "close", None)
+        if close is not None:
+            close()  # the front end needs no tensor bytes
+    return ServedModel(spec=spec, tokenizer=tokenizer)
+
+
+class ModelRegistry:
+    """Served models by name; the first one answers requests that name no model.
+
+    Names are known from the start (so an unknown model is a 404 even while loading); each
+    model's tokenizer arrives once loaded.
+    """
+
+    def __init__(self, specs: list[ServedModelSpec]) -> None:
+        self._specs = {spec.name: spec for spec in specs}
+        self._loaded: dict[str, ServedModel] = {}
+        self._default = specs[0].name if specs else None
+
+    @property
+    def names(self) -> list[str]:
+        return list(self._specs)
+
+    @property
+    def specs(self) -> list[ServedModelSpec]:
+        return list(self._specs.values())
+
+    def loaded(self) -> list[ServedModel]:
+        return list(self._loaded.values())
+
+    def add(self, model: ServedModel) -> None:
+        self._loaded[model.name] = model
+
+    def get(self, name: str | None) -> ServedModel:
+        """The model called `name` (None or "": the default one).
+
+        NotFoundError if no such model is served; ServiceUnavailableError while it loads.
+        """
+        key = name or self._default
+        if key not in self._specs:
+            raise NotFoundError(
+                f"The model `{name}` does not exist. Served models: {', '.join(self._specs)}",
+                param="model",
+            )
+        model = self._loaded.get(key)
+        if model is None or model.info is None:
+            raise ServiceUnavailableError(f"the model {key} is still loading", code="loading")
+        return model

@@ -1,0 +1,138 @@
+"""Turn the prompt of a request into token ids: completions prompts in their four shapes, chat
+conversations through the model's chat template. Every failure is a 400."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from ember.server.errors import BadRequestError
+from ember.server.models import ServedModel
+from ember.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
+
+# Texts longer than this are tokenized on a worker thread (HF tokenizers releases the GIL), so
+# one huge prompt does not stall every other stream; short ones are cheaper inline.
+INLINE_TOKENIZE_CHARS = 8192
+
+T = TypeVar("T")
+
+
+@dataclass
+class Prompt:
+    """One prompt as the engine gets it, with its text when the client sent text."""
+
+    token_ids: list[int]
+    text: str | None = None
+
+
+async def completion_prompts(request: CompletionRequest, model: ServedModel) -> list[Prompt]:
+    """A string, a list of strings, a list of token ids or a list of lists of token ids."""
+    raw = request.prompt
+    if isinstance(raw, str):
+        texts: list[str] | None = [raw]
+    elif raw and all(isinstance(p, str) for p in raw):
+        texts = list(raw)
+    else:
+        texts = None
+    if texts is not None:
+        size = sum(map(len, texts))
+        tokenizer = model.tokenizer
+        ids = await _maybe_in_thread(
+            size, tokenizer.encode_batch, texts, request.add_special_tokens
+        )
+        prompts = [Prompt(token_ids, text) for token_ids, text in zip(ids, texts)]
+    elif raw and all(isinstance(t, int) for t in raw):
+        prompts = [Prompt(list(raw))]
+    elif raw and all(isinstance(p, list) for p in raw):
+        prompts = [Prompt(list(p)) for p in raw]
+    else:
+        raise BadRequestError("prompt must not be empty", param="prompt")
+    for prompt in prompts:
+        check_token_ids(prompt.token_ids, model.vocab_size, "prompt")
+    return prompts
+
+
+async def chat_prompt(request: ChatCompletionRequest, model: ServedModel) -> Prompt:
+    """Render the conversation with the chat template and encode it."""
+    ids = await encode_chat(
+        model,
+        request.messages,
+        add_generation_prompt=request.add_generation_prompt and not request.continue_final_message,
+        tools=request.tools,
+        extra=request.chat_template_kwargs or {},
+        continue_final_message=request.continue_final_message,
+    )
+    check_token_ids(ids, model.vocab_size, "messages")
+    return Prompt(ids)
+
+
+async def encode_chat(
+    model: ServedModel,
+    messages: list[ChatMessage],
+    *,
+    add_generation_prompt: bool,
+    tools: list[dict[str, Any]] | None = None,
+    extra: dict[str, Any] | None = None,
+    continue_final_message: bool = False,
+) -> list[int]:
+    if not messages:
+        raise BadRequestError("messages must not be empty", param="messages")
+    conversation = [_message_dict(m, i) for i, m in enumerate(messages)]
+    size = sum(len(m.get("content") or "") for m in conversation)
+
+    def render() -> list[int]:
+        if continue_final_message:
+            # Render without closing the last (assistant) turn: the model continues it.
+            text = model.tokenizer.apply_chat_template(
+                conversation, add_generation_prompt=False, tools=tools, **(extra or {})
+            )
+            last = conversation[-1].get("content") or ""
+            cut = text.rfind(last) + len(last) if last else len(text)
+            return model.tokenizer.encode(text[:cut], add_special_tokens=False)
+        return model.tokenizer.encode_chat(
+            conversation, add_generation_prompt=add_generation_prompt, tools=tools, **(extra or {})
+        )
+
+    try:
+        return await _maybe_in_thread(size, render)
+    except ValueError as exc:  # template errors and "no chat template" come as ValueError
+        raise BadRequestError(str(exc), param="messages") from exc
+
+
+def check_token_ids(token_ids: list[int], vocab_size: int, param: str) -> None:
+    if not token_ids:
+        raise BadRequestError(f"{param} must not be empty", param=param)
+    for token_id in token_ids:
+        if not 0 <= token_id < vocab_size:
+            raise BadRequestError(
+                f"token id {token_id} is outside the vocabulary [0, {vocab_size})", param=param
+            )
+
+
+def _message_dict(message: ChatMessage, index: int) -> dict[str, Any]:
+    """A message as chat templates expect it: text parts joined into one content string."""
+    result: dict[str, Any] = dict(message.model_extra or {})
+    result["role"] = message.role
+    content = message.content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise BadRequestError(
+                    f"messages[{index}].content: only text parts are supported",
+                    param=f"messages.{index}.content",
+                )
+            texts.append(part["text"])
+        content = "\n".join(texts)
+    result["content"] = content if content is not None else ""
+    if message.name is not None:
+        result["name"] = message.name
+    return result
+
+
+async def _maybe_in_thread(size: int, function: Callable[..., T], *args: Any) -> T:
+    if size <= INLINE_TOKENIZE_CHARS:
+        return function(*args)
+    return await asyncio.to_thread(function, *args)

@@ -1,0 +1,94 @@
+"""The HTTP routes. Generation lives in `serving_*`; the rest is small enough to sit here."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+from starlette.requests import Request
+from starlette.responses import Response
+
+from ember import __version__
+from ember.server.errors import ServiceUnavailableError
+from ember.server.metrics import CONTENT_TYPE
+from ember.server.prompts import check_token_ids, encode_chat
+from ember.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+from ember.server.responses import JSONResponse
+from ember.server.serving_chat import create_chat_completion
+from ember.server.serving_completions import create_completion
+from ember.server.state import server_state
+
+
+def build_router() -> APIRouter:
+    router = APIRouter()
+
+    @router.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await create_chat_completion(body, request)
+
+    @router.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await create_completion(body, request)
+
+    @router.get("/v1/models")
+    async def list_models(request: Request) -> Response:
+        state = server_state(request)
+        loaded = {m.name: m for m in state.models.loaded()}
+        data = []
+        for spec in state.models.specs:
+            model = loaded.get(spec.name)
+            data.append(
+                {
+                    "id": spec.name,
+                    "object": "model",
+                    "created": model.created if model else 0,
+                    "owned_by": "ember",
+                    "root": spec.engine.model or spec.name,
+                    "parent": None,
+                    "max_model_len": model.info.max_model_len if model and model.info else None,
+                }
+            )
+        return JSONResponse({"object": "list", "data": data})
+
+    @router.get("/health")
+    async def health(request: Request) -> Response:
+        healthy, reason = server_state(request).lifecycle.health()
+        if not healthy:
+            raise ServiceUnavailableError(reason, code="unhealthy")
+        return JSONResponse({"status": "ok"})
+
+    @router.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        return Response(server_state(request).metrics.render(), media_type=CONTENT_TYPE)
+
+    @router.get("/version")
+    async def version() -> Response:
+        return JSONResponse({"version": __version__})
+
+    @router.post("/tokenize")
+    async def tokenize(body: TokenizeRequest, request: Request) -> Response:
+        model = server_state(request).models.get(body.model)
+        if body.messages is not None:
+            ids = await encode_chat(
+                model, body.messages, add_generation_prompt=body.add_generation_prompt
+            )
+        else:
+            ids = model.tokenizer.encode(
+                body.prompt or "", add_special_tokens=body.add_special_tokens
+            )
+        reply = {"count": len(ids), "max_model_len": model.max_model_len, "tokens": ids}
+        if body.return_token_strs:
+            reply["token_strs"] = [model.token_text(t) for t in ids]
+        return JSONResponse(reply)
+
+    @router.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest, request: Request) -> Response:
+        model = server_state(request).models.get(body.model)
+        if body.tokens:
+            check_token_ids(body.tokens, model.vocab_size, "tokens")
+        return JSONResponse({"prompt": model.tokenizer.decode(body.tokens)})
+
+    return router

@@ -1,0 +1,123 @@
+"""POST /v1/chat/completions: a conversation in, the assistant's reply out, streamed or whole."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from ember.server.connection import cancel_on_disconnect
+from ember.server.errors import APIError, BadRequestError
+from ember.server.generation import Generation
+from ember.server.logprobs import chat_logprobs
+from ember.server.params import build_sampling_params, check_context_length
+from ember.server.prompts import chat_prompt
+from ember.server.protocol import ChatCompletionRequest
+from ember.server.responses import JSONResponse, new_id, usage
+from ember.server.sse import DONE_EVENT, EventStreamResponse, sse_event
+from ember.server.state import server_state
+
+
+async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
+    state = server_state(request)
+    with state.lifecycle.handling():
+        state.lifecycle.check_accepting()
+        model = state.models.get(body.model)
+        if body.top_logprobs and not body.logprobs:
+            raise BadRequestError("top_logprobs needs logprobs: true", param="top_logprobs")
+        prompt = await chat_prompt(body, model)
+        check_context_length(
+            len(prompt.token_ids), body.output_limit, model.max_model_len, param="messages"
+        )
+        params = build_sampling_params(
+            body,
+            max_tokens=body.output_limit,
+            logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+            vocab_size=model.vocab_size,
+        )
+        generation = Generation(
+            state.client, model, state.metrics, [prompt], params, body.n, new_id("chatcmpl")
+        )
+        generation.start(state.config.max_queue)
+    if body.stream:
+        return EventStreamResponse(_stream(generation, body))
+    try:
+        await cancel_on_disconnect(request, _run(generation), generation.abort)
+    finally:
+        generation.abort()
+    return JSONResponse(_response(generation, body))
+
+
+async def _run(generation: Generation) -> None:
+    async for _ in generation.deltas():
+        pass
+
+
+def _response(generation: Generation, body: ChatCompletionRequest) -> dict:
+    choices = [
+        {
+            "index": sequence.index,
+            "message": {"role": "assistant", "content": sequence.text},
+            "logprobs": chat_logprobs(generation.model, sequence.logprobs)
+            if body.logprobs
+            else None,
+            "finish_reason": sequence.finish_reason,
+            "stop_reason": sequence.stop_reason,
+        }
+        for sequence in generation.sequences
+    ]
+    return {
+        "id": generation.request_id,
+        "object": "chat.completion",
+        "created": generation.created,
+        "model": generation.model.name,
+        "choices": choices,
+        "usage": usage(generation.num_prompt_tokens, generation.num_generated_tokens),
+        "system_fingerprint": None,
+    }
+
+
+async def _stream(generation: Generation, body: ChatCompletionRequest) -> AsyncIterator[bytes]:
+    header = {
+        "id": generation.request_id,
+        "object": "chat.completion.chunk",
+        "created": generation.created,
+        "model": generation.model.name,
+    }
+    if body.include_usage:
+        header["usage"] = None  # OpenAI: null on every chunk but the last
+
+    def chunk(index: int, delta: dict, logprobs: dict | None, finish: str | None, stop) -> bytes:
+        choice = {
+            "index": index,
+            "delta": delta,
+            "logprobs": logprobs,
+            "finish_reason": finish,
+            "stop_reason": stop,
+        }
+        return sse_event({**header, "choices": [choice]})
+
+    try:
+        for sequence in generation.sequences:  # the role first, as OpenAI does
+            yield chunk(sequence.index, {"role": "assistant", "content": ""}, None, None, None)
+        async for deltas in generation.deltas():
+            for delta in deltas:
+                if not (delta.text or delta.finished or (body.logprobs and delta.logprobs)):
+                    continue  # a token that ends mid-character: nothing to show yet
+                sequence = delta.sequence
+                yield chunk(
+                    sequence.index,
+                    {"content": delta.text} if delta.text else {},
+                    chat_logprobs(generation.model, delta.logprobs) if body.logprobs else None,
+                    sequence.finish_reason if delta.finished else None,
+                    sequence.stop_reason if delta.finished else None,
+                )
+        if body.include_usage:
+            final = usage(generation.num_prompt_tokens, generation.num_generated_tokens)
+            yield sse_event({**header, "choices": [], "usage": final})
+    except APIError as exc:
+        yield sse_event(exc.body())
+    finally:
+        generation.abort()
+    yield DONE_EVENT

@@ -1,0 +1,64 @@
+"""Turn what the user typed after `--model` into an open `Checkpoint`.
+
+Accepted, in this order: nothing (the bundled default model), an existing `.gguf` file, an
+existing directory (a Hugging Face model directory, or a directory with a single `.gguf`), and
+a Hugging Face model id found in the local cache.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from ember.weights.checkpoint import Checkpoint
+from ember.weights.hf_cache import ModelNotFoundError, find_cached_model, is_model_id
+from ember.weights.hf_checkpoint import HFDirCheckpoint
+
+GGUF_SUFFIX = ".gguf"
+
+
+def open_checkpoint(
+    model: str | os.PathLike[str] | None, revision: str | None = None
+) -> Checkpoint:
+    """Open `model`; `revision` (branch, tag or commit) applies only to HF cache ids."""
+    if model is None:
+        if revision is not None:
+            raise ValueError("a revision needs a model id")
+        # Imported here: the default model's module pulls in GGUF support, needed only now.
+        from ember.weights.default_model import default_model_path
+
+        return open_path(Path(default_model_path()))
+    path = Path(model).expanduser()
+    if path.exists():
+        if revision is not None:
+            raise ValueError(f"{path}: a revision applies only to Hugging Face model ids")
+        return open_path(path)
+    text = os.fspath(model)
+    if not is_model_id(text) or text.endswith(GGUF_SUFFIX):
+        raise ModelNotFoundError(f"{text}: no such file or directory")
+    return open_path(find_cached_model(text, revision), name=text)
+
+
+def open_path(path: Path, name: str | None = None) -> Checkpoint:
+    """Open an existing `.gguf` file or model directory."""
+    if path.is_file():
+        if path.suffix.lower() != GGUF_SUFFIX:
+            raise ValueError(f"{path}: not a .gguf file; pass a .gguf file or a model directory")
+        return _open_gguf(path)
+    if not path.is_dir():
+        raise ValueError(f"{path}: neither a file nor a directory")
+    gguf_files = sorted(path.glob("*" + GGUF_SUFFIX))
+    has_safetensors = any(path.glob("*.safetensors"))
+    if gguf_files and not has_safetensors:
+        if len(gguf_files) > 1:
+            listing = ", ".join(p.name for p in gguf_files)
+            raise ValueError(f"{path}: holds several .gguf files ({listing}); pass one of them")
+        return _open_gguf(gguf_files[0])
+    return HFDirCheckpoint(path, name=name)
+
+
+def _open_gguf(path: Path) -> Checkpoint:
+    # Imported lazily: GGUF support is only needed for GGUF models.
+    from ember.weights.gguf_checkpoint import GGUFCheckpoint
+
+    return GGUFCheckpoint(path)

@@ -1,0 +1,1 @@
+"""Reusable test helpers (tiny models, tokenizer fixtures)."""

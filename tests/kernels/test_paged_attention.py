@@ -1,0 +1,187 @@
+"""Paged attention kernel vs the PyTorch reference on ragged, mixed, shuffled-block steps."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from ember.kernels import choose_num_kv_splits, paged_attention
+from ember.layers.reference_ops import paged_attention_reference
+
+TOLERANCE = {torch.float32: 2e-4, torch.bfloat16: 2e-2, torch.float16: 5e-3}
+
+
+@dataclass
+class Step:
+    q: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+    max_query_len: int
+    max_seq_len: int
+
+    def args(self):
+        return (self.q, self.k_cache, self.v_cache, self.query_start_loc, self.seq_lens,
+                self.block_tables)  # fmt: skip
+
+
+def make_step(
+    gen, device, q_lens, seq_lens, *, num_kv_heads, group, head_dim, page=16,
+    dtype=torch.float32,
+) -> Step:  # fmt: skip
+    """Random q and cache; each sequence's blocks are a shuffled, non-contiguous draw (never
+    block 0), and tables have unused trailing entries."""
+    blocks_per_seq = [-(-n // page) for n in seq_lens]
+    num_blocks = 1 + sum(blocks_per_seq) + 3
+    ids = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
+    table = torch.zeros(len(seq_lens), max(blocks_per_seq) + 2, dtype=torch.int32)
+    for seq, n in enumerate(blocks_per_seq):
+        table[seq, :n] = torch.tensor([ids.pop() for _ in range(n)], dtype=torch.int32)
+    shape = (num_blocks, page, num_kv_heads, head_dim)
+    num_tokens = sum(q_lens)
+    q = torch.randn(num_tokens, num_kv_heads * group, head_dim, generator=gen)
+    starts = torch.tensor([0, *q_lens]).cumsum(0).to(torch.int32)
+    return Step(
+        q=q.to(dtype).to(device),
+        k_cache=torch.randn(shape, generator=gen).to(dtype).to(device),
+        v_cache=torch.randn(shape, generator=gen).to(dtype).to(device),
+        query_start_loc=starts.to(device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        block_tables=table.to(device),
+        max_query_len=max(q_lens),
+        max_seq_len=max(seq_lens),
+    )
+
+
+def run_both(step: Step, **kernel_kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    scale = step.q.shape[-1] ** -0.5
+    out = torch.full_like(step.q, float("nan"))  # poisoned: every row must be written
+    paged_attention(*step.args(), scale, out, max_query_len=step.max_query_len,
+                    max_seq_len=step.max_seq_len, **kernel_kwargs)  # fmt: skip
+    expected = paged_attention_reference(
+        *(t.cpu() for t in step.args()), scale, torch.empty_like(step.q, device="cpu"),
+        max_query_len=step.max_query_len, max_seq_len=step.max_seq_len,
+    )  # fmt: skip
+    return out.cpu(), expected
+
+
+def assert_close(actual, expected, dtype):
+    assert not actual.isnan().any(), "kernel left rows unwritten"
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(actual.float(), expected.float(), atol=tol, rtol=tol)
+
+
+def test_reference_matches_dense_attention(gen):
+    """The reference itself, against a token-by-token dense softmax over the gathered cache."""
+    q_lens, seq_lens = [3, 1], [20, 9]
+    step = make_step(gen, "cpu", q_lens, seq_lens, num_kv_heads=2, group=2, head_dim=16, page=4)
+    _, got = run_both_reference_only(step)
+    page, group = 4, 2
+    for seq, (q_len, seq_len) in enumerate(zip(q_lens, seq_lens)):
+        blocks = step.block_tables[seq].long()
+        for j in range(q_len):
+            tok = int(step.query_start_loc[seq]) + j
+            pos = seq_len - q_len + j
+            slots = [(int(blocks[p // page]), p % page) for p in range(pos + 1)]
+            for head in range(4):
+                kv = head // group
+                keys = torch.stack([step.k_cache[b, o, kv] for b, o in slots])
+                values = torch.stack([step.v_cache[b, o, kv] for b, o in slots])
+                weights = torch.softmax(keys @ step.q[tok, head] * 16**-0.5, dim=0)
+                torch.testing.assert_close(got[tok, head], weights @ values)
+
+
+def run_both_reference_only(step: Step):
+    out = torch.empty_like(step.q)
+    return None, paged_attention_reference(
+        *step.args(), step.q.shape[-1] ** -0.5, out,
+        max_query_len=step.max_query_len, max_seq_len=step.max_seq_len,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_ragged_gqa(gen, device, group, dtype):
+    seq_lens = [1, 17, 64, 100, 33]  # partial blocks, an exact tile, a single token
+    step = make_step(gen, device, [1] * len(seq_lens), seq_lens, num_kv_heads=2, group=group,
+                     head_dim=64, dtype=dtype)  # fmt: skip
+    assert_close(*run_both(step, num_kv_splits=1), dtype)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_decode_head_dims(gen, device, head_dim):
+    step = make_step(gen, device, [1, 1, 1], [70, 5, 129], num_kv_heads=2, group=4,
+                     head_dim=head_dim, dtype=torch.bfloat16)  # fmt: skip
+    assert_close(*run_both(step, num_kv_splits=1), torch.bfloat16)
+
+
+@pytest.mark.parametrize("num_splits", [2, 5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_split_kv(gen, device, num_splits, dtype):
+    """Forced split-KV: long sequences use every split, short ones leave splits empty."""
+    seq_lens = [300, 7, 130, 64]
+    step = make_step(gen, device, [1] * 4, seq_lens, num_kv_heads=2, group=4, head_dim=64,
+                     dtype=dtype)  # fmt: skip
+    assert_close(*run_both(step, num_kv_splits=num_splits), dtype)
+
+
+def test_decode_split_kv_chosen_by_heuristic(gen, device):
+    """Few sequences and few SMs: the wrapper picks more than one split on its own."""
+    step = make_step(gen, device, [1, 1], [600, 513], num_kv_heads=1, group=4, head_dim=64)
+    assert choose_num_kv_splits(2, 1, step.max_seq_len, num_sms=8) == 3
+    assert_close(*run_both(step, num_sms=8), torch.float32)
+
+
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mixed_prefill_and_decode(gen, device, group, dtype):
+    """Prefill chunks (one from scratch, some starting mid-sequence) interleaved with decodes."""
+    contexts = [0, 30, 20, 70, 9, 0]
+    q_lens = [21, 1, 17, 1, 40, 1]
+    seq_lens = [c + n for c, n in zip(contexts, q_lens)]
+    step = make_step(gen, device, q_lens, seq_lens, num_kv_heads=2, group=group, head_dim=64,
+                     dtype=dtype)  # fmt: skip
+    assert_close(*run_both(step), dtype)
+
+
+def test_prefill_long_chunk_head_dim_128(gen, device):
+    """A chunk spanning several query tiles and key tiles, mid-sequence, head_dim 128."""
+    step = make_step(gen, device, [150, 2], [170, 40], num_kv_heads=1, group=4, head_dim=128,
+                     page=8, dtype=torch.bfloat16)  # fmt: skip
+    assert_close(*run_both(step), torch.bfloat16)
+
+
+def test_strided_views_and_empty_sequence(gen, device):
+    """q as a slice of a fused qkv buffer, and a zero-length (padding) sequence in the batch."""
+    step = make_step(gen, device, [4, 0, 1], [10, 3, 50], num_kv_heads=2, group=2, head_dim=32)
+    qkv = torch.randn(step.q.shape[0], 8 * 32, generator=gen).to(device)
+    q = qkv[:, : 4 * 32].view(-1, 4, 32)
+    q.copy_(step.q)
+    step.q = q
+    assert q.stride(0) == 8 * 32
+    assert_close(*run_both(step), torch.float32)
+
+
+def test_decode_with_empty_sequence_split(gen, device):
+    step = make_step(gen, device, [1, 0, 1], [40, 3, 300], num_kv_heads=1, group=4, head_dim=32)
+    assert_close(*run_both(step, num_kv_splits=3), torch.float32)
+
+
+def test_split_heuristic():
+    # Batch 1 at 4k context on 132 SMs: split into 16 segments of 256 tokens.
+    assert choose_num_kv_splits(1, 8, 4096, 132) == 16
+    assert choose_num_kv_splits(1, 8, 512, 132) == 2
+    # Enough programs already: no split.
+    assert choose_num_kv_splits(64, 8, 4096, 132) == 1
+    assert choose_num_kv_splits(256, 8, 4096, 132) == 1
+    assert 1 <= choose_num_kv_splits(8, 8, 4096, 132) <= 32
+
+
+def test_split_kv_rejected_for_prefill(gen, device):
+    step = make_step(gen, device, [3], [3], num_kv_heads=1, group=1, head_dim=16)
+    with pytest.raises(ValueError, match="decode-only"):
+        run_both(step, num_kv_splits=2)

@@ -1,0 +1,77 @@
+"""The endpoints around generation: models, health, metrics, version, tokenize, detokenize."""
+
+from __future__ import annotations
+
+import httpx
+
+METRIC_NAMES = (
+    "ember:num_requests_running",
+    "ember:num_requests_waiting",
+    "ember:kv_cache_usage_perc",
+    "ember:kv_cache_blocks_used",
+    "ember:prompt_tokens_total",
+    "ember:generation_tokens_total",
+    "ember:num_preemptions_total",
+    "ember:time_to_first_token_seconds_bucket",
+    "ember:time_per_output_token_seconds_bucket",
+    "ember:e2e_request_latency_seconds_bucket",
+)
+
+
+def test_models_lists_the_served_model(client, model_name):
+    models = client.models.list().data
+    assert [m.id for m in models] == [model_name]
+    assert models[0].object == "model" and models[0].owned_by == "ember"
+    assert models[0].model_extra["max_model_len"] == 1024
+
+
+def test_health_needs_no_key(server):
+    reply = httpx.get(server.base_url + "/health")
+    assert reply.status_code == 200
+
+
+def test_version(http):
+    from ember import __version__
+
+    assert http.get("/version").json() == {"version": __version__}
+
+
+def test_metrics_change_after_requests(server, client, model_name):
+    before = server.metrics()
+    for name in METRIC_NAMES:
+        assert any(key.split("{")[0] == name for key in before), name
+    assert all('model_name="' in k for k in before if k.startswith("ember:"))
+    client.completions.create(model=model_name, prompt="Hello", max_tokens=3, temperature=0)
+    after = server.metrics()
+
+    def total(samples, name):
+        return sum(v for k, v in samples.items() if k.split("{")[0] == name)
+
+    assert total(after, "ember:generation_tokens_total") == (
+        total(before, "ember:generation_tokens_total") + 3
+    )
+    assert total(after, "ember:prompt_tokens_total") > total(before, "ember:prompt_tokens_total")
+    for name in (
+        "ember:time_to_first_token_seconds_count",
+        "ember:e2e_request_latency_seconds_count",
+        "ember:time_per_output_token_seconds_count",
+    ):
+        assert total(after, name) == total(before, name) + 1, name
+
+
+def test_tokenize_and_detokenize_round_trip(http, model_name):
+    text = "Hello, world! Ünïcödé"
+    tokens = http.post("/tokenize", json={"model": model_name, "prompt": text}).json()
+    assert tokens["count"] == len(tokens["tokens"]) > 0
+    assert tokens["max_model_len"] == 1024
+    back = http.post("/detokenize", json={"model": model_name, "tokens": tokens["tokens"]})
+    assert back.json() == {"prompt": text}
+
+
+def test_tokenize_chat_messages(http, model_name):
+    reply = http.post(
+        "/tokenize",
+        json={"model": model_name, "messages": [{"role": "user", "content": "Hi"}]},
+    ).json()
+    plain = http.post("/tokenize", json={"model": model_name, "prompt": "Hi"}).json()
+    assert reply["count"] > plain["count"]  # the template adds the turn markers

@@ -1,0 +1,135 @@
+"""Short-lived servers for what ends a server: a full queue (429), SIGTERM (drain, then exit),
+and a dead engine process (503 at once, /health says so)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import httpx
+import openai
+import psutil
+import pytest
+from server_process import ServerProcess
+
+# One sequence at a time and two may wait: the queue is easy to fill.
+SMALL_SERVER_FLAGS = (
+    "--max-model-len", "512",
+    "--num-gpu-blocks-override", "64",
+    "--max-num-seqs", "1",
+    "--max-queue", "2",
+    "--shutdown-timeout", "60",
+)  # fmt: skip
+
+LONG = {"max_tokens": 400, "temperature": 0, "extra_body": {"ignore_eos": True}}
+
+
+@pytest.fixture(scope="module")
+def small_server():
+    process = ServerProcess(*SMALL_SERVER_FLAGS, api_key=None).start()
+    yield process
+    process.kill()
+
+
+def engine_process(server: ServerProcess) -> psutil.Process:
+    (child,) = [
+        p for p in psutil.Process(server.process.pid).children() if "python" in p.name().lower()
+    ]
+    return child
+
+
+def first_chunk_of_stream(client, model: str, **kwargs):
+    stream = client.completions.create(
+        model=model, prompt="Once upon a time", stream=True, **kwargs
+    )
+    return stream, next(iter(stream))
+
+
+def test_full_queue_is_429_with_retry_after(small_server):
+    client = small_server.client()
+    model = client.models.list().data[0].id
+    running, _ = first_chunk_of_stream(client, model, **LONG)
+    waiting = [
+        client.completions.create(model=model, prompt="Hi", stream=True, **LONG) for _ in range(2)
+    ]
+    reply = httpx.post(
+        small_server.base_url + "/v1/completions", json={"model": model, "prompt": "Hi"}
+    )
+    assert reply.status_code == 429
+    assert reply.headers["retry-after"] == "1"
+    assert reply.json()["error"]["type"] == "rate_limit_error"
+    for stream in (running, *waiting):
+        stream.close()
+    deadline = time.monotonic() + 20
+    while small_server.metric("ember:kv_cache_blocks_used") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    out = client.completions.create(model=model, prompt="Hi", max_tokens=2)
+    assert out.usage.completion_tokens == 2
+
+
+def test_sigterm_drains_running_requests_then_exits(small_server):
+    client = small_server.client()
+    model = client.models.list().data[0].id
+    engine = engine_process(small_server)
+    result = {}
+
+    def finish_stream(stream, first_chunk):
+        chunks = [first_chunk, *stream]
+        result["usage"] = chunks[-1].usage
+        result["finish"] = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+
+    stream, first = first_chunk_of_stream(
+        client,
+        model,
+        max_tokens=30,
+        temperature=0,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
+    reader = threading.Thread(target=finish_stream, args=(stream, first))
+    reader.start()
+    os.kill(small_server.process.pid, signal.SIGTERM)
+    # New requests are refused with 503 while the running one finishes.
+    deadline = time.monotonic() + 10
+    while True:
+        reply = httpx.post(
+            small_server.base_url + "/v1/completions",
+            json={"model": model, "prompt": "Hi", "max_tokens": 2},
+        )
+        if reply.status_code == 503 or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert reply.status_code == 503
+    assert reply.json()["error"]["code"] == "shutting_down"
+    assert httpx.get(small_server.base_url + "/health").status_code == 503
+    reader.join(timeout=60)
+    assert result["finish"] == "length" and result["usage"].completion_tokens == 30
+    assert small_server.process.wait(timeout=60) == 0
+    engine.wait(timeout=30)
+    assert not engine.is_running()
+
+
+def test_dead_engine_fails_requests_fast_and_health_says_so():
+    server = ServerProcess(*SMALL_SERVER_FLAGS, api_key=None).start()
+    try:
+        client = server.client()
+        model = client.models.list().data[0].id
+        stream, _ = first_chunk_of_stream(client, model, **LONG)
+        engine_process(server).send_signal(signal.SIGKILL)
+        # The stream in flight ends with an error event instead of hanging.
+        with pytest.raises(openai.APIError):
+            for _ in stream:
+                pass
+        health = httpx.get(server.base_url + "/health")
+        assert health.status_code == 503
+        assert "engine" in health.json()["error"]["message"]
+        start = time.monotonic()
+        reply = httpx.post(
+            server.base_url + "/v1/completions", json={"model": model, "prompt": "Hi"}
+        )
+        assert reply.status_code == 503 and time.monotonic() - start < 2
+        assert reply.json()["error"]["code"] == "engine_unavailable"
+    finally:
+        server.kill()
