@@ -400,8 +400,8 @@ def test_launched_server_is_healthy_inside_the_block_and_gone_after():
     assert process.poll() is not None
 
 
-def test_launched_server_start_failure_shows_the_log_tail():
-    spec = _stand_in_spec(server_args=("--crash-on-start",))
+def test_launched_server_start_failure_shows_the_log_tail(tmp_path):
+    spec = _stand_in_spec(server_args=("--crash-on-start",), log_path=str(tmp_path / "serve.log"))
     with (
         pytest.raises(launch.ServerStartError, match="planted start failure"),
         launch.LaunchedServer(spec),
@@ -429,16 +429,18 @@ def _ember_server_exists() -> bool:
 @pytest.mark.skipif(not _ember_server_exists(), reason="ember.cli / ember.server not written yet")
 def test_launch_runs_the_default_model_end_to_end(tmp_path):
     out = tmp_path / "launch.json"
+    # Sampled ShareGPT outputs add up to ~4,000 tokens: capped so CI time stays bounded.
     command = [
         sys.executable, "-m", "ember.bench.serve", "--launch", "--disable-tqdm",
         "--dataset", "sharegpt", "--num-prompts", "16", "--max-concurrency", "4",
-        "--output-json", str(out),
+        "--sharegpt-output-len", "32", "--output-json", str(out),
     ]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, timeout=1800, check=False)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads(out.read_text())
     assert set(REPORT_FIELDS) <= set(report)
     assert (report["completed"], report["failed"]) == (16, 0)
+    assert report["total_output_tokens"] == 16 * 32
     assert "ember.cli serve" in report["server_command"]
     assert report["server_cpu_seconds"] > 0
 

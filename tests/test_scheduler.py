@@ -22,7 +22,7 @@ def make_request(rid: str, prompt_len: int, max_tokens: int = 4, eos=()) -> Requ
 def fake_runner_output(out: SchedulerOutput, scheduler: Scheduler, token: int = 7) -> RunnerOutput:
     """Every request whose scheduled tokens reach its end samples `token`."""
     ids = []
-    for rid, n in out.num_scheduled_tokens.items():
+    for rid in out.num_scheduled_tokens:
         req = scheduler.requests[rid]
         if req.num_computed_tokens == req.num_tokens:
             ids.append(rid)

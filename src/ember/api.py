@@ -57,6 +57,7 @@ class LLM:
         long_prefill_token_threshold: int = 0,
         enforce_eager: bool = False,
         overlap: bool | None = None,
+        backend: str = "auto",
     ) -> None:
         scheduler = SchedulerConfig(
             max_num_seqs=max_num_seqs,
@@ -79,6 +80,7 @@ class LLM:
             seed=seed,
             enforce_eager=enforce_eager,
             overlap=overlap,
+            backend=backend,
         )
         self.instance = ModelInstance(config)
         self._ids = itertools.count()

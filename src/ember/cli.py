@@ -34,6 +34,30 @@ BENCH_COMMANDS: dict[str, BenchCommand] = {
         "run_serve_bench",
         "load an OpenAI-compatible server and report throughput, latency and cost",
     ),
+    "step": BenchCommand(
+        "ember.bench.step_bench",
+        "add_arguments",
+        "run",
+        "decode and prefill step times on a GPU against the measured roofline",
+    ),
+    "make-model": BenchCommand(
+        "ember.bench.make_model",
+        "add_arguments",
+        "run",
+        "write a random-weight checkpoint of a real model's shape (e.g. llama-3.1-8b)",
+    ),
+    "parity": BenchCommand(
+        "ember.bench.parity",
+        "add_arguments",
+        "run",
+        "greedy tokens of the Triton path against the reference path on one checkpoint",
+    ),
+    "cpu-step": BenchCommand(
+        "ember.bench.cpu_step",
+        "add_arguments",
+        "run",
+        "host-side cost of one engine step (schedule, stage inputs, update), no model",
+    ),
 }
 
 API_KEY_ENV = "EMBER_API_KEY"

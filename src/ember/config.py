@@ -147,4 +147,5 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     seed: int = 0
     enforce_eager: bool = False  # no CUDA graphs
+    backend: str = "auto"  # compute primitives: auto (Triton on CUDA), triton or reference
     overlap: bool | None = None  # None: overlap CPU and GPU work when on a GPU

@@ -62,6 +62,9 @@ def smollm2_tokenizer_dir(cache_dir: Path | None = None) -> Path:
     """
     import transformers
 
+    prebuilt = os.environ.get("EMBER_TEST_TOKENIZER_DIR")
+    if prebuilt:  # the GPU machine gets the saved files, not the 98 MB GGUF
+        return Path(prebuilt)
     gguf = smollm2_gguf_path()
     stat = gguf.stat()
     root = cache_dir if cache_dir is not None else default_cache_dir()

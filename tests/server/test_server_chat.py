@@ -20,10 +20,17 @@ def collect_stream(stream) -> tuple[dict[int, str], dict[int, str], list]:
     return texts, finish, chunks
 
 
-def test_chat_completion(client, model_name):
-    out = client.chat.completions.create(
-        model=model_name, messages=MESSAGES, max_tokens=10, temperature=0
+@pytest.fixture(scope="module")
+def greedy_reply(server, model_name):
+    """The greedy 8-token reply to MESSAGES."""
+    return server.client().chat.completions.create(
+        model=model_name, messages=MESSAGES, max_tokens=8, temperature=0
     )
+
+
+def test_chat_completion(greedy_reply, model_name):
+    out = greedy_reply
+    assert out.model == model_name
     assert out.object == "chat.completion"
     message = out.choices[0].message
     assert message.role == "assistant" and "Paris" in message.content
@@ -39,25 +46,28 @@ def test_max_completion_tokens_limits_the_reply(client, model_name):
     assert out.usage.completion_tokens == 3 and out.choices[0].finish_reason == "length"
 
 
-def test_streamed_chat_equals_whole(client, model_name):
-    kwargs = {"model": model_name, "messages": MESSAGES, "max_tokens": 10, "temperature": 0}
-    whole = client.chat.completions.create(**kwargs)
+def test_streamed_chat_equals_whole(client, model_name, greedy_reply):
     texts, finish, chunks = collect_stream(
         client.chat.completions.create(
-            stream=True, stream_options={"include_usage": True}, **kwargs
+            model=model_name,
+            messages=MESSAGES,
+            max_tokens=8,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
         )
     )
     assert chunks[0].choices[0].delta.role == "assistant"
-    assert texts == {0: whole.choices[0].message.content}
-    assert finish == {0: whole.choices[0].finish_reason}
-    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+    assert texts == {0: greedy_reply.choices[0].message.content}
+    assert finish == {0: greedy_reply.choices[0].finish_reason}
+    assert chunks[-1].choices == [] and chunks[-1].usage == greedy_reply.usage
 
 
 def test_n2_seeded_is_reproducible_streamed_or_not(client, model_name):
     kwargs = {
         "model": model_name,
         "messages": MESSAGES,
-        "max_tokens": 10,
+        "max_tokens": 5,
         "temperature": 1.0,
         "n": 2,
         "seed": 99,
@@ -107,22 +117,11 @@ def test_streamed_logprobs(client, model_name):
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_stop_strings(client, model_name, stream):
-    greedy = (
-        client.chat.completions.create(
-            model=model_name, messages=MESSAGES, max_tokens=12, temperature=0
-        )
-        .choices[0]
-        .message.content
-    )
+def test_stop_strings(client, model_name, greedy_reply, stream):
+    greedy = greedy_reply.choices[0].message.content
     stop = greedy.split()[2]
-    kwargs = {
-        "model": model_name,
-        "messages": MESSAGES,
-        "max_tokens": 12,
-        "temperature": 0,
-        "stop": stop,
-    }
+    kwargs = {"model": model_name, "messages": MESSAGES, "max_tokens": 8, "temperature": 0}
+    kwargs["stop"] = stop
     if stream:
         texts, finish, _ = collect_stream(client.chat.completions.create(stream=True, **kwargs))
         text, reason = texts[0], finish[0]

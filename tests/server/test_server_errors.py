@@ -18,9 +18,17 @@ def assert_error(reply: httpx.Response, status: int, param: str | None = None) -
 
 
 @pytest.fixture(autouse=True)
-def server_stays_up(server, client, model_name):
+def server_stays_up(server):
     yield
-    out = client.completions.create(model=model_name, prompt="Hi", max_tokens=2, temperature=0)
+    assert httpx.get(server.base_url + "/health").status_code == 200
+
+
+@pytest.fixture(scope="module", autouse=True)
+def server_still_generates(server, model_name):
+    yield
+    out = server.client().completions.create(
+        model=model_name, prompt="Hi", max_tokens=2, temperature=0
+    )
     assert out.usage.completion_tokens == 2
 
 

@@ -3,6 +3,7 @@ and a dead engine process (503 at once, /health says so)."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -34,10 +35,10 @@ def small_server():
 
 
 def engine_process(server: ServerProcess) -> psutil.Process:
-    (child,) = [
-        p for p in psutil.Process(server.process.pid).children() if "python" in p.name().lower()
-    ]
-    return child
+    """The engine: the front end's child started by multiprocessing's spawn."""
+    children = psutil.Process(server.process.pid).children()
+    (engine,) = [p for p in children if "spawn_main" in " ".join(p.cmdline())]
+    return engine
 
 
 def first_chunk_of_stream(client, model: str, **kwargs):
@@ -83,7 +84,7 @@ def test_sigterm_drains_running_requests_then_exits(small_server):
     stream, first = first_chunk_of_stream(
         client,
         model,
-        max_tokens=30,
+        max_tokens=12,
         temperature=0,
         stream_options={"include_usage": True},
         extra_body={"ignore_eos": True},
@@ -105,7 +106,7 @@ def test_sigterm_drains_running_requests_then_exits(small_server):
     assert reply.json()["error"]["code"] == "shutting_down"
     assert httpx.get(small_server.base_url + "/health").status_code == 503
     reader.join(timeout=60)
-    assert result["finish"] == "length" and result["usage"].completion_tokens == 30
+    assert result["finish"] == "length" and result["usage"].completion_tokens == 12
     assert small_server.process.wait(timeout=60) == 0
     engine.wait(timeout=30)
     assert not engine.is_running()
@@ -114,22 +115,25 @@ def test_sigterm_drains_running_requests_then_exits(small_server):
 def test_dead_engine_fails_requests_fast_and_health_says_so():
     server = ServerProcess(*SMALL_SERVER_FLAGS, api_key=None).start()
     try:
-        client = server.client()
-        model = client.models.list().data[0].id
-        stream, _ = first_chunk_of_stream(client, model, **LONG)
-        engine_process(server).send_signal(signal.SIGKILL)
-        # The stream in flight ends with an error event instead of hanging.
-        with pytest.raises(openai.APIError):
-            for _ in stream:
-                pass
+        body = {"prompt": "Once upon a time", "stream": True, "max_tokens": 400, "ignore_eos": True}
+        with httpx.stream("POST", server.base_url + "/v1/completions", json=body) as stream:
+            lines = stream.iter_lines()
+            assert next(lines).startswith("data: {")  # generating
+            engine_process(server).send_signal(signal.SIGKILL)
+            # The stream in flight ends with an error event, then [DONE], instead of hanging.
+            events = [line for line in lines if line.startswith("data: ")]
+        assert events[-1] == "data: [DONE]"
+        error = json.loads(events[-2].removeprefix("data: "))["error"]
+        assert error["code"] == "engine_unavailable" and "engine" in error["message"]
         health = httpx.get(server.base_url + "/health")
         assert health.status_code == 503
         assert "engine" in health.json()["error"]["message"]
         start = time.monotonic()
-        reply = httpx.post(
-            server.base_url + "/v1/completions", json={"model": model, "prompt": "Hi"}
-        )
+        reply = httpx.post(server.base_url + "/v1/completions", json={"prompt": "Hi"})
         assert reply.status_code == 503 and time.monotonic() - start < 2
         assert reply.json()["error"]["code"] == "engine_unavailable"
+        # The openai client sees the same as an error.
+        with pytest.raises(openai.InternalServerError):
+            server.client().completions.create(model="", prompt="Hi")
     finally:
         server.kill()

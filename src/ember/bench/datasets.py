@@ -134,11 +134,13 @@ def sample_sharegpt(
     num_requests: int,
     seed: int,
     counter: TokenCounter,
+    fixed_output_len: int | None = None,
 ) -> list[SampledRequest]:
     """Shuffle the pairs with `seed` and keep the first `num_requests` valid ones, in that order.
 
     The first turn is the prompt; the second turn's token count is the output length (sent as
-    max_tokens with ignore_eos). Fewer are returned only if the whole set runs out.
+    max_tokens with ignore_eos), unless `fixed_output_len` replaces it for every request (vLLM's
+    --sharegpt-output-len). Fewer are returned only if the whole set runs out.
     """
     order = list(range(len(pairs)))
     random.Random(seed).shuffle(order)
@@ -150,8 +152,15 @@ def sample_sharegpt(
         chunk = order[cursor : cursor + max(64, 2 * missing)]
         cursor += len(chunk)
         prompts = [pairs[i][0] for i in chunk]
-        lengths = counter.count_tokens(prompts + [pairs[i][1] for i in chunk])
-        for prompt, prompt_len, output_len in zip(prompts, lengths, lengths[len(chunk) :]):
+        if fixed_output_len is None:
+            lengths = counter.count_tokens(prompts + [pairs[i][1] for i in chunk])
+            prompt_lens, output_lens = lengths[: len(chunk)], lengths[len(chunk) :]
+        else:
+            prompt_lens, output_lens = (
+                counter.count_tokens(prompts),
+                [fixed_output_len] * len(chunk),
+            )
+        for prompt, prompt_len, output_len in zip(prompts, prompt_lens, output_lens, strict=True):
             if is_valid_pair(prompt_len, output_len):
                 chosen.append(SampledRequest(prompt, prompt_len, output_len))
                 if len(chosen) == num_requests:
@@ -184,6 +193,9 @@ def add_dataset_arguments(parser) -> None:
     )
     group.add_argument("--num-prompts", type=int, default=1000, help="requests to send")
     group.add_argument("--seed", type=int, default=0, help="sampling and arrival seed")
+    group.add_argument(
+        "--sharegpt-output-len", type=int, help="sharegpt: this output length for every request"
+    )
     group.add_argument("--input-len", type=int, default=1024, help="random: prompt tokens")
     group.add_argument("--output-len", type=int, default=128, help="random: output tokens")
 
@@ -193,4 +205,4 @@ def sample_requests(args, counter: TokenCounter) -> list[SampledRequest]:
     if args.dataset == "random":
         return sample_random(args.num_prompts, args.input_len, args.output_len, args.seed, counter)
     pairs = load_sharegpt_pairs(args.dataset_path)
-    return sample_sharegpt(pairs, args.num_prompts, args.seed, counter)
+    return sample_sharegpt(pairs, args.num_prompts, args.seed, counter, args.sharegpt_output_len)

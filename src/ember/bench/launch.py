@@ -6,6 +6,8 @@ can be cleaned up with it, and its output goes to a log file whose tail explains
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import os
 import shlex
 import signal
@@ -16,11 +18,13 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Self
 
 LOG_TAIL_LINES = 40
+PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 
 
 class ServerStartError(RuntimeError):
@@ -88,7 +92,12 @@ class LaunchedServer:
     def __enter__(self) -> Self:
         with open(self._log_path, "wb") as log:
             self._process = subprocess.Popen(
-                self.command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                self.command,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                # Safe here despite threads: prctl is resolved beforehand, the child only calls it.
+                preexec_fn=_terminate_with_parent_hook(),  # noqa: PLW1509
             )
         try:
             self._wait_healthy()
@@ -137,6 +146,15 @@ class LaunchedServer:
         text = self._log_path.read_text(errors="replace") if self._log_path.exists() else ""
         tail = "\n".join(text.splitlines()[-lines:])
         return f"$ {shlex.join(self.command)}\n--- server log ({self._log_path}) ---\n{tail}"
+
+
+def _terminate_with_parent_hook() -> Callable[[], object] | None:
+    """A function for the server's process to run before exec, asking the kernel to SIGTERM it
+    if the benchmark process dies first (killed by a timeout, say), so that no server is left
+    behind. Linux only; None elsewhere."""
+    if sys.platform != "linux":
+        return None
+    return functools.partial(ctypes.CDLL(None).prctl, PR_SET_PDEATHSIG, int(signal.SIGTERM))
 
 
 def _temporary_log_path() -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import time
 from pathlib import Path
 
@@ -16,53 +17,53 @@ import torch
 from safetensors.torch import save_file
 
 PRESETS: dict[str, dict] = {
-    "llama-3.1-8b": dict(
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        vocab_size=128256,
-        max_position_embeddings=131072,
-        rope_theta=500000.0,
-        tie_word_embeddings=False,
-        rope_scaling=dict(
-            rope_type="llama3",
-            factor=8.0,
-            low_freq_factor=1.0,
-            high_freq_factor=4.0,
-            original_max_position_embeddings=8192,
-        ),
-    ),
-    "llama-3.2-1b": dict(
-        hidden_size=2048,
-        intermediate_size=8192,
-        num_hidden_layers=16,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        vocab_size=128256,
-        max_position_embeddings=131072,
-        rope_theta=500000.0,
-        tie_word_embeddings=True,
-        rope_scaling=dict(
-            rope_type="llama3",
-            factor=32.0,
-            low_freq_factor=1.0,
-            high_freq_factor=4.0,
-            original_max_position_embeddings=8192,
-        ),
-    ),
-    "tiny": dict(
-        hidden_size=256,
-        intermediate_size=768,
-        num_hidden_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        vocab_size=49152,
-        max_position_embeddings=8192,
-        rope_theta=10000.0,
-        tie_word_embeddings=True,
-    ),
+    "llama-3.1-8b": {
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "vocab_size": 128256,
+        "max_position_embeddings": 131072,
+        "rope_theta": 500000.0,
+        "tie_word_embeddings": False,
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    },
+    "llama-3.2-1b": {
+        "hidden_size": 2048,
+        "intermediate_size": 8192,
+        "num_hidden_layers": 16,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "vocab_size": 128256,
+        "max_position_embeddings": 131072,
+        "rope_theta": 500000.0,
+        "tie_word_embeddings": True,
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 32.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    },
+    "tiny": {
+        "hidden_size": 256,
+        "intermediate_size": 768,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "vocab_size": 49152,
+        "max_position_embeddings": 8192,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": True,
+    },
 }
 
 _SHARD_BYTES = 4 << 30
@@ -116,7 +117,13 @@ def random_tensor(name: str, shape: tuple[int, ...], gen: torch.Generator, devic
     return std * torch.randn(shape, generator=gen, device=device)
 
 
-def make_model(preset: str, out: Path, seed: int = 0, device: str | None = None) -> Path:
+def make_model(
+    preset: str,
+    out: Path,
+    seed: int = 0,
+    device: str | None = None,
+    tokenizer_dir: Path | None = None,
+) -> Path:
     """Write the checkpoint into `out`; returns it. Random bf16 weights, drawn on `device`."""
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
@@ -164,11 +171,16 @@ def make_model(preset: str, out: Path, seed: int = 0, device: str | None = None)
     (out / "generation_config.json").write_text(
         json.dumps({"bos_token_id": cfg["bos_token_id"], "eos_token_id": cfg["eos_token_id"]})
     )
-    _write_tokenizer(out)
+    _write_tokenizer(out, tokenizer_dir)
     return out
 
 
-def _write_tokenizer(out: Path) -> None:
+def _write_tokenizer(out: Path, tokenizer_dir: Path | None) -> None:
+    if tokenizer_dir is not None:  # saved tokenizer files, e.g. on a machine without the GGUF
+        for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+            if (tokenizer_dir / name).is_file():
+                shutil.copy(tokenizer_dir / name, out / name)
+        return
     from ember.weights.default_model import default_model_path
     from ember.weights.gguf_checkpoint import GGUFCheckpoint
 
@@ -184,10 +196,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, required=True, help="directory to write")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default=None, help="where to draw the weights (default: cuda)")
+    parser.add_argument(
+        "--tokenizer-dir", type=Path, default=None,
+        help="copy tokenizer files from here instead of rebuilding SmolLM2's from its GGUF",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     start = time.perf_counter()
-    path = make_model(args.preset, args.out, args.seed, args.device)
+    path = make_model(args.preset, args.out, args.seed, args.device, args.tokenizer_dir)
     print(f"wrote {args.preset} to {path} in {time.perf_counter() - start:.1f} s")
     return 0

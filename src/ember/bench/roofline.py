@@ -34,11 +34,14 @@ def time_cuda(fn, warmup: int = 3, repeat: int = 10) -> float:
 
 
 def measure_ceilings(copy_bytes: int = 4 << 30, gemm: int = 8192) -> Ceilings:
-    src = torch.randn(copy_bytes // 2, dtype=torch.bfloat16, device="cuda")
-    dst = torch.empty_like(src)
-    copy_s = time_cuda(lambda: dst.copy_(src))
-    del src, dst
+    copy_s = _copy_seconds(copy_bytes)
     a = torch.randn(gemm, gemm, dtype=torch.bfloat16, device="cuda")
     b = torch.randn(gemm, gemm, dtype=torch.bfloat16, device="cuda")
     gemm_s = time_cuda(lambda: torch.matmul(a, b))
     return Ceilings(hbm_bytes_per_s=2 * copy_bytes / copy_s, bf16_flops_per_s=2 * gemm**3 / gemm_s)
+
+
+def _copy_seconds(copy_bytes: int) -> float:
+    src = torch.randn(copy_bytes // 2, dtype=torch.bfloat16, device="cuda")
+    dst = torch.empty_like(src)
+    return time_cuda(lambda: dst.copy_(src))

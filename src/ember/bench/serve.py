@@ -85,7 +85,9 @@ def add_serve_bench_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="MODEL",
         help="start `ember serve [MODEL]` on a free port, run, then stop it",
     )
-    target.add_argument("--server-args", default="", help="extra `ember serve` flags, quoted")
+    target.add_argument(
+        "--server-args", default="", help='extra `ember serve` flags: --server-args="--flag value"'
+    )
     target.add_argument("--server-cpus", help="pin the launched server to these CPUs (taskset -c)")
     target.add_argument("--server-startup-timeout", type=float, default=600.0, metavar="SECONDS")
     target.add_argument("--server-log", help="keep the launched server's output in this file")

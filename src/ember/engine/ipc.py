@@ -178,13 +178,13 @@ class EngineChannel:
     def receive(self, block: bool) -> list[FrontendMessage]:
         """Every message waiting now; with `block`, first wait (without a timeout) for one.
 
-        Returns an empty list after the parent died (and sets `parent_alive` false).
+        Returns an empty list once the parent has died (and sets `parent_alive` false); a busy
+        engine notices too, since each call polls the parent's pipe (one cheap syscall).
         """
-        if block:
-            events = dict(self._poller.poll())  # no timeout: an idle engine sleeps
-            if self._parent_death_fd is not None and self._parent_death_fd in events:
-                self.parent_alive = False
-                return []
+        events = dict(self._poller.poll(None if block else 0))
+        if self._parent_death_fd is not None and self._parent_death_fd in events:
+            self.parent_alive = False
+            return []
         messages = []
         while True:
             try:

@@ -79,7 +79,7 @@ class ModelInstance:
             config.scheduler.max_model_len or cfg.max_position_embeddings,
             cfg.max_position_embeddings,
         )
-        self.ops = select_ops(self.device)
+        self.ops = select_ops(self.device, config.backend)
         self.model = self._load_model(ckpt)
         block_size = config.cache.block_size
         num_blocks = self._num_kv_blocks()
@@ -146,6 +146,7 @@ class ModelInstance:
         if cache.kv_cache_memory_bytes is not None:
             budget = cache.kv_cache_memory_bytes
         elif self.device.type == "cuda":
+            torch.cuda.empty_cache()  # cached-but-free blocks are not "used"
             free, total = torch.cuda.mem_get_info(self.device)
             used = total - free
             budget = int(total * cache.gpu_memory_utilization) - used - _GPU_ACTIVATION_RESERVE

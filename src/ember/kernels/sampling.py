@@ -29,13 +29,13 @@ import triton.language as tl
 
 from ember.kernels.hash_rng import row_key, token_uniform
 
+# 1024 logits per step: measured on an H200 faster than 2048 with loop-level pipelining.
 _BLOCK_V = 1024
 _NUM_PROBES = 16
 # Candidate list size per row: big enough for usual top-k / top-p sets, small enough to search
 # in registers ([_CANDIDATES, _NUM_PROBES] comparisons per probe pass).
 _CANDIDATES = 1024
-_INT32_MIN = -(2**31)
-_LOG2E = 1.4426950408889634
+_LOG2E = tl.constexpr(1.4426950408889634)  # read inside the kernel: must be a constexpr
 
 
 @triton.jit

@@ -244,9 +244,17 @@ def sample_reference(
     ``argmax(l - log(-log(u)))`` over the kept tokens, ``u`` from ``hash_uniform``.
     """
     logits = logits.float()
+    vocab = logits.shape[-1]
     greedy = logits.argmax(dim=-1)
     scaled = logits / torch.where(temperature > 0, temperature, 1.0)[:, None]
-    keep = sampling_keep_mask(logits, temperature, top_k, top_p, min_p)
-    u = hash_uniform(seeds, steps, logits.shape[-1])
+    # Only rows that filter pay for the sort (this is the engine's CPU sampler too).
+    filtered = (temperature > 0) & (((top_k > 0) & (top_k < vocab)) | (top_p < 1) | (min_p > 0))
+    keep = torch.ones_like(logits, dtype=torch.bool)
+    if filtered.any():
+        rows = filtered.nonzero().squeeze(1)
+        keep[rows] = sampling_keep_mask(
+            logits[rows], temperature[rows], top_k[rows], top_p[rows], min_p[rows]
+        )
+    u = hash_uniform(seeds, steps, vocab)
     race = torch.where(keep, scaled - torch.log(-torch.log(u)), float("-inf"))
     return torch.where(temperature > 0, race.argmax(dim=-1), greedy)

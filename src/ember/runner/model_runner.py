@@ -35,9 +35,15 @@ class RequestState:
     num_output_tokens: int  # includes samples still on their way back
     block_ids: list[int]
     num_computed_tokens: int
+    block_array: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    stop_ids: tuple[int, ...] = ()  # masked until min_tokens: EOS and the request's stop ids
     # The launched step whose sample is our newest token, and the row of that sample.
     pending_step: StepHandle | None = None
     pending_row: int = 0
+
+    def add_blocks(self, block_ids: list[int]) -> None:
+        self.block_ids.extend(block_ids)
+        self.block_array = np.asarray(self.block_ids, dtype=np.int32)  # copied into block tables
 
     @property
     def num_known_tokens(self) -> int:
@@ -195,12 +201,15 @@ class ModelRunner:
                 params=new.params,
                 seed=new.seed,
                 num_output_tokens=new.num_output_tokens,
-                block_ids=list(new.block_ids),
+                block_ids=[],
                 num_computed_tokens=new.num_computed_tokens,
+                stop_ids=self.stop_ids_until_min_tokens + tuple(new.params.stop_token_ids),
             )
+            self.states[new.request_id].add_blocks(new.block_ids)
         for cached in scheduled.cached_requests:
             state = self.states[cached.request_id]
-            state.block_ids.extend(cached.new_block_ids)
+            if cached.new_block_ids:
+                state.add_blocks(cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
 
     def _stage_inputs(self, scheduled: SchedulerOutput, st) -> _StepPlan:
@@ -217,17 +226,23 @@ class ModelRunner:
             start = state.num_computed_tokens
             known = len(state.token_ids)
             end = start + n
-            host_end = min(end, known)
-            ids[t : t + host_end - start] = state.token_ids[start:host_end]
             if end > known:  # the last token fed was sampled by the step still in flight
                 gather_dst[plan.num_gathers] = t + n - 1
                 gather_src[plan.num_gathers] = state.pending_row
                 plan.num_gathers += 1
-            p = np.arange(start, end)
-            blocks = np.asarray(state.block_ids, dtype=np.int64)
-            pos[t : t + n] = p
-            slots[t : t + n] = blocks[p // bs] * bs + p % bs
-            tables[s, : len(blocks)] = blocks
+            blocks = state.block_ids
+            if n == 1:  # a decode: scalar work only, this loop runs once per request per step
+                if end <= known:
+                    ids[t] = state.token_ids[start]
+                pos[t] = start
+                slots[t] = blocks[start // bs] * bs + start % bs
+            else:
+                host_end = min(end, known)
+                ids[t : t + host_end - start] = state.token_ids[start:host_end]
+                p = np.arange(start, end)
+                pos[t : t + n] = p
+                slots[t : t + n] = state.block_array[p // bs].astype(np.int64) * bs + p % bs
+            tables[s, : len(blocks)] = state.block_array
             seq_lens[s] = end
             t += n
             qsl[s + 1] = t
@@ -256,7 +271,7 @@ class ModelRunner:
         st.numpy("seq_lens")[b:n] = 1
         st.numpy("query_start_loc")[b + 1 : n + 1] = np.arange(b + 1, n + 1)
         st.numpy("block_tables")[b:n] = 0
-        padded = _StepPlan(**{**plan.__dict__})
+        padded = _StepPlan(**plan.__dict__)
         padded.num_tokens = padded.num_seqs = n
         return padded
 
@@ -277,10 +292,9 @@ class ModelRunner:
             params=state.params,
             seed=state.seed,
             step=state.num_output_tokens,
-            prompt_token_ids=state.token_ids[: state.num_prompt_tokens],
-            output_token_ids=state.token_ids[state.num_prompt_tokens :],
-            stop_ids_until_min_tokens=self.stop_ids_until_min_tokens
-            + tuple(state.params.stop_token_ids),
+            token_ids=state.token_ids,
+            num_prompt_tokens=state.num_prompt_tokens,
+            stop_ids_until_min_tokens=state.stop_ids,
         )
 
 

@@ -23,9 +23,17 @@ class SamplingRow:
     params: SamplingParams
     seed: int
     step: int  # tokens this request has already generated
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]  # complete only when penalties are used
+    token_ids: list[int]  # prompt then outputs; complete only when penalties are used
+    num_prompt_tokens: int
     stop_ids_until_min_tokens: tuple[int, ...]  # EOS and stop ids, masked before min_tokens
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
 
 
 class Sampler:

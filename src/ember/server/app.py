@@ -37,7 +37,9 @@ def build_app(config: ServerConfig) -> FastAPI:
         config=config,
         client=client,
         models=ModelRegistry(list(config.models)),
-        metrics=ServerMetrics(lambda: list(client.stats.values())),
+        metrics=ServerMetrics(
+            [spec.name for spec in config.models], lambda: list(client.stats.values())
+        ),
         lifecycle=Lifecycle(client, config.shutdown_timeout_s),
     )
 

@@ -127,14 +127,18 @@ class EngineClient:
 
     async def stop(self, timeout_s: float = 10.0) -> None:
         """Tell the engine to exit, wait for it (then kill it), and release the sockets."""
+        was_loading = self.state == EngineState.LOADING
         if self.state in (EngineState.LOADING, EngineState.READY):
             self.state = EngineState.STOPPING
         self._fail_all("the server is shutting down")
         if self._process is not None and self._process.is_alive():
-            try:
-                self._requests.send(self._encoder.encode(Shutdown()), zmq.NOBLOCK)
-            except zmq.Again:
-                self._process.terminate()  # it has not connected yet: nothing to lose
+            if was_loading:
+                self._process.terminate()  # it reads no message while loading; nothing to lose
+            else:
+                try:
+                    self._requests.send(self._encoder.encode(Shutdown()), zmq.NOBLOCK)
+                except zmq.ZMQError:
+                    self._process.terminate()
             try:
                 await asyncio.wait_for(self._exited.wait(), timeout_s)
             except TimeoutError:

@@ -59,7 +59,9 @@ class EngineStatsCollector(Collector):
 class ServerMetrics:
     """The app's metrics and its private registry."""
 
-    def __init__(self, engine_stats: Callable[[], Iterable[ModelStats]]) -> None:
+    def __init__(
+        self, model_names: Iterable[str], engine_stats: Callable[[], Iterable[ModelStats]]
+    ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         labels = ["model_name"]
         self.prompt_tokens = Counter(
@@ -96,6 +98,15 @@ class ServerMetrics:
             registry=self.registry,
         )
         self.registry.register(EngineStatsCollector(engine_stats))
+        for name in model_names:  # every series exists (at zero) from the first scrape
+            for metric in (
+                self.prompt_tokens,
+                self.generation_tokens,
+                self.time_to_first_token,
+                self.time_per_output_token,
+                self.e2e_request_latency,
+            ):
+                metric.labels(name)
 
     def observe_sequence(
         self,
@@ -108,13 +119,13 @@ class ServerMetrics:
         finish_reason: str | None,
     ) -> None:
         """Record one finished sequence (times from `time.monotonic()`). Each sequence counts
-        its prompt: the engine computes it once per sequence."""
+        its prompt: the engine computes it once per sequence. Aborted sequences count their
+        tokens but no latency."""
         self.prompt_tokens.labels(model).inc(num_prompt_tokens)
         self.generation_tokens.labels(model).inc(num_tokens)
-        if finish_reason is not None:
-            self.request_success.labels(model, finish_reason).inc()
-        if first_token is None or last_token is None:
+        if finish_reason in (None, "abort") or first_token is None or last_token is None:
             return
+        self.request_success.labels(model, finish_reason).inc()
         self.time_to_first_token.labels(model).observe(first_token - arrival)
         self.e2e_request_latency.labels(model).observe(last_token - arrival)
         if num_tokens > 1:

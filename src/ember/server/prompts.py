@@ -59,10 +59,9 @@ async def chat_prompt(request: ChatCompletionRequest, model: ServedModel) -> Pro
     ids = await encode_chat(
         model,
         request.messages,
-        add_generation_prompt=request.add_generation_prompt and not request.continue_final_message,
+        add_generation_prompt=request.add_generation_prompt,
         tools=request.tools,
         extra=request.chat_template_kwargs or {},
-        continue_final_message=request.continue_final_message,
     )
     check_token_ids(ids, model.vocab_size, "messages")
     return Prompt(ids)
@@ -75,7 +74,6 @@ async def encode_chat(
     add_generation_prompt: bool,
     tools: list[dict[str, Any]] | None = None,
     extra: dict[str, Any] | None = None,
-    continue_final_message: bool = False,
 ) -> list[int]:
     if not messages:
         raise BadRequestError("messages must not be empty", param="messages")
@@ -83,14 +81,6 @@ async def encode_chat(
     size = sum(len(m.get("content") or "") for m in conversation)
 
     def render() -> list[int]:
-        if continue_final_message:
-            # Render without closing the last (assistant) turn: the model continues it.
-            text = model.tokenizer.apply_chat_template(
-                conversation, add_generation_prompt=False, tools=tools, **(extra or {})
-            )
-            last = conversation[-1].get("content") or ""
-            cut = text.rfind(last) + len(last) if last else len(text)
-            return model.tokenizer.encode(text[:cut], add_special_tokens=False)
         return model.tokenizer.encode_chat(
             conversation, add_generation_prompt=add_generation_prompt, tools=tools, **(extra or {})
         )

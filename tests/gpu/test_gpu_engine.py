@@ -1,0 +1,88 @@
+"""The GPU fast path (Triton kernels, CUDA graphs, overlap) against the reference path.
+
+Skipped without a CUDA GPU; `scripts/gpu_run.sh` runs these on the H200.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers.tiny_models import make_tiny_model
+
+from ember import LLM, SamplingParams
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+ARCHS = ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"]
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+def random_prompts(count: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, 90, (count,), generator=g).tolist()
+    return [torch.randint(3, 40000, (n,), generator=g).tolist() for n in lengths]
+
+
+def greedy_tokens(llm: LLM, prompts, params=GREEDY) -> list[list[int]]:
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    llm.instance.scheduler.check_invariants()
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def tiny_dir(request, tmp_path_factory):
+    return make_tiny_model(request.param, tmp_path_factory.mktemp(request.param))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_triton_path_matches_reference_path(tiny_dir, dtype):
+    prompts = random_prompts(16)
+    kwargs = {"device": "cuda", "dtype": dtype, "max_model_len": 256, "kv_cache_memory_bytes": 1 << 30}
+    reference = greedy_tokens(LLM(str(tiny_dir), backend="reference", **kwargs), prompts)
+    fast = LLM(str(tiny_dir), backend="triton", **kwargs)
+    assert greedy_tokens(fast, prompts) == reference
+    assert fast.instance.runner.graphs.captured, "decode steps should have used CUDA graphs"
+
+
+def test_triton_path_matches_transformers(tiny_dir):
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).cuda()
+    prompts = random_prompts(4, seed=3)
+    llm = LLM(str(tiny_dir), device="cuda", dtype="float32", max_model_len=256,
+              kv_cache_memory_bytes=1 << 30)
+    ours = greedy_tokens(llm, prompts)
+    for prompt, tokens in zip(prompts, ours):
+        ref = hf.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=24,
+                          min_new_tokens=24, do_sample=False, pad_token_id=0)
+        assert tokens == ref[0, len(prompt):].tolist()
+
+
+def test_graphs_and_overlap_do_not_change_tokens(tmp_path):
+    path = make_tiny_model("LlamaForCausalLM", tmp_path)
+    prompts = random_prompts(40, seed=5)
+    kwargs = {"device": "cuda", "dtype": "bfloat16", "max_model_len": 256, "kv_cache_memory_bytes": 1 << 30}
+    plain = greedy_tokens(LLM(str(path), enforce_eager=True, overlap=False, **kwargs), prompts)
+    fast = greedy_tokens(LLM(str(path), enforce_eager=False, overlap=True, **kwargs), prompts)
+    assert fast == plain
+
+
+def test_seeded_sampling_same_on_both_paths(tmp_path):
+    path = make_tiny_model("LlamaForCausalLM", tmp_path)
+    prompts = random_prompts(12, seed=9)
+    params = [
+        SamplingParams(temperature=0.8, top_k=k, top_p=p, min_p=m, seed=100 + i, max_tokens=16)
+        for i, (k, p, m) in enumerate(
+            [(0, 1.0, 0.0), (20, 1.0, 0.0), (0, 0.8, 0.0), (0, 1.0, 0.1), (50, 0.9, 0.05)] * 3
+        )
+    ][: len(prompts)]
+    kwargs = {"device": "cuda", "dtype": "float32", "max_model_len": 256, "kv_cache_memory_bytes": 1 << 30}
+    ref_llm = LLM(str(path), backend="reference", **kwargs)
+    fast_llm = LLM(str(path), backend="triton", **kwargs)
+    ref = [o.outputs[0].token_ids for o in ref_llm.generate(
+        [{"prompt_token_ids": p} for p in prompts], params)]
+    fast = [o.outputs[0].token_ids for o in fast_llm.generate(
+        [{"prompt_token_ids": p} for p in prompts], params)]
+    assert fast == ref

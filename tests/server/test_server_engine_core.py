@@ -1,0 +1,150 @@
+"""The engine loop and its IPC, without a model: fake instances that emit one token per step."""
+
+from __future__ import annotations
+
+import os
+import threading
+from types import SimpleNamespace
+
+import msgspec
+import zmq
+
+from ember.engine.engine_core import EngineCore
+from ember.engine.ipc import (
+    AbortRequests,
+    AddRequest,
+    EngineChannel,
+    FrontendMessage,
+    IpcAddresses,
+    Shutdown,
+    StepOutputs,
+)
+from ember.engine.step_types import RequestUpdate
+from ember.sampling_params import SamplingParams
+
+
+class FakeInstance:
+    """Every request gets token 7 per step until it has `max_tokens` of them."""
+
+    def __init__(self, vocab_size: int = 100) -> None:
+        self.vocab_size = vocab_size
+        self.requests: dict[str, list] = {}
+        self.scheduler = SimpleNamespace(running=[], waiting=[], num_preemptions=0)
+        self.kv_manager = SimpleNamespace(pool=SimpleNamespace(capacity=10), num_free_blocks=10)
+
+    def add_request(self, request_id, prompt_token_ids, params):
+        if any(t >= self.vocab_size for t in prompt_token_ids):
+            raise ValueError("token id outside the vocabulary")
+        self.requests[request_id] = [params.max_tokens, 0, len(prompt_token_ids)]
+        self._sync()
+
+    def abort(self, request_id):
+        found = self.requests.pop(request_id, None) is not None
+        self._sync()
+        return found
+
+    def has_work(self):
+        return bool(self.requests)
+
+    def step(self):
+        updates = []
+        for request_id, state in list(self.requests.items()):
+            state[1] += 1
+            done = state[1] >= state[0]
+            updates.append(
+                RequestUpdate(request_id, [7], [None], "length" if done else None, state[2])
+            )
+            if done:
+                del self.requests[request_id]
+        self._sync()
+        return updates
+
+    def _sync(self):
+        self.scheduler.running = list(self.requests)
+        self.kv_manager.num_free_blocks = 10 - len(self.requests)
+
+
+class ScriptedChannel:
+    """Feeds the loop message batches; records what it sends."""
+
+    def __init__(self, batches: list[list[FrontendMessage]]) -> None:
+        self.batches = batches
+        self.sent: list[StepOutputs] = []
+        self.parent_alive = True
+        self.blocking_receives = 0
+
+    def receive(self, block: bool):
+        if block:
+            self.blocking_receives += 1
+        if self.batches:
+            return self.batches.pop(0)
+        return [Shutdown()] if block else []
+
+    def send(self, message):
+        self.sent.append(message)
+
+
+def add(request_id: str, model: str, max_tokens: int, prompt=(1, 2, 3)) -> AddRequest:
+    return AddRequest(request_id, model, list(prompt), SamplingParams(max_tokens=max_tokens))
+
+
+def test_steps_every_model_and_reports_tokens_until_done():
+    a, b = FakeInstance(), FakeInstance()
+    channel = ScriptedChannel([[add("r1", "a", 2), add("r2", "b", 3)]])
+    EngineCore({"a": a, "b": b}, channel).run()
+    updates = [u for m in channel.sent for u in m.updates]
+    assert [(u.request_id, u.finish_reason) for u in updates] == [
+        ("r1", None),
+        ("r2", None),
+        ("r1", "length"),
+        ("r2", None),
+        ("r2", "length"),
+    ]
+    # Idle at the end: a stats message settles the gauges at zero, then the loop blocks.
+    assert channel.sent[-1].stats is not None
+    assert {s.model: s.kv_blocks_used for s in channel.sent[-1].stats} == {"a": 0, "b": 0}
+    assert channel.blocking_receives >= 1
+
+
+def test_invalid_request_and_unknown_model_are_rejected_not_fatal():
+    channel = ScriptedChannel([[add("bad", "a", 2, prompt=[500]), add("x", "nope", 2)]])
+    EngineCore({"a": FakeInstance()}, channel).run()
+    rejected = [r for m in channel.sent for r in m.rejected]
+    assert [r.request_id for r in rejected] == ["bad", "x"]
+    assert "vocabulary" in rejected[0].message and "nope" in rejected[1].message
+
+
+def test_abort_stops_a_request_between_steps():
+    instance = FakeInstance()
+    channel = ScriptedChannel([[add("r1", "a", 100)], [AbortRequests(["r1", "unknown"])]])
+    EngineCore({"a": instance}, channel).run()
+    updates = [u for m in channel.sent for u in m.updates]
+    assert len(updates) == 1 and not instance.requests
+
+
+def test_channel_round_trip_and_parent_death():
+    addresses = IpcAddresses.fresh()
+    context = zmq.Context()
+    requests = context.socket(zmq.PUSH)
+    requests.bind(addresses.requests)
+    outputs = context.socket(zmq.PULL)
+    outputs.bind(addresses.outputs)
+    read_end, write_end = os.pipe()
+    channel = EngineChannel(addresses, parent_death_fd=read_end)
+    try:
+        requests.send(msgspec.msgpack.encode(add("r1", "a", 4)))
+        (message,) = channel.receive(block=True)
+        assert message == add("r1", "a", 4)
+        channel.send(StepOutputs([RequestUpdate("r1", [5], [None], None, 3)]))
+        decoded = msgspec.msgpack.decode(outputs.recv(), type=StepOutputs)
+        assert decoded.updates[0].new_token_ids == [5]
+        # The parent's end of the pipe closes when it dies: a blocked receive wakes up.
+        threading.Timer(0.1, os.close, args=(write_end,)).start()
+        assert channel.receive(block=True) == [] and not channel.parent_alive
+    finally:
+        channel.close()
+        os.close(read_end)
+        requests.close(0)
+        outputs.close(0)
+        context.term()
+        addresses.cleanup()
