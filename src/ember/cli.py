@@ -15,6 +15,12 @@ import sys
 from collections.abc import Sequence
 from typing import NamedTuple
 
+from ember.server.config import (
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_QUEUE,
+    DEFAULT_SHUTDOWN_TIMEOUT_S,
+)
+
 
 class BenchCommand(NamedTuple):
     """A benchmark under `ember bench`: its module, the function adding its flags to a parser,
@@ -109,21 +115,29 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-queue",
         type=int,
-        default=1024,
+        default=DEFAULT_MAX_QUEUE,
         help="requests that may wait for the engine per model; beyond, 429 with Retry-After",
     )
     parser.add_argument(
-        "--max-request-body-bytes", type=int, default=16 << 20, help="larger bodies get 413"
+        "--max-request-body-bytes",
+        type=int,
+        default=DEFAULT_MAX_BODY_BYTES,
+        help="larger bodies get 413",
     )
     parser.add_argument(
         "--shutdown-timeout",
         type=float,
-        default=30.0,
+        default=DEFAULT_SHUTDOWN_TIMEOUT_S,
         help="seconds running requests may take to finish after SIGTERM",
     )
     parser.add_argument("--uvicorn-log-level", default="info")
     parser.add_argument("--disable-uvicorn-access-log", action="store_true")
-    parser.add_argument("--disable-log-stats", action="store_true", help="accepted; no effect")
+    parser.add_argument(
+        "--disable-log-stats",
+        "--disable-log-requests",
+        action="store_true",
+        help="accepted for vLLM compatibility; no effect",
+    )
     parser.add_argument(
         "--disable-progress-bar", action="store_true", help="no progress bar while loading"
     )

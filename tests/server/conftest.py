@@ -1,12 +1,13 @@
 """A real `ember serve` (front end + engine process, the embedded SmolLM2 on the CPU), started
-once for the test session and shared by the tests of this folder."""
+once for the tests of this folder and shared by them."""
 
 from __future__ import annotations
 
 import httpx
 import openai
 import pytest
-from server_process import API_KEY, ServerProcess
+
+from .server_process import API_KEY, ServerProcess
 
 # Sized for a 2-core CPU: a short context and a small KV pool load fast; 64 sequences per step
 # let the concurrency test run in one batch.
@@ -20,7 +21,7 @@ SESSION_SERVER_FLAGS = (
 )  # fmt: skip
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def server():
     process = ServerProcess(*SESSION_SERVER_FLAGS).start()
     yield process
@@ -30,7 +31,7 @@ def server():
         process.kill()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def model_name(server) -> str:
     return server.client().models.list().data[0].id
 

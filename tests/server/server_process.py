@@ -47,22 +47,34 @@ class ServerProcess:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     def start(self) -> ServerProcess:
+        """Launch and wait until /health says 200."""
+        self.launch()
+        self.wait_for(lambda status: status == 200, "healthy")
+        return self
+
+    def launch(self) -> ServerProcess:
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(
                 self.command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
             )
+        return self
+
+    def wait_for(self, ready, what: str) -> int:
+        """Poll /health until `ready(status_code)`; the last status code."""
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise RuntimeError(f"server exited ({self.process.returncode}):\n{self.log()}")
             try:
-                if httpx.get(self.base_url + "/health", timeout=2).status_code == 200:
-                    return self
+                status = httpx.get(self.base_url + "/health", timeout=2).status_code
+                if ready(status):
+                    return status
             except httpx.HTTPError:
                 pass
-            time.sleep(0.2)
+            time.sleep(0.05)
+        log = self.log()
         self.kill()
-        raise RuntimeError(f"server not healthy after {STARTUP_TIMEOUT_S} s:\n{self.log()}")
+        raise RuntimeError(f"server not {what} after {STARTUP_TIMEOUT_S} s:\n{log}")
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")[-6000:]
@@ -74,7 +86,8 @@ class ServerProcess:
         return self.process.wait(timeout=timeout)
 
     def kill(self) -> None:
-        """Whatever is left of the process group goes (the engine too)."""
+        """Whatever is left of the process group goes (the engine too); the log goes too,
+        unless it holds a traceback worth reading."""
         if self.process is None:
             return
         try:
@@ -82,6 +95,10 @@ class ServerProcess:
         except ProcessLookupError:
             pass
         self.process.wait()
+        if "Traceback" in self.log_path.read_text(errors="replace"):
+            print(f"server log kept: {self.log_path}")
+        else:
+            self.log_path.unlink(missing_ok=True)
 
     def client(self, **kwargs) -> openai.OpenAI:
         return openai.OpenAI(

@@ -12,7 +12,7 @@ PROMPTS = [
     "def fibonacci(n):",
     "The three primary colors are",
 ]
-MAX_TOKENS = 8
+MAX_TOKENS = 16
 
 
 async def stream_completion(client, model, prompt: str, max_tokens: int) -> str:

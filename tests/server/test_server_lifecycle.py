@@ -13,7 +13,8 @@ import httpx
 import openai
 import psutil
 import pytest
-from server_process import ServerProcess
+
+from .server_process import ServerProcess
 
 # One sequence at a time and two may wait: the queue is easy to fill.
 SMALL_SERVER_FLAGS = (
@@ -113,8 +114,15 @@ def test_sigterm_drains_running_requests_then_exits(small_server):
 
 
 def test_dead_engine_fails_requests_fast_and_health_says_so():
-    server = ServerProcess(*SMALL_SERVER_FLAGS, api_key=None).start()
+    server = ServerProcess(*SMALL_SERVER_FLAGS, api_key=None).launch()
     try:
+        # While the engine loads (seconds: it imports torch first), the HTTP server already
+        # answers, with 503.
+        assert server.wait_for(lambda status: status in (200, 503), "listening") == 503
+        reply = httpx.post(server.base_url + "/v1/completions", json={"prompt": "Hi"})
+        if reply.status_code == 503:  # (unless loading finished in between)
+            assert reply.json()["error"]["code"] == "loading"
+        server.wait_for(lambda status: status == 200, "healthy")
         body = {"prompt": "Once upon a time", "stream": True, "max_tokens": 400, "ignore_eos": True}
         with httpx.stream("POST", server.base_url + "/v1/completions", json=body) as stream:
             lines = stream.iter_lines()

@@ -149,10 +149,20 @@ class ModelInstance:
             torch.cuda.empty_cache()  # cached-but-free blocks are not "used"
             free, total = torch.cuda.mem_get_info(self.device)
             used = total - free
-            budget = int(total * cache.gpu_memory_utilization) - used - _GPU_ACTIVATION_RESERVE
+            budget = int(total * cache.gpu_memory_utilization) - used - self._activation_bytes()
         else:
             budget = _CPU_KV_BYTES_DEFAULT
         return max(2, budget // block_bytes)
+
+    def _activation_bytes(self) -> int:
+        """Room kept free for the largest step's activations, logits and CUDA graphs."""
+        cfg, sched = self.model_config, self.config.scheduler
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        per_token = 2 * cfg.intermediate_size + cfg.q_size + 2 * cfg.kv_size + 3 * cfg.hidden_size
+        # x2: an op's input and output are alive together; logits are fp32, plus a processed copy.
+        step = 2 * sched.max_num_batched_tokens * per_token * elem
+        logits = 2 * sched.max_num_seqs * cfg.vocab_size * 4
+        return _GPU_ACTIVATION_RESERVE + step + logits
 
     # -- requests ---------------------------------------------------------------------------------
 

@@ -24,6 +24,7 @@ class HostStaging:
     sample_indices: torch.Tensor
     gather_dst: torch.Tensor
     gather_src: torch.Tensor
+    sampled: torch.Tensor  # where the step's sampled ids land (async copy from the device)
 
     def numpy(self, name: str) -> np.ndarray:
         return getattr(self, name).numpy()
@@ -67,6 +68,7 @@ class InputBuffers:
             "sample_indices": ((s,), torch.int64),
             "gather_dst": ((s,), torch.int64),
             "gather_src": ((s,), torch.int64),
+            "sampled": ((s,), torch.int64),
         }
 
     def next_staging(self) -> HostStaging:

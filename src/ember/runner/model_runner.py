@@ -169,7 +169,7 @@ class ModelRunner:
                 hidden.index_select(0, buf["sample_indices"][: len(plan.sampling_states)])
             )
         tokens, logprobs = self.sampler(logits, rows)
-        host_tokens, done = self._copy_to_host(tokens)
+        host_tokens, done = self._copy_to_host(tokens, staging)
         handle = StepHandle(
             plan.sampling_states, tokens, host_tokens, done, logprobs,
             num_tokens=plan.num_tokens, used_graph=bool(bucket),
@@ -179,10 +179,11 @@ class ModelRunner:
             state.pending_step, state.pending_row = handle, i
         return handle
 
-    def _copy_to_host(self, tokens: torch.Tensor):
+    def _copy_to_host(self, tokens: torch.Tensor, staging):
         if self.device.type != "cuda":
             return tokens, None
-        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        # This staging set is reused two steps later, after this step has been collected.
+        host = staging.sampled[: tokens.shape[0]]
         host.copy_(tokens, non_blocking=True)
         done = torch.cuda.Event(blocking=True)
         done.record()

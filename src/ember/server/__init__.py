@@ -1,0 +1,14 @@
+"""The front-end process: an OpenAI-compatible HTTP server in front of the engine process.
+
+Module map, from the socket up:
+
+- `engine_client`: spawns the engine process, sends it token ids, routes its outputs to handlers.
+- `generation`: one request's sequences (prompts x n): detokenization, stop strings, metrics.
+- `serving_completions`, `serving_chat`: the two OpenAI endpoints, whole or streamed.
+- `protocol` (request schemas), `params` (-> SamplingParams), `prompts` (-> token ids),
+  `logprobs` (the two OpenAI shapes), `responses`, `sse`, `connection` (client disconnects).
+- `routes`: every endpoint; `app`: the app factory; `serve`: uvicorn with a SIGTERM drain.
+- `lifecycle` (loading / ready / draining, /health), `models` (tokenizers, served names),
+  `metrics` (Prometheus), `errors` (OpenAI error JSON), `auth`, `body_limit`, `progress`,
+  `config`, `state`.
+"""

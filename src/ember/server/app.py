@@ -1,8 +1,9 @@
 """The ASGI app factory: one FastAPI app per call, all its state on `app.state.ember`.
 
-Startup (the app's lifespan) spawns the engine process and loads the tokenizers, then lets the
-HTTP server listen while the engine is still loading the weights; /health turns 200 once both
-are ready. Shutdown tells the engine to exit.
+The tokenizers are loaded before (`load_served_model`), so a bad model path fails at once.
+Startup (the app's lifespan) spawns the engine process and lets the HTTP server listen while
+the engine is still loading the weights; /health turns 200 once it is ready. Shutdown tells the
+engine to exit.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from ember.server.engine_client import EngineClient
 from ember.server.errors import install_error_handlers
 from ember.server.lifecycle import Lifecycle
 from ember.server.metrics import ServerMetrics
-from ember.server.models import ModelRegistry, load_served_model
+from ember.server.models import ModelRegistry, ServedModel
 from ember.server.progress import LoadProgressBar
 from ember.server.routes import build_router
 from ember.server.state import ServerState
@@ -29,8 +30,9 @@ from ember.server.state import ServerState
 logger = logging.getLogger(__name__)
 
 
-def build_app(config: ServerConfig) -> FastAPI:
-    """A new app serving `config.models`; nothing starts until its lifespan runs."""
+def build_app(config: ServerConfig, models: list[ServedModel]) -> FastAPI:
+    """A new app serving `models` (the loaded `config.models`); nothing starts until its
+    lifespan runs."""
     progress = LoadProgressBar(config.show_progress)
     client = EngineClient([spec.engine for spec in config.models], on_progress=progress.update)
     state = ServerState(
@@ -46,15 +48,11 @@ def build_app(config: ServerConfig) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await client.start()
-        watcher = None
+        watcher = asyncio.create_task(_await_engine(state, progress))
         try:
-            for spec in config.models:
-                state.models.add(await asyncio.to_thread(load_served_model, spec))
-            watcher = asyncio.create_task(_await_engine(state, progress))
             yield
         finally:
-            if watcher is not None:
-                watcher.cancel()
+            watcher.cancel()
             progress.close()
             await client.stop()
 
@@ -65,6 +63,8 @@ def build_app(config: ServerConfig) -> FastAPI:
         redoc_url=None,
         openapi_url=None,
     )
+    for model in models:
+        state.models.add(model)
     app.state.ember = state
     install_error_handlers(app)
     app.include_router(build_router())
@@ -85,7 +85,7 @@ async def _await_engine(state: ServerState, progress: LoadProgressBar) -> None:
         return
     for model in state.models.loaded():
         model.info = state.client.model_infos.get(model.name)
-    state.lifecycle.front_end_ready = True
+    state.lifecycle.models_ready = True
     for model in state.models.loaded():
         info = model.info
         logger.info(

@@ -9,11 +9,9 @@ from typing import TypeVar
 from starlette.requests import Request
 from starlette.types import Receive
 
+from ember.server.errors import ClientDisconnectedError
+
 T = TypeVar("T")
-
-
-class ClientDisconnected(Exception):
-    """The client closed the connection before the response was ready."""
 
 
 async def wait_for_disconnect(receive: Receive) -> None:
@@ -28,7 +26,7 @@ async def cancel_on_disconnect(
     request: Request, work: Awaitable[T], on_disconnect: Callable[[], None]
 ) -> T:
     """Await `work` unless the client disconnects first: then cancel it, call `on_disconnect`
-    and raise ClientDisconnected (for a non-streamed response, which has no generator to
+    and raise ClientDisconnectedError (for a non-streamed response, which has no generator to
     cancel)."""
     task = asyncio.ensure_future(work)
     watcher = asyncio.create_task(wait_for_disconnect(request.receive))
@@ -40,5 +38,5 @@ async def cancel_on_disconnect(
             task.cancel()
             on_disconnect()
     if task not in done:
-        raise ClientDisconnected()
+        raise ClientDisconnectedError()
     return task.result()

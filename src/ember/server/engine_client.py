@@ -155,10 +155,6 @@ class EngineClient:
             self._addresses.cleanup()
             self._requests = None
 
-    @property
-    def pid(self) -> int | None:
-        return self._process.pid if self._process is not None else None
-
     # -- requests --------------------------------------------------------------------------------
 
     def submit(

@@ -84,6 +84,14 @@ class InternalServerError(APIError):
     default_code = "internal_error"
 
 
+class ClientDisconnectedError(Exception):
+    """The client closed the connection before the response was ready: nobody to answer."""
+
+
+# nginx's "client closed request": logged in the access log, never seen by the client.
+CLIENT_CLOSED_REQUEST = 499
+
+
 def error_body(
     message: str, error_type: str, param: str | None = None, code: str | int | None = None
 ) -> dict:
@@ -120,6 +128,10 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> Response:
         return exc.response()
+
+    @app.exception_handler(ClientDisconnectedError)
+    async def _client_left(_: Request, exc: ClientDisconnectedError) -> Response:
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid_request(_: Request, exc: RequestValidationError) -> Response:

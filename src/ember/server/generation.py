@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from ember.engine.step_types import RequestUpdate, TokenLogprobs
 from ember.sampling_params import SamplingParams
+from ember.server.config import QUEUE_FULL_RETRY_AFTER_S
 from ember.server.engine_client import (
     EngineClient,
     EngineDeadError,
@@ -118,7 +119,7 @@ class Generation:
             raise QueueFullError(
                 f"the server has {waiting} requests waiting for {self.model.name} (the limit is "
                 f"{max_queue}); retry later",
-                headers={"Retry-After": "1"},
+                headers={"Retry-After": str(QUEUE_FULL_RETRY_AFTER_S)},
             )
         try:
             for sequence in self.sequences:

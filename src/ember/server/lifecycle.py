@@ -28,15 +28,11 @@ class Lifecycle:
     def __init__(self, client: EngineClient, shutdown_timeout_s: float) -> None:
         self.client = client
         self.shutdown_timeout_s = shutdown_timeout_s
-        self.front_end_ready = False  # tokenizers loaded
+        self.models_ready = False  # engine info attached to every served model
         self.draining = False
         self._num_handling = 0
         # Set by the process runner: ends the server with this exit code.
         self.request_exit: Callable[[int], None] = lambda code: None
-
-    @property
-    def ready(self) -> bool:
-        return self.front_end_ready and self.client.state == EngineState.READY and not self.draining
 
     def health(self) -> tuple[bool, str]:
         """(healthy, reason) for GET /health."""
@@ -44,7 +40,7 @@ class Lifecycle:
             return False, "the server is shutting down"
         if self.client.state != EngineState.READY:
             return False, self.client.unavailable_reason()
-        if not self.front_end_ready:
+        if not self.models_ready:
             return False, "the model is still loading"
         return True, "ok"
 
@@ -55,7 +51,7 @@ class Lifecycle:
             return
         if self.draining:
             code = "shutting_down"
-        elif self.client.state == EngineState.LOADING or not self.front_end_ready:
+        elif self.client.state == EngineState.LOADING or not self.models_ready:
             code = "loading"
         else:
             code = "engine_unavailable"

@@ -85,10 +85,6 @@ class ModelRegistry:
         self._default = specs[0].name if specs else None
 
     @property
-    def names(self) -> list[str]:
-        return list(self._specs)
-
-    @property
     def specs(self) -> list[ServedModelSpec]:
         return list(self._specs.values())
 

@@ -28,3 +28,23 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     }
+
+
+def envelope(generation: Any, object_name: str) -> dict[str, Any]:
+    """The fields every completion response and stream chunk starts with."""
+    return {
+        "id": generation.request_id,
+        "object": object_name,
+        "created": generation.created,
+        "model": generation.model.name,
+    }
+
+
+def full_response(generation: Any, object_name: str, choices: list) -> dict[str, Any]:
+    """A whole (non-streamed) completion response."""
+    return {
+        **envelope(generation, object_name),
+        "choices": choices,
+        "usage": usage(generation.num_prompt_tokens, generation.num_generated_tokens),
+        "system_fingerprint": None,
+    }

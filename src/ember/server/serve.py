@@ -13,6 +13,7 @@ import uvicorn
 from ember.server.app import build_app
 from ember.server.config import ServerConfig
 from ember.server.lifecycle import Lifecycle
+from ember.server.models import load_served_model
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +67,12 @@ class DrainingServer(uvicorn.Server):
 
 def run_server(config: ServerConfig) -> int:
     """Serve until drained; the process exit code."""
-    app = build_app(config)
+    try:
+        models = [load_served_model(spec) for spec in config.models]
+    except (OSError, ValueError) as exc:  # no such model, unreadable file, bad template
+        logger.error("cannot serve: %s", exc)
+        return 1
+    app = build_app(config, models)
     uvicorn_config = uvicorn.Config(
         app,
         host=config.host,

@@ -8,14 +8,14 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from ember.server.connection import cancel_on_disconnect
-from ember.server.errors import APIError, BadRequestError
+from ember.server.errors import BadRequestError
 from ember.server.generation import Generation
 from ember.server.logprobs import chat_logprobs
 from ember.server.params import build_sampling_params, check_context_length
 from ember.server.prompts import chat_prompt
 from ember.server.protocol import ChatCompletionRequest
-from ember.server.responses import JSONResponse, new_id, usage
-from ember.server.sse import DONE_EVENT, EventStreamResponse, sse_event
+from ember.server.responses import JSONResponse, envelope, full_response, new_id, usage
+from ember.server.sse import EventStreamResponse, openai_event_stream, sse_event
 from ember.server.state import server_state
 
 
@@ -41,7 +41,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         )
         generation.start(state.config.max_queue)
     if body.stream:
-        return EventStreamResponse(_stream(generation, body))
+        return EventStreamResponse(openai_event_stream(_stream(generation, body), generation.abort))
     try:
         await cancel_on_disconnect(request, _run(generation), generation.abort)
     finally:
@@ -67,24 +67,11 @@ def _response(generation: Generation, body: ChatCompletionRequest) -> dict:
         }
         for sequence in generation.sequences
     ]
-    return {
-        "id": generation.request_id,
-        "object": "chat.completion",
-        "created": generation.created,
-        "model": generation.model.name,
-        "choices": choices,
-        "usage": usage(generation.num_prompt_tokens, generation.num_generated_tokens),
-        "system_fingerprint": None,
-    }
+    return full_response(generation, "chat.completion", choices)
 
 
 async def _stream(generation: Generation, body: ChatCompletionRequest) -> AsyncIterator[bytes]:
-    header = {
-        "id": generation.request_id,
-        "object": "chat.completion.chunk",
-        "created": generation.created,
-        "model": generation.model.name,
-    }
+    header = envelope(generation, "chat.completion.chunk")
     if body.include_usage:
         header["usage"] = None  # OpenAI: null on every chunk but the last
 
@@ -98,26 +85,20 @@ async def _stream(generation: Generation, body: ChatCompletionRequest) -> AsyncI
         }
         return sse_event({**header, "choices": [choice]})
 
-    try:
-        for sequence in generation.sequences:  # the role first, as OpenAI does
-            yield chunk(sequence.index, {"role": "assistant", "content": ""}, None, None, None)
-        async for deltas in generation.deltas():
-            for delta in deltas:
-                if not (delta.text or delta.finished or (body.logprobs and delta.logprobs)):
-                    continue  # a token that ends mid-character: nothing to show yet
-                sequence = delta.sequence
-                yield chunk(
-                    sequence.index,
-                    {"content": delta.text} if delta.text else {},
-                    chat_logprobs(generation.model, delta.logprobs) if body.logprobs else None,
-                    sequence.finish_reason if delta.finished else None,
-                    sequence.stop_reason if delta.finished else None,
-                )
-        if body.include_usage:
-            final = usage(generation.num_prompt_tokens, generation.num_generated_tokens)
-            yield sse_event({**header, "choices": [], "usage": final})
-    except APIError as exc:
-        yield sse_event(exc.body())
-    finally:
-        generation.abort()
-    yield DONE_EVENT
+    for sequence in generation.sequences:  # the role first, as OpenAI does
+        yield chunk(sequence.index, {"role": "assistant", "content": ""}, None, None, None)
+    async for deltas in generation.deltas():
+        for delta in deltas:
+            if not (delta.text or delta.finished or (body.logprobs and delta.logprobs)):
+                continue  # a token that ends mid-character: nothing to show yet
+            sequence = delta.sequence
+            yield chunk(
+                sequence.index,
+                {"content": delta.text} if delta.text else {},
+                chat_logprobs(generation.model, delta.logprobs) if body.logprobs else None,
+                sequence.finish_reason if delta.finished else None,
+                sequence.stop_reason if delta.finished else None,
+            )
+    if body.include_usage:
+        final = usage(generation.num_prompt_tokens, generation.num_generated_tokens)
+        yield sse_event({**header, "choices": [], "usage": final})

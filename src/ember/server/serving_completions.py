@@ -11,14 +11,14 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from ember.server.connection import cancel_on_disconnect
-from ember.server.errors import APIError, BadRequestError
+from ember.server.errors import BadRequestError
 from ember.server.generation import Generation, Sequence, SequenceDelta
 from ember.server.logprobs import CompletionLogprobs, merge_completion_logprobs
 from ember.server.params import build_sampling_params, check_context_length
 from ember.server.prompts import completion_prompts
 from ember.server.protocol import CompletionRequest
-from ember.server.responses import JSONResponse, new_id, usage
-from ember.server.sse import DONE_EVENT, EventStreamResponse, sse_event
+from ember.server.responses import JSONResponse, envelope, full_response, new_id, usage
+from ember.server.sse import EventStreamResponse, openai_event_stream, sse_event
 from ember.server.state import server_state
 
 
@@ -42,7 +42,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
         )
         generation.start(state.config.max_queue)
     if body.stream:
-        return EventStreamResponse(_stream(generation, body))
+        return EventStreamResponse(openai_event_stream(_stream(generation, body), generation.abort))
     try:
         await cancel_on_disconnect(request, _run(generation), generation.abort)
     finally:
@@ -82,24 +82,11 @@ def _response(generation: Generation, body: CompletionRequest) -> dict:
                 "stop_reason": sequence.stop_reason,
             }
         )
-    return {
-        "id": generation.request_id,
-        "object": "text_completion",
-        "created": generation.created,
-        "model": generation.model.name,
-        "choices": choices,
-        "usage": usage(generation.num_prompt_tokens, generation.num_generated_tokens),
-        "system_fingerprint": None,
-    }
+    return full_response(generation, "text_completion", choices)
 
 
 async def _stream(generation: Generation, body: CompletionRequest) -> AsyncIterator[bytes]:
-    header = {
-        "id": generation.request_id,
-        "object": "text_completion",
-        "created": generation.created,
-        "model": generation.model.name,
-    }
+    header = envelope(generation, "text_completion")
     if body.include_usage:
         header["usage"] = None  # OpenAI: null on every chunk but the last
 
@@ -118,32 +105,26 @@ async def _stream(generation: Generation, body: CompletionRequest) -> AsyncItera
         if body.logprobs is not None
         else {}
     )
-    try:
-        if body.echo:
-            for sequence in generation.sequences:
+    if body.echo:
+        for sequence in generation.sequences:
+            builder = builders.get(sequence.index)
+            echoed = builder.prompt(sequence.prompt.token_ids) if builder else None
+            yield chunk(sequence.index, _prompt_text(generation, sequence), echoed, None, None)
+    async for deltas in generation.deltas():
+        for delta in deltas:
+            if _worth_sending(delta, body.logprobs is not None):
+                sequence = delta.sequence
                 builder = builders.get(sequence.index)
-                echoed = builder.prompt(sequence.prompt.token_ids) if builder else None
-                yield chunk(sequence.index, _prompt_text(generation, sequence), echoed, None, None)
-        async for deltas in generation.deltas():
-            for delta in deltas:
-                if _worth_sending(delta, body.logprobs is not None):
-                    sequence = delta.sequence
-                    builder = builders.get(sequence.index)
-                    yield chunk(
-                        sequence.index,
-                        delta.text,
-                        builder.generated(delta.logprobs) if builder else None,
-                        sequence.finish_reason if delta.finished else None,
-                        sequence.stop_reason if delta.finished else None,
-                    )
-        if body.include_usage:
-            final = usage(generation.num_prompt_tokens, generation.num_generated_tokens)
-            yield sse_event({**header, "choices": [], "usage": final})
-    except APIError as exc:
-        yield sse_event(exc.body())
-    finally:
-        generation.abort()
-    yield DONE_EVENT
+                yield chunk(
+                    sequence.index,
+                    delta.text,
+                    builder.generated(delta.logprobs) if builder else None,
+                    sequence.finish_reason if delta.finished else None,
+                    sequence.stop_reason if delta.finished else None,
+                )
+    if body.include_usage:
+        final = usage(generation.num_prompt_tokens, generation.num_generated_tokens)
+        yield sse_event({**header, "choices": [], "usage": final})
 
 
 def _worth_sending(delta: SequenceDelta, with_logprobs: bool) -> bool:

@@ -10,13 +10,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+import logging
+from collections.abc import AsyncIterator, Callable
 
 import msgspec
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from ember.server.connection import wait_for_disconnect
+from ember.server.errors import APIError, InternalServerError
+
+logger = logging.getLogger(__name__)
 
 DONE_EVENT = b"data: [DONE]\n\n"
 _HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -25,6 +29,24 @@ _HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 def sse_event(payload: dict) -> bytes:
     """One event carrying `payload` as JSON."""
     return b"data: " + msgspec.json.encode(payload) + b"\n\n"
+
+
+async def openai_event_stream(
+    events: AsyncIterator[bytes], cleanup: Callable[[], None]
+) -> AsyncIterator[bytes]:
+    """`events`, then `data: [DONE]`. An error while producing them becomes one error event
+    before [DONE]; `cleanup` runs however the stream ends (a disconnect cancels it)."""
+    try:
+        async for event in events:
+            yield event
+    except APIError as exc:
+        yield sse_event(exc.body())
+    except Exception as exc:
+        logger.exception("error while streaming")
+        yield sse_event(InternalServerError(f"{type(exc).__name__}: {exc}").body())
+    finally:
+        cleanup()
+    yield DONE_EVENT
 
 
 class EventStreamResponse(Response):

@@ -35,5 +35,9 @@ class Checkpoint(Protocol):
     def generation_config(self) -> dict[str, Any]:
         """generation_config.json-equivalent (eos_token_id, bos_token_id, ...); may be empty."""
 
+    @property
+    def num_tensors(self) -> int:
+        """How many tensors `iter_tensors` yields (cheap: read from headers)."""
+
     def iter_tensors(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield (hf_name, tensor) pairs on the CPU, cast to `dtype` (floating tensors only)."""

@@ -82,6 +82,11 @@ class GGUFCheckpoint:
         """generation_config.json equivalent: eos_token_id (int or list) and bos_token_id."""
         return generation_config_from_gguf(self.metadata)
 
+    @property
+    def num_tensors(self) -> int:
+        """How many tensors `iter_tensors` yields (for progress bars)."""
+        return len(self._hf_names)
+
     def iter_tensors(
         self, dtype: torch.dtype = torch.float32
     ) -> Iterator[tuple[str, torch.Tensor]]:

@@ -84,6 +84,15 @@ class HFDirCheckpoint:
     def generation_config(self) -> dict[str, Any]:
         return _read_optional_json(self.path / GENERATION_CONFIG_FILE)
 
+    @functools.cached_property
+    def num_tensors(self) -> int:
+        """How many tensors `iter_tensors` yields (headers only; for progress bars)."""
+        count = 0
+        for shard in self.shard_files:
+            with safe_open(str(shard), framework="pt", device="cpu") as reader:
+                count += len(reader.keys())
+        return count
+
     def iter_tensors(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield every tensor of every shard; floating tensors are cast to `dtype`."""
         for shard in self.shard_files:
