@@ -115,7 +115,9 @@ class LLM:
         prompts = [
             {
                 "prompt_token_ids": tokenizer.encode_chat(
-                    conv, add_generation_prompt=add_generation_prompt, **(chat_template_kwargs or {})
+                    conv,
+                    add_generation_prompt=add_generation_prompt,
+                    **(chat_template_kwargs or {}),
                 )
             }
             for conv in conversations

@@ -40,7 +40,12 @@ def tiny_dir(request, tmp_path_factory):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_triton_path_matches_reference_path(tiny_dir, dtype):
     prompts = random_prompts(16)
-    kwargs = {"device": "cuda", "dtype": dtype, "max_model_len": 256, "kv_cache_memory_bytes": 1 << 30}
+    kwargs = {
+        "device": "cuda",
+        "dtype": dtype,
+        "max_model_len": 256,
+        "kv_cache_memory_bytes": 1 << 30,
+    }
     reference = greedy_tokens(LLM(str(tiny_dir), backend="reference", **kwargs), prompts)
     fast = LLM(str(tiny_dir), backend="triton", **kwargs)
     assert greedy_tokens(fast, prompts) == reference
@@ -51,19 +56,34 @@ def test_triton_path_matches_transformers(tiny_dir):
     transformers = pytest.importorskip("transformers")
     hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).cuda()
     prompts = random_prompts(4, seed=3)
-    llm = LLM(str(tiny_dir), device="cuda", dtype="float32", max_model_len=256,
-              kv_cache_memory_bytes=1 << 30)
+    llm = LLM(
+        str(tiny_dir),
+        device="cuda",
+        dtype="float32",
+        max_model_len=256,
+        kv_cache_memory_bytes=1 << 30,
+    )
     ours = greedy_tokens(llm, prompts)
     for prompt, tokens in zip(prompts, ours):
-        ref = hf.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=24,
-                          min_new_tokens=24, do_sample=False, pad_token_id=0)
-        assert tokens == ref[0, len(prompt):].tolist()
+        ref = hf.generate(
+            torch.tensor([prompt], device="cuda"),
+            max_new_tokens=24,
+            min_new_tokens=24,
+            do_sample=False,
+            pad_token_id=0,
+        )
+        assert tokens == ref[0, len(prompt) :].tolist()
 
 
 def test_graphs_and_overlap_do_not_change_tokens(tmp_path):
     path = make_tiny_model("LlamaForCausalLM", tmp_path)
     prompts = random_prompts(40, seed=5)
-    kwargs = {"device": "cuda", "dtype": "bfloat16", "max_model_len": 256, "kv_cache_memory_bytes": 1 << 30}
+    kwargs = {
+        "device": "cuda",
+        "dtype": "bfloat16",
+        "max_model_len": 256,
+        "kv_cache_memory_bytes": 1 << 30,
+    }
     plain = greedy_tokens(LLM(str(path), enforce_eager=True, overlap=False, **kwargs), prompts)
     fast = greedy_tokens(LLM(str(path), enforce_eager=False, overlap=True, **kwargs), prompts)
     assert fast == plain
@@ -78,11 +98,20 @@ def test_seeded_sampling_same_on_both_paths(tmp_path):
             [(0, 1.0, 0.0), (20, 1.0, 0.0), (0, 0.8, 0.0), (0, 1.0, 0.1), (50, 0.9, 0.05)] * 3
         )
     ][: len(prompts)]
-    kwargs = {"device": "cuda", "dtype": "float32", "max_model_len": 256, "kv_cache_memory_bytes": 1 << 30}
+    kwargs = {
+        "device": "cuda",
+        "dtype": "float32",
+        "max_model_len": 256,
+        "kv_cache_memory_bytes": 1 << 30,
+    }
     ref_llm = LLM(str(path), backend="reference", **kwargs)
     fast_llm = LLM(str(path), backend="triton", **kwargs)
-    ref = [o.outputs[0].token_ids for o in ref_llm.generate(
-        [{"prompt_token_ids": p} for p in prompts], params)]
-    fast = [o.outputs[0].token_ids for o in fast_llm.generate(
-        [{"prompt_token_ids": p} for p in prompts], params)]
+    ref = [
+        o.outputs[0].token_ids
+        for o in ref_llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    ]
+    fast = [
+        o.outputs[0].token_ids
+        for o in fast_llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    ]
     assert fast == ref

@@ -21,8 +21,14 @@ def test_triton_backend_matches_reference_backend(arch, tmp_path, device, gen):
     outputs = {}
     for backend in ("reference", "triton"):
         # A small token budget chunks the longer prompts, so chunks start mid-sequence.
-        llm = LLM(str(path), device=str(device), max_model_len=128, backend=backend,
-                  max_num_batched_tokens=16, kv_cache_memory_bytes=64 << 20)
+        llm = LLM(
+            str(path),
+            device=str(device),
+            max_model_len=128,
+            backend=backend,
+            max_num_batched_tokens=16,
+            kv_cache_memory_bytes=64 << 20,
+        )
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
         outputs[backend] = [o.outputs[0].token_ids for o in outs]
         llm.instance.scheduler.check_invariants()

@@ -197,7 +197,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default=None, help="where to draw the weights (default: cuda)")
     parser.add_argument(
-        "--tokenizer-dir", type=Path, default=None,
+        "--tokenizer-dir",
+        type=Path,
+        default=None,
         help="copy tokenizer files from here instead of rebuilding SmolLM2's from its GGUF",
     )
 

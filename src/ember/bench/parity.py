@@ -19,8 +19,14 @@ from ember.sampling_params import SamplingParams
 
 
 def greedy_tokens(model: str, backend: str, prompts: list[list[int]], max_tokens: int, dtype: str):
-    llm = LLM(model, backend=backend, dtype=dtype, max_model_len=2048,
-              kv_cache_memory_bytes=4 << 30, max_num_seqs=len(prompts))
+    llm = LLM(
+        model,
+        backend=backend,
+        dtype=dtype,
+        max_model_len=2048,
+        kv_cache_memory_bytes=4 << 30,
+        max_num_seqs=len(prompts),
+    )
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     tokens = [o.outputs[0].token_ids for o in outs]

@@ -53,8 +53,14 @@ def resolve_dtype(dtype: str, device: torch.device, hf_config: dict) -> torch.dt
             return torch.float32  # CPU bf16 matmuls are slow and lossy; CPU is the oracle path
         stored = hf_config.get("torch_dtype") or hf_config.get("dtype")
         return torch.float16 if stored == "float16" else torch.bfloat16
-    names = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
-             "half": torch.float16, "float": torch.float32, "bf16": torch.bfloat16}
+    names = {
+        "float32": torch.float32,
+        "float16": torch.float16,
+        "bfloat16": torch.bfloat16,
+        "half": torch.float16,
+        "float": torch.float32,
+        "bf16": torch.bfloat16,
+    }
     if dtype not in names:
         raise ValueError(f"unknown dtype {dtype!r}; choose one of auto, {', '.join(names)}")
     return names[dtype]
@@ -98,7 +104,9 @@ class ModelInstance:
         if scheduler_config.max_model_len != self.max_model_len:
             import dataclasses
 
-            scheduler_config = dataclasses.replace(scheduler_config, max_model_len=self.max_model_len)
+            scheduler_config = dataclasses.replace(
+                scheduler_config, max_model_len=self.max_model_len
+            )
         self.scheduler = Scheduler(scheduler_config, self.kv_manager)
         cos_sin = build_cos_sin_cache(
             cfg.head_dim, self.max_model_len, cfg.rope_theta, cfg.rope_scaling
@@ -126,7 +134,9 @@ class ModelInstance:
             kv_cache_bytes=self.kv_cache.numel() * self.kv_cache.element_size(),
             num_blocks=num_blocks,
         )
-        logger.info("loaded %s in %.2f s: %s", self.name, self.load_report.seconds, self.load_report)
+        logger.info(
+            "loaded %s in %.2f s: %s", self.name, self.load_report.seconds, self.load_report
+        )
 
     def _load_model(self, ckpt: Checkpoint) -> torch.nn.Module:
         cls = model_class(self.model_config.architecture)

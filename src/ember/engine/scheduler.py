@@ -173,9 +173,7 @@ class Scheduler:
 
     # -- results of a step ---------------------------------------------------------------------
 
-    def update(
-        self, scheduled: SchedulerOutput, result: RunnerOutput
-    ) -> list[RequestUpdate]:
+    def update(self, scheduled: SchedulerOutput, result: RunnerOutput) -> list[RequestUpdate]:
         """Append the sampled tokens, finish requests that are done, report what changed."""
         updates = []
         for i, request_id in enumerate(result.request_ids):

@@ -154,7 +154,9 @@ class LlamaForCausalLM(nn.Module):
             if name is None:
                 continue
             if name not in params:
-                raise ValueError(f"checkpoint tensor {hf_name!r} has no place in {self.cfg.architecture}")
+                raise ValueError(
+                    f"checkpoint tensor {hf_name!r} has no place in {self.cfg.architecture}"
+                )
             param = params[name]
             target = param.data if shard is None else self._shard_view(param.data, name, shard)
             if target.shape != tensor.shape:

@@ -171,8 +171,13 @@ class ModelRunner:
         tokens, logprobs = self.sampler(logits, rows)
         host_tokens, done = self._copy_to_host(tokens, staging)
         handle = StepHandle(
-            plan.sampling_states, tokens, host_tokens, done, logprobs,
-            num_tokens=plan.num_tokens, used_graph=bool(bucket),
+            plan.sampling_states,
+            tokens,
+            host_tokens,
+            done,
+            logprobs,
+            num_tokens=plan.num_tokens,
+            used_graph=bool(bucket),
         )
         for i, state in enumerate(plan.sampling_states):
             state.num_output_tokens += 1

@@ -72,9 +72,7 @@ class Sampler:
         needs = [
             i
             for i, r in enumerate(rows)
-            if r.params.logit_bias
-            or r.params.uses_penalties
-            or r.step < r.params.min_tokens
+            if r.params.logit_bias or r.params.uses_penalties or r.step < r.params.min_tokens
         ]
         if not needs:
             return logits
@@ -121,7 +119,7 @@ def _gather_logprobs(
     logprobs = torch.log_softmax(logits, dim=-1)
     top_n = max(p.logprobs or 0 for p in params)
     chosen = logprobs.gather(1, tokens.view(-1, 1)).view(-1).tolist()
-    top_vals, top_ids = (logprobs.topk(top_n, dim=-1) if top_n else (None, None))
+    top_vals, top_ids = logprobs.topk(top_n, dim=-1) if top_n else (None, None)
     token_list = tokens.tolist()
     result: list[TokenLogprobs | None] = []
     for i, p in enumerate(params):
