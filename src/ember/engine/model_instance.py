@@ -117,7 +117,7 @@ class ModelInstance:
             kv_cache=self.kv_cache,
             cos_sin_cache=cos_sin,
             block_size=block_size,
-            sampler=Sampler(self.ops, cfg.vocab_size, self.device),
+            sampler=Sampler(self.ops, cfg.vocab_size, self.device, scheduler_config.max_num_seqs),
             stop_ids_until_min_tokens=cfg.eos_token_ids,
             max_num_seqs=scheduler_config.max_num_seqs,
             max_num_batched_tokens=scheduler_config.max_num_batched_tokens,

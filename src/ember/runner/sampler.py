@@ -37,10 +37,23 @@ class SamplingRow:
 
 
 class Sampler:
-    def __init__(self, ops: Ops, vocab_size: int, device: torch.device) -> None:
+    def __init__(
+        self, ops: Ops, vocab_size: int, device: torch.device, max_rows: int = 256
+    ) -> None:
         self.ops = ops
         self.vocab_size = vocab_size
         self.device = device
+        # Per-row parameters go up from pinned buffers: a copy from pageable memory would wait
+        # for the GPU and undo the CPU/GPU overlap. Two sets, alternating, as for step inputs.
+        pin = device.type == "cuda"
+        self._staging = [
+            {
+                name: torch.zeros(max_rows, dtype=dtype, pin_memory=pin)
+                for name, dtype in _ROW_FIELDS
+            }
+            for _ in range(2)
+        ]
+        self._turn = 0
 
     def __call__(
         self, logits: torch.Tensor, rows: list[SamplingRow]
@@ -53,20 +66,32 @@ class Sampler:
             return tokens, _gather_logprobs(raw_logits, tokens, params) if any(
                 p.logprobs is not None for p in params
             ) else None
-        as_tensor = _row_tensor_builder(self.device)
-        tokens = self.ops.sample(
-            logits,
-            as_tensor([p.temperature for p in params], torch.float32),
-            as_tensor([p.top_k for p in params], torch.int32),
-            as_tensor([p.top_p for p in params], torch.float32),
-            as_tensor([p.min_p for p in params], torch.float32),
-            as_tensor([r.seed for r in rows], torch.int64),
-            as_tensor([r.step for r in rows], torch.int64),
-        )
+        tokens = self.ops.sample(logits, *self._row_tensors(rows))
         logprobs = None
         if any(p.logprobs is not None for p in params):
             logprobs = _gather_logprobs(raw_logits, tokens, params)
         return tokens, logprobs
+
+    def _row_tensors(self, rows: list[SamplingRow]) -> list[torch.Tensor]:
+        """temperature, top_k, top_p, min_p, seeds, steps as device tensors, without a sync."""
+        self._turn ^= 1
+        staging, n = self._staging[self._turn], len(rows)
+        if n > len(staging["seeds"]):
+            raise ValueError(f"{n} sampling rows exceed the sampler's {len(staging['seeds'])}")
+        columns = {
+            "temperature": [r.params.temperature for r in rows],
+            "top_k": [r.params.top_k for r in rows],
+            "top_p": [r.params.top_p for r in rows],
+            "min_p": [r.params.min_p for r in rows],
+            "seeds": [r.seed for r in rows],
+            "steps": [r.step for r in rows],
+        }
+        out = []
+        for name, _ in _ROW_FIELDS:
+            host = staging[name][:n]
+            host.numpy()[:] = columns[name]
+            out.append(host.to(self.device, non_blocking=True))
+        return out
 
     def _process(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         needs = [
@@ -105,11 +130,14 @@ class Sampler:
         logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
 
 
-def _row_tensor_builder(device: torch.device):
-    def build(values: list, dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
-
-    return build
+_ROW_FIELDS = (
+    ("temperature", torch.float32),
+    ("top_k", torch.int32),
+    ("top_p", torch.float32),
+    ("min_p", torch.float32),
+    ("seeds", torch.int64),
+    ("steps", torch.int64),
+)
 
 
 def _gather_logprobs(
