@@ -98,9 +98,13 @@ def paged_attention_reference(
 ) -> torch.Tensor:
     """Causal attention over the paged cache, one sequence at a time in fp32; returns ``out``.
 
-    ``max_query_len``/``max_seq_len`` are accepted for signature parity and not needed here.
+    Steps where every sequence has exactly one query token take one batched pass instead of a loop over
+    sequences; ``max_seq_len`` bounds the gathered context there.
     """
-    del max_query_len, max_seq_len
+    if max_query_len == 1 and q.shape[0] == seq_lens.shape[0]:  # one query per sequence
+        return _decode_attention_reference(
+            q, k_cache, v_cache, seq_lens, block_tables, scale, out, max_seq_len
+        )
     num_q_heads, head_dim = q.shape[1], q.shape[2]
     page, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_q_heads // num_kv_heads
@@ -120,6 +124,33 @@ def paged_attention_reference(
         scores = scores.masked_fill(~visible, float("-inf"))
         attn = torch.einsum("hgqk,khd->qhgd", scores.softmax(dim=-1), values)
         out[q_start:q_end] = attn.reshape(q_len, num_q_heads, head_dim).to(out.dtype)
+    return out
+
+
+def _decode_attention_reference(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+    max_seq_len: int,
+) -> torch.Tensor:
+    """One query token per sequence: gather every sequence's context at once, mask the tail."""
+    num_seqs = seq_lens.shape[0]
+    num_q_heads, head_dim = q.shape[1], q.shape[2]
+    page, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_q_heads // num_kv_heads
+    blocks = block_tables[:, : (max_seq_len + page - 1) // page].long()
+    keys = k_cache[blocks].reshape(num_seqs, -1, num_kv_heads, head_dim).float()
+    values = v_cache[blocks].reshape(num_seqs, -1, num_kv_heads, head_dim).float()
+    queries = q[:num_seqs].float().view(num_seqs, num_kv_heads, group, head_dim)
+    scores = torch.einsum("shgd,skhd->shgk", queries, keys) * scale
+    visible = torch.arange(keys.shape[1], device=q.device)[None, :] < seq_lens[:, None]
+    scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
+    attn = torch.einsum("shgk,skhd->shgd", scores.softmax(dim=-1), values)
+    out[:num_seqs] = attn.reshape(num_seqs, num_q_heads, head_dim).to(out.dtype)
     return out
 
 
