@@ -8,7 +8,8 @@ One loop, one thread:
 4. with no work anywhere, block on the socket until a message arrives (never spin).
 
 It speaks token ids only; text, chat templates and HTTP live in the front end. Started by the
-front end through `start_engine_process` (multiprocessing, spawn), or by hand with
+front end through `ember.engine.launch.start_engine_process` (multiprocessing, spawn; kept out
+of this module so the front end never imports torch), or by hand with
 `python -m ember.engine.engine_core` for debugging.
 """
 
@@ -220,18 +221,6 @@ def run_engine(configs: list[EngineConfig], addresses: IpcAddresses) -> None:
         raise SystemExit(1) from exc
     finally:
         channel.close()
-
-
-def start_engine_process(
-    configs: list[EngineConfig], addresses: IpcAddresses
-) -> multiprocessing.process.BaseProcess:
-    """Spawn the engine process (a fresh interpreter: no forked CUDA or event-loop state)."""
-    context = multiprocessing.get_context("spawn")
-    process = context.Process(
-        target=run_engine, args=(configs, addresses), name="ember-engine", daemon=False
-    )
-    process.start()
-    return process
 
 
 def main(argv: list[str] | None = None) -> None:

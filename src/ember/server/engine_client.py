@@ -38,6 +38,7 @@ from ember.engine.ipc import (
     configure_pull,
     configure_push,
 )
+from ember.engine.launch import start_engine_process
 from ember.engine.step_types import RequestUpdate
 from ember.sampling_params import SamplingParams
 
@@ -104,8 +105,6 @@ class EngineClient:
 
     async def start(self) -> None:
         """Bind the sockets and spawn the engine process; loading goes on in the background."""
-        from ember.engine.engine_core import start_engine_process
-
         self._addresses = IpcAddresses.fresh()
         self._sync_context = zmq.Context(io_threads=1)
         self._async_context = zmq.asyncio.Context(io_threads=1)

@@ -6,10 +6,9 @@ import os
 from collections.abc import Iterator
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any, Self
 
 import numpy as np
-import torch
 from tokenizers import Tokenizer
 
 from ember.tokenizer.gguf_tokenizer import tokenizer_config_from_gguf, tokenizer_from_gguf
@@ -18,7 +17,6 @@ from ember.weights.gguf_config import (
     gguf_architecture,
     hf_config_from_gguf,
 )
-from ember.weights.gguf_dequant import dequantize
 from ember.weights.gguf_file import GGUFFile, GGUFTensorInfo
 from ember.weights.gguf_names import (
     DERIVED_TENSORS,
@@ -26,6 +24,9 @@ from ember.weights.gguf_names import (
     rope_permuted_heads,
     undo_rope_permutation,
 )
+
+if TYPE_CHECKING:
+    import torch
 
 _ROPE_FREQS = "rope_freqs.weight"
 
@@ -87,13 +88,18 @@ class GGUFCheckpoint:
         """How many tensors `iter_tensors` yields (for progress bars)."""
         return len(self._hf_names)
 
-    def iter_tensors(
-        self, dtype: torch.dtype = torch.float32
-    ) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield (HF name, tensor) in HF layout, dequantized to `dtype`, one tensor at a time.
+    def iter_tensors(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield (HF name, tensor) in HF layout, dequantized to `dtype` (None: float32), one
+        tensor at a time.
 
         Tied checkpoints yield no `lm_head.weight` (see `hf_config["tie_word_embeddings"]`).
         """
+        # torch is imported here, not at module level: the front end opens GGUF files for their
+        # metadata and tokenizer only, and must not pay for importing torch.
+        import torch
+
+        if dtype is None:
+            dtype = torch.float32
         for gguf_name, hf_name in self._hf_names.items():
             info = self._file.tensors[gguf_name]
             tensor = self._decode(info)
@@ -118,6 +124,8 @@ class GGUFCheckpoint:
         self.close()
 
     def _decode(self, info: GGUFTensorInfo) -> torch.Tensor:
+        from ember.weights.gguf_dequant import dequantize  # imports torch
+
         try:
             return dequantize(self._file.raw(info), info.ggml_type, info.shape)
         except NotImplementedError as exc:

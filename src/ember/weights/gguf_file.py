@@ -13,10 +13,9 @@ import os
 import struct
 import warnings
 from dataclasses import dataclass
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any, Self
 
 import numpy as np
-import torch
 from gguf.constants import (
     GGML_QUANT_SIZES,
     GGUF_DEFAULT_ALIGNMENT,
@@ -24,6 +23,9 @@ from gguf.constants import (
     GGMLQuantizationType,
     GGUFValueType,
 )
+
+if TYPE_CHECKING:
+    import torch
 
 # Scalar value types: struct format (little-endian) and the numpy dtype used for arrays of them.
 _SCALAR_FORMATS: dict[GGUFValueType, tuple[str, np.dtype]] = {
@@ -86,6 +88,8 @@ class GGUFFile:
 
     def raw(self, info: GGUFTensorInfo) -> torch.Tensor:
         """The tensor's bytes as a uint8 tensor viewing the mapped file (no copy; never write)."""
+        import torch  # here, not at module level: the front end reads GGUF metadata only
+
         with warnings.catch_warnings():
             # torch warns that the buffer is read-only; nothing writes through these views.
             warnings.filterwarnings("ignore", message=".*not writable.*")

@@ -8,8 +8,10 @@ each rotated pair side by side. HF's Llama rotates halves ("rotate_half"), so we
 from __future__ import annotations
 
 import re
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 _GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens",

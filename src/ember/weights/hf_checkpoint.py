@@ -13,11 +13,13 @@ import json
 import os
 from collections.abc import Collection, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import tokenizers
-import torch
 from safetensors import SafetensorError, safe_open
+
+if TYPE_CHECKING:
+    import torch
 
 CONFIG_FILE = "config.json"
 SINGLE_WEIGHTS_FILE = "model.safetensors"
@@ -29,6 +31,9 @@ CHAT_TEMPLATE_JINJA_FILE = "chat_template.jinja"
 CHAT_TEMPLATE_JSON_FILE = "chat_template.json"
 EXTRA_CHAT_TEMPLATES_DIR = "additional_chat_templates"
 PICKLED_WEIGHT_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
+# Reads of headers only (tensor names) open files as numpy: `framework="pt"` imports torch,
+# which the server's front end (tokenizer only) must not pay for. Only `iter_tensors` needs torch.
+_HEADER_FRAMEWORK = "numpy"
 
 
 class HFDirCheckpoint:
@@ -89,7 +94,7 @@ class HFDirCheckpoint:
         """How many tensors `iter_tensors` yields (headers only; for progress bars)."""
         count = 0
         for shard in self.shard_files:
-            with safe_open(str(shard), framework="pt", device="cpu") as reader:
+            with safe_open(str(shard), framework=_HEADER_FRAMEWORK, device="cpu") as reader:
                 count += len(reader.keys())
         return count
 
@@ -165,7 +170,7 @@ def _find_weight_files(model_dir: Path) -> tuple[list[Path], dict[str, set[str]]
 def _check_shard(shard: Path, expected_names: Collection[str]) -> None:
     """Parse the header (cheap: no tensor data is read) and compare it with the index."""
     try:
-        with safe_open(str(shard), framework="pt", device="cpu") as reader:
+        with safe_open(str(shard), framework=_HEADER_FRAMEWORK, device="cpu") as reader:
             names = set(reader.keys())
     except (OSError, RuntimeError, SafetensorError) as exc:
         raise ValueError(f"{shard}: truncated or corrupt safetensors file: {exc}") from exc
