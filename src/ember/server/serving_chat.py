@@ -7,15 +7,15 @@ from collections.abc import AsyncIterator
 from starlette.requests import Request
 from starlette.responses import Response
 
-from ember.server.connection import cancel_on_disconnect
 from ember.server.errors import BadRequestError
 from ember.server.generation import Generation
 from ember.server.logprobs import chat_logprobs
 from ember.server.params import build_sampling_params, check_context_length
 from ember.server.prompts import chat_prompt
 from ember.server.protocol import ChatCompletionRequest
-from ember.server.responses import JSONResponse, envelope, full_response, new_id, usage
-from ember.server.sse import EventStreamResponse, openai_event_stream, sse_event
+from ember.server.respond import respond
+from ember.server.responses import envelope, full_response, new_id, usage
+from ember.server.sse import sse_event
 from ember.server.state import server_state
 
 
@@ -40,18 +40,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
             state.client, model, state.metrics, [prompt], params, body.n, new_id("chatcmpl")
         )
         generation.start(state.config.max_queue)
-    if body.stream:
-        return EventStreamResponse(openai_event_stream(_stream(generation, body), generation.abort))
-    try:
-        await cancel_on_disconnect(request, _run(generation), generation.abort)
-    finally:
-        generation.abort()
-    return JSONResponse(_response(generation, body))
-
-
-async def _run(generation: Generation) -> None:
-    async for _ in generation.deltas():
-        pass
+    stream = _stream(generation, body) if body.stream else None
+    return await respond(request, generation, stream, lambda: _response(generation, body))
 
 
 def _response(generation: Generation, body: ChatCompletionRequest) -> dict:
