@@ -13,7 +13,8 @@
 # EMBER_BENCH_PRESET=tiny EMBER_SERVE_PROMPTS=8 EMBER_PINNED_PROMPTS=8 EMBER_PEER_PROMPTS=4
 # EMBER_PEER_DEVICE=cpu EMBER_SERVE_OUTPUT_LEN=8):
 #   EMBER_BENCH_PRESET (llama-3.1-8b), EMBER_SERVE_PROMPTS ("1000 4000"), EMBER_PINNED_PROMPTS
-#   (1000), EMBER_PEER_PROMPTS (1000), EMBER_PEER_DEVICE (cuda), EMBER_SERVE_OUTPUT_LEN (unset)
+#   (1000), EMBER_PEER_PROMPTS (1000), EMBER_PEER_DEVICE (cuda), EMBER_SERVE_OUTPUT_LEN (unset),
+#   EMBER_PEER_ARGS ("--cuda-graphs on --max-memory-percent 0.6")
 set -uo pipefail
 OUT=${1:?usage: scripts/gpu_run.sh OUTDIR [STAGE ...]}
 shift
@@ -96,9 +97,12 @@ fi
 if has_stage peer; then
   make_model
   n=${EMBER_PEER_PROMPTS:-1000}
+  # transformers' defaults (no CUDA graphs with paged|sdpa) ran ~250 tok/s on the 8B shape, ~14 min
+  # for 1,000 prompts, over one call's 10 min; its own CUDA graphs need room left by the KV cache.
+  PEER_ARGS=${EMBER_PEER_ARGS---cuda-graphs on --max-memory-percent 0.6}
   stamp "peer: transformers continuous batching, $n prompts"
   $PY -m ember.bench.peer_transformers --model "$MODEL" --num-prompts "$n" "${DATASET[@]}" \
-    --max-concurrency 200 --device "${EMBER_PEER_DEVICE:-cuda}" --disable-tqdm \
+    --max-concurrency 200 --device "${EMBER_PEER_DEVICE:-cuda}" --disable-tqdm $PEER_ARGS \
     --output-json "$RES/peer_transformers_${n}.json"
 fi
 stamp "done"
