@@ -88,10 +88,12 @@ if has_stage serve; then
       --output-json "$RES/serve_${n}.json"
   done
   n=${EMBER_PINNED_PROMPTS:-1000}
-  stamp "bench serve $n prompts, server pinned to one core"
-  $PY -m ember.cli bench serve --launch "$MODEL" --server-args="$SERVER_ARGS" \
-    --server-cpus 0 --num-prompts "$n" "${SERVE_COMMON[@]}" \
-    --output-json "$RES/serve_${n}_pinned.json"
+  if [ "$n" != 0 ]; then
+    stamp "bench serve $n prompts, server pinned to one core"
+    $PY -m ember.cli bench serve --launch "$MODEL" --server-args="$SERVER_ARGS" \
+      --server-cpus 0 --num-prompts "$n" "${SERVE_COMMON[@]}" \
+      --output-json "$RES/serve_${n}_pinned.json"
+  fi
 fi
 
 if has_stage peer; then
