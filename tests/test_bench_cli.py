@@ -40,3 +40,32 @@ def test_step_bench_refuses_without_a_gpu(capsys):
         return
     assert main(["bench", "step", "--model", "unused"]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().out
+
+
+def test_step_bench_logic_runs_on_a_cpu(tmp_path):
+    """The GPU step benchmark's bookkeeping (warm requests, drains, roofline maths) on a tiny
+    model on the CPU, so a device run is not the first time this code executes."""
+    from ember.bench.make_model import make_model
+    from ember.bench.roofline import Ceilings
+    from ember.bench.step_bench import StepBench
+    from ember.config import CacheConfig, EngineConfig, SchedulerConfig
+    from ember.engine.model_instance import ModelInstance
+
+    path = make_model("tiny", tmp_path / "tiny", device="cpu")
+    config = EngineConfig(
+        model=str(path),
+        cache=CacheConfig(num_blocks=64),
+        scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256),
+    )
+    inst = ModelInstance(config)
+    bench = StepBench(inst, Ceilings(hbm_bytes_per_s=1e11, bf16_flops_per_s=1e12))
+    row = bench.decode(batch=2, context=32, steps=3, warmup=1)
+    assert row["step_ms"] > 0 and 0 < row["fraction_of_roofline"]
+    assert row["gpu_only_ms"] is None  # no graphs on a CPU
+    assert bench.decode(batch=4, context=250)["skipped"].startswith("KV for")
+    prefill = bench.prefill(chunk=16, repeat=1)
+    assert prefill["tokens_per_s"] > 0
+    eager = bench.eager_vs_graph(batch=2, context=32)
+    assert eager["eager_step_ms"] > 0
+    inst.scheduler.check_invariants()
+    assert inst.kv_manager.num_free_blocks == inst.kv_manager.pool.capacity

@@ -33,3 +33,16 @@ def test_triton_backend_matches_reference_backend(arch, tmp_path, device, gen):
         outputs[backend] = [o.outputs[0].token_ids for o in outs]
         llm.instance.scheduler.check_invariants()
     assert outputs["triton"] == outputs["reference"]
+
+
+def test_parity_bench_runs_and_agrees(tmp_path, device):
+    from ember.bench.make_model import make_model
+    from ember.bench.parity import run_parity
+
+    path = make_model("tiny", tmp_path / "tiny", device="cpu")
+    result = run_parity(
+        str(path), num_prompts=2, max_tokens=3, dtype="float32", max_prompt_len=20,
+        kv_bytes=16 << 20,
+    )  # fmt: skip
+    assert result["identical_sequences"] == 2
+    assert all(row["first_difference_at"] is None for row in result["rows"])

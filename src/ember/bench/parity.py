@@ -18,13 +18,15 @@ from ember.api import LLM
 from ember.sampling_params import SamplingParams
 
 
-def greedy_tokens(model: str, backend: str, prompts: list[list[int]], max_tokens: int, dtype: str):
+def greedy_tokens(
+    model: str, backend: str, prompts: list[list[int]], max_tokens: int, dtype: str, kv_bytes: int
+) -> list[list[int]]:
     llm = LLM(
         model,
         backend=backend,
         dtype=dtype,
         max_model_len=2048,
-        kv_cache_memory_bytes=4 << 30,
+        kv_cache_memory_bytes=kv_bytes,
         max_num_seqs=len(prompts),
     )
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
@@ -32,16 +34,24 @@ def greedy_tokens(model: str, backend: str, prompts: list[list[int]], max_tokens
     tokens = [o.outputs[0].token_ids for o in outs]
     del llm
     gc.collect()
-    torch.cuda.empty_cache()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     return tokens
 
 
-def run_parity(model: str, num_prompts: int = 8, max_tokens: int = 32, dtype: str = "bfloat16"):
+def run_parity(
+    model: str,
+    num_prompts: int = 8,
+    max_tokens: int = 32,
+    dtype: str = "bfloat16",
+    max_prompt_len: int = 512,
+    kv_bytes: int = 4 << 30,
+) -> dict:
     g = torch.Generator().manual_seed(0)
-    lengths = torch.randint(16, 512, (num_prompts,), generator=g).tolist()
+    lengths = torch.randint(16, max_prompt_len, (num_prompts,), generator=g).tolist()
     prompts = [torch.randint(3, 40000, (n,), generator=g).tolist() for n in lengths]
-    fast = greedy_tokens(model, "triton", prompts, max_tokens, dtype)
-    ref = greedy_tokens(model, "reference", prompts, max_tokens, dtype)
+    fast = greedy_tokens(model, "triton", prompts, max_tokens, dtype, kv_bytes)
+    ref = greedy_tokens(model, "reference", prompts, max_tokens, dtype, kv_bytes)
     rows = []
     for a, b in zip(fast, ref):
         first_diff = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)

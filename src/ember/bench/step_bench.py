@@ -39,6 +39,10 @@ class StepBench:
         self.weight_bytes = self.matmul_params * elem
         self._ids = 0
 
+    def _sync(self) -> None:
+        if self.inst.device.type == "cuda":
+            torch.cuda.synchronize()
+
     def _attn_flops(self, queries: int, context: float) -> float:
         cfg = self.cfg
         return 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * queries * context
@@ -74,11 +78,11 @@ class StepBench:
         ids = [self._add_warm_request(context, steps + warmup + 4) for _ in range(batch)]
         for _ in range(warmup):
             inst.step()
-        torch.cuda.synchronize()
+        self._sync()
         start = time.perf_counter()
         for _ in range(steps):
             inst.step()
-        torch.cuda.synchronize()
+        self._sync()
         step_s = (time.perf_counter() - start) / steps
         gpu_s = self._gpu_only_step_seconds(batch)
         self._drain(ids)
@@ -129,10 +133,10 @@ class StepBench:
             rid = f"prefill-{self._ids}"
             prompt = torch.randint(3, self.cfg.vocab_size, (chunk,)).tolist()
             inst.add_request(rid, prompt, SamplingParams(temperature=0, max_tokens=1))
-            torch.cuda.synchronize()
+            self._sync()
             start = time.perf_counter()
             inst.step()
-            torch.cuda.synchronize()
+            self._sync()
             times.append(time.perf_counter() - start)
             self._drain([rid])
         seconds = sorted(times[1:])[len(times[1:]) // 2]
