@@ -6,6 +6,7 @@ import time
 
 import pytest
 import torch
+from helpers.hf_reference import hf_greedy_tokens
 
 from ember import LLM, SamplingParams
 from ember.weights.default_model import default_model_path
@@ -60,15 +61,7 @@ def test_greedy_tokens_equal_transformers_gguf_loading(llm):
     params = SamplingParams(temperature=0, max_tokens=32, min_tokens=32)
     ours = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     for prompt, out in zip(prompts, ours):
-        with torch.no_grad():
-            ref = hf.generate(
-                torch.tensor([prompt]),
-                max_new_tokens=32,
-                min_new_tokens=32,
-                do_sample=False,
-                pad_token_id=0,
-            )[0, len(prompt) :].tolist()
-        assert out.outputs[0].token_ids == ref
+        assert out.outputs[0].token_ids == hf_greedy_tokens(hf, prompt, 32)
     llm.instance.scheduler.check_invariants()
 
 

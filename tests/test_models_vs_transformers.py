@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.hf_reference import hf_greedy_tokens
 from helpers.tiny_models import make_tiny_model
 
 from ember import LLM, SamplingParams
@@ -80,13 +81,5 @@ def test_greedy_generation_matches_transformers(tiny):
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     for prompt, out in zip(prompts, outputs):
-        with torch.no_grad():
-            ref = hf.generate(
-                torch.tensor([prompt]),
-                max_new_tokens=12,
-                min_new_tokens=12,
-                do_sample=False,
-                pad_token_id=0,
-            )[0, len(prompt) :].tolist()
-        assert out.outputs[0].token_ids == ref
+        assert out.outputs[0].token_ids == hf_greedy_tokens(hf, prompt, 12)
     llm.instance.scheduler.check_invariants()

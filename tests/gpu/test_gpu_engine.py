@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.hf_reference import hf_greedy_tokens
 from helpers.tiny_models import make_tiny_model
 
 from ember import LLM, SamplingParams
@@ -65,14 +66,7 @@ def test_triton_path_matches_transformers(tiny_dir):
     )
     ours = greedy_tokens(llm, prompts)
     for prompt, tokens in zip(prompts, ours):
-        ref = hf.generate(
-            torch.tensor([prompt], device="cuda"),
-            max_new_tokens=24,
-            min_new_tokens=24,
-            do_sample=False,
-            pad_token_id=0,
-        )
-        assert tokens == ref[0, len(prompt) :].tolist()
+        assert tokens == hf_greedy_tokens(hf, prompt, 24)
 
 
 def test_graphs_and_overlap_do_not_change_tokens(tmp_path):

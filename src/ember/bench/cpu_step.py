@@ -29,7 +29,6 @@ def _runner_without_model(max_seqs: int, max_model_len: int) -> ModelRunner:
     kv = torch.zeros(1, 2, 2, 16, 1, 16)
     return ModelRunner(
         model=None,
-        model_config=None,
         kv_cache=kv,
         cos_sin_cache=torch.zeros(1),
         block_size=16,

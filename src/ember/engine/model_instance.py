@@ -5,6 +5,7 @@ Nothing here is global, so an engine process can hold several instances side by 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 import time
@@ -102,8 +103,6 @@ class ModelInstance:
         self.kv_manager = KVCacheManager(num_blocks, block_size)
         scheduler_config = config.scheduler
         if scheduler_config.max_model_len != self.max_model_len:
-            import dataclasses
-
             scheduler_config = dataclasses.replace(
                 scheduler_config, max_model_len=self.max_model_len
             )
@@ -113,7 +112,6 @@ class ModelInstance:
         ).to(self.device)
         self.runner = ModelRunner(
             model=self.model,
-            model_config=cfg,
             kv_cache=self.kv_cache,
             cos_sin_cache=cos_sin,
             block_size=block_size,

@@ -55,10 +55,6 @@ class Scheduler:
         self._finish(request, FinishReason.ABORT)
         return True
 
-    @property
-    def num_unfinished(self) -> int:
-        return len(self.requests)
-
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 

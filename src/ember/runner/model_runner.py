@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ember.config import ModelConfig
 from ember.engine.step_types import RunnerOutput, SchedulerOutput, TokenLogprobs
 from ember.layers.forward_context import ForwardContext
 from ember.runner.cuda_graphs import DecodeGraphs
@@ -60,16 +59,12 @@ class StepHandle:
     done: torch.cuda.Event | None
     logprobs: list[TokenLogprobs | None] | None
     result: RunnerOutput | None = None
-    num_tokens: int = 0
-    used_graph: bool = False
-    extra: dict = field(default_factory=dict)
 
 
 class ModelRunner:
     def __init__(
         self,
         model: torch.nn.Module,
-        model_config: ModelConfig,
         kv_cache: torch.Tensor,
         cos_sin_cache: torch.Tensor,
         block_size: int,
@@ -81,7 +76,6 @@ class ModelRunner:
         use_cuda_graphs: bool,
     ) -> None:
         self.model = model
-        self.model_config = model_config
         self.kv_cache = kv_cache
         self.cos_sin_cache = cos_sin_cache
         self.block_size = block_size
@@ -176,8 +170,6 @@ class ModelRunner:
             host_tokens,
             done,
             logprobs,
-            num_tokens=plan.num_tokens,
-            used_graph=bool(bucket),
         )
         for i, state in enumerate(plan.sampling_states):
             state.num_output_tokens += 1
