@@ -12,9 +12,10 @@
 # Environment overrides (for a dry run on a CPU: EMBER_GPU_RUN_SKIP_INSTALL=1 PYTHON=python
 # EMBER_BENCH_PRESET=tiny EMBER_SERVE_PROMPTS=8 EMBER_PINNED_PROMPTS=8 EMBER_PEER_PROMPTS=4
 # EMBER_PEER_DEVICE=cpu EMBER_SERVE_OUTPUT_LEN=8):
-#   EMBER_BENCH_PRESET (llama-3.1-8b), EMBER_SERVE_PROMPTS ("1000 4000"), EMBER_PINNED_PROMPTS
+#   EMBER_BENCH_PRESET (llama-3.1-8b), EMBER_GPU_TESTS ("tests/gpu tests/kernels"), EMBER_SERVE_PROMPTS ("1000 4000"), EMBER_PINNED_PROMPTS
 #   (1000), EMBER_PEER_PROMPTS (1000), EMBER_PEER_DEVICE (cuda), EMBER_SERVE_OUTPUT_LEN (unset),
-#   EMBER_PEER_ARGS ("--cuda-graphs on --max-memory-percent 0.6")
+#   EMBER_PEER_ARGS ("--cuda-graphs on --max-memory-percent 0.6"), EMBER_RUN_SECONDS (570: every
+#   command is stopped in time for the results to be bundled inside the device's 600 s call)
 set -uo pipefail
 OUT=${1:?usage: scripts/gpu_run.sh OUTDIR [STAGE ...]}
 shift
@@ -40,37 +41,46 @@ export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
 export EMBER_TEST_TOKENIZER_DIR=$ROOT/.gpu_assets/tokenizer
 PRESET=${EMBER_BENCH_PRESET:-llama-3.1-8b}
 MODEL=/tmp/$PRESET-random
+# A command the device kills loses the archive; each step here gets what is left of the budget.
+DEADLINE=$(( $(date +%s) + ${EMBER_RUN_SECONDS:-570} ))
+limited() {
+  local left=$(( DEADLINE - $(date +%s) ))
+  if [ "$left" -le 5 ]; then echo "skipped (out of time): $*"; return 124; fi
+  timeout --signal=INT --kill-after=10 "$left" "$@"
+}
 has_stage() { [[ " $STAGES " == *" $1 "* ]]; }
 stamp() { echo "=== $(date -u +%H:%M:%S) $*"; }
 
 stamp "machine"
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv || true
 $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+# Every server dependency imports, so a missing wheel shows here and not as a dead server.
+$PY -c "import fastapi, uvicorn, msgspec, zmq, gguf, aiohttp, ember.server.app" || exit 1
 
 make_model() {
   if [ ! -f "$MODEL/config.json" ]; then
     stamp "make-model $PRESET"
-    $PY -m ember.cli bench make-model --preset "$PRESET" --out "$MODEL" \
+    limited $PY -m ember.cli bench make-model --preset "$PRESET" --out "$MODEL" \
       --tokenizer-dir "$EMBER_TEST_TOKENIZER_DIR" || exit 1
   fi
 }
 
 if has_stage tests; then
   stamp "GPU tests"
-  $PY -m pytest -q -p no:cacheprovider tests/gpu tests/kernels -x --junitxml="$RES/gpu_tests.xml" \
+  limited $PY -m pytest -q -p no:cacheprovider ${EMBER_GPU_TESTS:-tests/gpu tests/kernels} --junitxml="$RES/gpu_tests.xml" \
     2>&1 | tail -n 40
 fi
 
 if has_stage step; then
   make_model
   stamp "bench step"
-  $PY -m ember.cli bench step --model "$MODEL" --out "$RES"
+  limited $PY -m ember.cli bench step --model "$MODEL" --out "$RES"
 fi
 
 if has_stage parity; then
   make_model
   stamp "bench parity"
-  $PY -m ember.cli bench parity --model "$MODEL" --output-json "$RES/parity_$PRESET.json"
+  limited $PY -m ember.cli bench parity --model "$MODEL" --output-json "$RES/parity_$PRESET.json"
 fi
 
 DATASET=(--dataset sharegpt --dataset-path "$ROOT/.gpu_assets/sharegpt.json" --seed 0
@@ -83,14 +93,14 @@ if has_stage serve; then
   make_model
   for n in ${EMBER_SERVE_PROMPTS:-1000 4000}; do
     stamp "bench serve $n prompts"
-    $PY -m ember.cli bench serve --launch "$MODEL" --server-args="$SERVER_ARGS" \
+    limited $PY -m ember.cli bench serve --launch "$MODEL" --server-args="$SERVER_ARGS" \
       --num-prompts "$n" "${SERVE_COMMON[@]}" --server-log "$RES/server_${n}.log" \
       --output-json "$RES/serve_${n}.json"
   done
   n=${EMBER_PINNED_PROMPTS:-1000}
   if [ "$n" != 0 ]; then
     stamp "bench serve $n prompts, server pinned to one core"
-    $PY -m ember.cli bench serve --launch "$MODEL" --server-args="$SERVER_ARGS" \
+    limited $PY -m ember.cli bench serve --launch "$MODEL" --server-args="$SERVER_ARGS" \
       --server-cpus 0 --num-prompts "$n" "${SERVE_COMMON[@]}" \
       --output-json "$RES/serve_${n}_pinned.json"
   fi
@@ -103,7 +113,7 @@ if has_stage peer; then
   # for 1,000 prompts, over one call's 10 min; its own CUDA graphs need room left by the KV cache.
   PEER_ARGS=${EMBER_PEER_ARGS---cuda-graphs on --max-memory-percent 0.6}
   stamp "peer: transformers continuous batching, $n prompts"
-  $PY -m ember.bench.peer_transformers --model "$MODEL" --num-prompts "$n" "${DATASET[@]}" \
+  limited $PY -m ember.bench.peer_transformers --model "$MODEL" --num-prompts "$n" "${DATASET[@]}" \
     --max-concurrency 200 --device "${EMBER_PEER_DEVICE:-cuda}" --disable-tqdm $PEER_ARGS \
     --output-json "$RES/peer_transformers_${n}.json"
 fi

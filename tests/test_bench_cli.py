@@ -69,3 +69,19 @@ def test_step_bench_logic_runs_on_a_cpu(tmp_path):
     assert eager["eager_step_ms"] > 0
     inst.scheduler.check_invariants()
     assert inst.kv_manager.num_free_blocks == inst.kv_manager.pool.capacity
+
+
+def test_step_bench_row_records_an_error_and_the_plot_skips_it(tmp_path, capsys):
+    from ember.bench.step_bench import _plot, _row
+
+    def failing(batch, context):
+        raise MemoryError("KV pool exhausted")
+
+    row = _row(failing, 256, 4096)
+    assert row == {"args": [256, 4096], "error": "MemoryError: KV pool exhausted"}
+    assert "KV pool exhausted" in capsys.readouterr().out
+    good = {"batch": 1, "context": 512, "step_ms": 5.0, "roofline_ms": 4.0}
+    prefill = {"chunk": 512, "step_ms": 9.0, "fraction_of_bf16_peak": 0.5}
+    result = {"gpu": "cpu", "model": "tiny", "decode": [good, row], "prefill": [prefill, row]}
+    _plot(result, tmp_path / "plot.png")
+    assert (tmp_path / "plot.png").stat().st_size > 0

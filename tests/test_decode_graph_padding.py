@@ -59,3 +59,14 @@ def test_padded_decode_steps_give_the_same_tokens(tmp_path, overlap):
     replayed = llm.instance.runner.graphs.replayed
     assert replayed and all(b in decode_buckets(16) for b in replayed)
     assert any(b > 8 for b in replayed)  # 13 requests decode together: padded to 16
+
+
+def test_only_the_triton_ops_are_marked_capturable():
+    """The runner captures decode graphs only over ops that allow it: the reference ops index
+    with boolean masks (a host sync), which a CUDA graph capture rejects."""
+    import torch
+
+    from ember.layers.ops import select_ops, triton_ops
+
+    assert select_ops(torch.device("cpu"), "reference").capturable is False
+    assert triton_ops().capturable is True

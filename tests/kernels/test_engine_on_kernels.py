@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 import torch
 from helpers.tiny_models import make_tiny_model
@@ -39,7 +42,9 @@ def test_parity_bench_runs_and_agrees(tmp_path, device):
     from ember.bench.make_model import make_model
     from ember.bench.parity import run_parity
 
-    path = make_model("tiny", tmp_path / "tiny", device="cpu")
+    # Saved tokenizer files where the GPU machine has no GGUF (EMBER_TEST_TOKENIZER_DIR).
+    saved = os.environ.get("EMBER_TEST_TOKENIZER_DIR")
+    path = make_model("tiny", tmp_path / "tiny", device="cpu", tokenizer_dir=saved and Path(saved))
     result = run_parity(
         str(path), num_prompts=2, max_tokens=3, dtype="float32", max_prompt_len=20,
         kv_bytes=16 << 20,

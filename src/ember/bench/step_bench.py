@@ -152,7 +152,7 @@ class StepBench:
         }
 
 
-def run_step_bench(model: str, out_dir: Path, max_model_len: int = 4160) -> dict:
+def run_step_bench(model: str, out_dir: Path, max_model_len: int = 8320) -> dict:
     ceilings = measure_ceilings()
     config = EngineConfig(
         model=model,
@@ -173,19 +173,41 @@ def run_step_bench(model: str, out_dir: Path, max_model_len: int = 4160) -> dict
         "kv_pool_tokens": inst.kv_manager.pool.capacity * inst.kv_manager.block_size,
         "load_seconds": inst.load_report.seconds,
     }
-    result["decode"] = [bench.decode(b, c) for c in DECODE_CONTEXTS for b in DECODE_BATCHES]
-    result["graphs_vs_eager"] = [bench.eager_vs_graph(b) for b in (1, 64)]
-    result["prefill"] = [bench.prefill(c) for c in PREFILL_CHUNKS]
-    try:
-        from ember.bench.kernel_bench import bench_attention
-
-        result["attention"] = bench_attention(ceilings.hbm_bytes_per_s)
-    except ImportError as exc:  # the kernel benchmark is optional
-        result["attention"] = {"skipped": str(exc)}
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "step_bench.json").write_text(json.dumps(result, indent=2))
+    path = out_dir / "step_bench.json"
+    sections = {
+        "decode": lambda: [_row(bench.decode, b, c) for c in DECODE_CONTEXTS for b in DECODE_BATCHES],
+        "graphs_vs_eager": lambda: [_row(bench.eager_vs_graph, b) for b in (1, 64)],
+        "prefill": lambda: [_row(bench.prefill, c) for c in PREFILL_CHUNKS],
+        "attention": _attention_section(ceilings),
+    }
+    for name, section in sections.items():
+        result[name] = section()
+        # Written after every section, so a later failure keeps what was measured.
+        path.write_text(json.dumps(result, indent=2))
     _plot(result, out_dir / "step_bench.png")
     return result
+
+
+def _row(measure, *args) -> dict:
+    """One measurement, printed as it lands; an error becomes the row instead of ending the run."""
+    try:
+        row = measure(*args)
+    except Exception as exc:  # noqa: BLE001 - a benchmark row records its failure and goes on
+        row = {"args": list(args), "error": f"{type(exc).__name__}: {exc}"}
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def _attention_section(ceilings: Ceilings):
+    def measure() -> list | dict:
+        try:
+            from ember.bench.kernel_bench import bench_attention
+        except ImportError as exc:  # the kernel benchmark is optional
+            return {"skipped": str(exc)}
+        return bench_attention(ceilings.hbm_bytes_per_s)
+
+    return measure
 
 
 def _plot(result: dict, path: Path) -> None:
@@ -196,7 +218,7 @@ def _plot(result: dict, path: Path) -> None:
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for context in DECODE_CONTEXTS:
-        rows = [r for r in result["decode"] if r["context"] == context and "step_ms" in r]
+        rows = [r for r in result["decode"] if r.get("context") == context and "step_ms" in r]
         axes[0].plot(
             [r["batch"] for r in rows],
             [r["step_ms"] for r in rows],
@@ -211,7 +233,7 @@ def _plot(result: dict, path: Path) -> None:
         )
     axes[0].set(xscale="log", xlabel="batch", ylabel="decode step (ms)", title="Decode step")
     axes[0].legend()
-    rows = result["prefill"]
+    rows = [r for r in result["prefill"] if "step_ms" in r]
     axes[1].plot([r["chunk"] for r in rows], [r["fraction_of_bf16_peak"] for r in rows], "o-")
     axes[1].set(
         xscale="log",
@@ -228,16 +250,13 @@ def _plot(result: dict, path: Path) -> None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="checkpoint directory (see make-model)")
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
-    parser.add_argument("--max-model-len", type=int, default=4160)
+    # Room for the largest prefill chunk (8,192) plus a margin.
+    parser.add_argument("--max-model-len", type=int, default=8320)
 
 
 def run(args: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
         print("ember bench step needs a CUDA GPU")
         return 2
-    result = run_step_bench(args.model, args.out, args.max_model_len)
-    for row in result["decode"]:
-        print(json.dumps(row))
-    for row in result["prefill"] + result["graphs_vs_eager"]:
-        print(json.dumps(row))
+    run_step_bench(args.model, args.out, args.max_model_len)
     return 0

@@ -120,7 +120,7 @@ class ModelInstance:
             max_num_seqs=scheduler_config.max_num_seqs,
             max_num_batched_tokens=scheduler_config.max_num_batched_tokens,
             max_model_len=self.max_model_len,
-            use_cuda_graphs=not config.enforce_eager,
+            use_cuda_graphs=not config.enforce_eager and self.ops.capturable,
         )
         # Overlap: launch step N+1 before collecting step N (on by default on a GPU).
         self.overlap = config.overlap if config.overlap is not None else self.device.type == "cuda"

@@ -23,6 +23,9 @@ class Ops:
     rope_and_cache_write: Callable[..., None]
     paged_attention: Callable[..., None]
     sample: Callable[..., torch.Tensor]
+    # Whether a forward pass can be captured in a CUDA graph: the reference ops pick rows with
+    # boolean masks and read lengths back to the host, which capture forbids.
+    capturable: bool
 
 
 def reference_ops() -> Ops:
@@ -36,6 +39,7 @@ def reference_ops() -> Ops:
         rope_and_cache_write=ref.rope_and_cache_write_reference,
         paged_attention=ref.paged_attention_reference,
         sample=ref.sample_reference,
+        capturable=False,
     )
 
 
@@ -50,6 +54,7 @@ def triton_ops() -> Ops:
         rope_and_cache_write=kernels.rope_and_cache_write,
         paged_attention=kernels.paged_attention,
         sample=kernels.sample,
+        capturable=True,
     )
 
 

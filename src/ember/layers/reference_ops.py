@@ -119,8 +119,8 @@ def paged_attention_reference(
         values = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].float()
         queries = q[q_start:q_end].float().view(q_len, num_kv_heads, group, head_dim)
         scores = torch.einsum("qhgd,khd->hgqk", queries, keys) * scale
-        query_pos = torch.arange(seq_len - q_len, seq_len)
-        visible = torch.arange(seq_len)[None, :] <= query_pos[:, None]
+        query_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
+        visible = torch.arange(seq_len, device=q.device)[None, :] <= query_pos[:, None]
         scores = scores.masked_fill(~visible, float("-inf"))
         attn = torch.einsum("hgqk,khd->qhgd", scores.softmax(dim=-1), values)
         out[q_start:q_end] = attn.reshape(q_len, num_q_heads, head_dim).to(out.dtype)
