@@ -85,3 +85,24 @@ def test_step_bench_row_records_an_error_and_the_plot_skips_it(tmp_path, capsys)
     result = {"gpu": "cpu", "model": "tiny", "decode": [good, row], "prefill": [prefill, row]}
     _plot(result, tmp_path / "plot.png")
     assert (tmp_path / "plot.png").stat().st_size > 0
+
+
+def test_make_model_output_rows_past_the_tokenizer_are_zero(tmp_path, monkeypatch):
+    """A preset wider than the tokenizer (Llama 3's 128k ids) must still decode greedily to ids
+    the tokenizer has, or a serving benchmark would stream tokens without text."""
+    from safetensors.torch import load_file
+
+    from ember.bench import make_model as mm
+
+    wide = {**mm.PRESETS["tiny"], "vocab_size": mm.TOKENIZER_VOCAB + 512}
+    wide["tie_word_embeddings"] = False
+    monkeypatch.setitem(mm.PRESETS, "wide", wide)
+    out = mm.make_model("wide", tmp_path / "wide", device="cpu")
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shard = load_file(str(out / index["weight_map"]["lm_head.weight"]))
+    lm_head = shard["lm_head.weight"]
+    assert lm_head.shape[0] == mm.TOKENIZER_VOCAB + 512
+    assert not lm_head[mm.TOKENIZER_VOCAB :].any() and lm_head[: mm.TOKENIZER_VOCAB].any()
+    llm = LLM(str(out), max_model_len=128)
+    outs = llm.generate(["hello", "a b c"], SamplingParams(temperature=0, max_tokens=8))
+    assert all(t < mm.TOKENIZER_VOCAB for o in outs for t in o.outputs[0].token_ids)

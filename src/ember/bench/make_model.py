@@ -3,6 +3,9 @@
 GPU and load-time benchmarks need a real HF directory (config.json, sharded safetensors, a
 tokenizer) with the shape of a real model, and nothing may be downloaded. The tokenizer is
 SmolLM2's, rebuilt from the GGUF file we ship; its ids fit in every preset's vocabulary.
+Output-projection rows past the tokenizer's ids are zero, so greedy decoding (whose random
+logits have a positive maximum) stays on ids that decode to text, as a real model's would;
+the GEMM keeps the preset's full shape and cost.
 """
 
 from __future__ import annotations
@@ -15,6 +18,9 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
+
+# Ids the SmolLM2 tokenizer defines; rows of the output projection past them are zero.
+TOKENIZER_VOCAB = 49152
 
 PRESETS: dict[str, dict] = {
     "llama-3.1-8b": {
@@ -146,8 +152,12 @@ def make_model(
         weight_map.update({k: name for k in shard})
         shard, shard_bytes = {}, 0
 
+    output_rows = "model.embed_tokens.weight" if cfg["tie_word_embeddings"] else "lm_head.weight"
     for name, shape in shapes:
-        tensor = random_tensor(name, shape, gen, device).to(torch.bfloat16).cpu()
+        tensor = random_tensor(name, shape, gen, device)
+        if name == output_rows:
+            tensor[TOKENIZER_VOCAB:] = 0
+        tensor = tensor.to(torch.bfloat16).cpu()
         nbytes = tensor.numel() * 2
         if shard_bytes + nbytes > _SHARD_BYTES:
             flush()

@@ -107,6 +107,7 @@ class PeerRun:
     start_s: float
     duration_s: float
     batching: dict
+    interrupted: bool = False  # stopped (SIGINT) before every request finished
 
 
 def run_requests(
@@ -133,32 +134,42 @@ def run_requests(
         workload_hints=hints,
     ) as manager:
         batching = _resolved_batching(manager.continuous_batching_config)
-        in_flight = 0
+        interrupted = False
         with tqdm(total=len(prompt_ids), disable=not show_progress, unit="req") as bar, monitor:
             start_s = time.perf_counter()
-            while pending or in_flight:
-                while pending and in_flight < limit:
-                    index = pending.popleft()
-                    manager.add_request(
-                        prompt_ids[index],
-                        request_id=f"req_{index}",
-                        max_new_tokens=output_lens[index],
-                        eos_token_id=NO_EOS,
-                        record_timestamps=True,
-                    )
-                    in_flight += 1
-                output = manager.get_result(timeout=1.0)
-                if output is None:
-                    if not manager.is_running():
-                        raise RuntimeError("transformers' generation thread stopped unexpectedly")
-                    continue
-                if output.is_finished():
-                    results[output.request_id] = to_request_result(output)
-                    in_flight -= 1
-                    bar.update(1)
+            try:
+                _drive(manager, prompt_ids, output_lens, pending, limit, results, bar)
+            except KeyboardInterrupt:  # a time limit (SIGINT): report what finished
+                interrupted = True
             duration_s = time.perf_counter() - start_s
-    ordered = [results[f"req_{i}"] for i in range(len(prompt_ids))]
-    return PeerRun(ordered, start_s, duration_s, batching)
+    unfinished = RequestResult(False, 0, start_s, error="not finished when the run was stopped")
+    ordered = [results.get(f"req_{i}", unfinished) for i in range(len(prompt_ids))]
+    return PeerRun(ordered, start_s, duration_s, batching, interrupted)
+
+
+def _drive(manager, prompt_ids, output_lens, pending, limit, results, bar) -> None:
+    """Keep `limit` requests in flight until every request has finished."""
+    in_flight = 0
+    while pending or in_flight:
+        while pending and in_flight < limit:
+            index = pending.popleft()
+            manager.add_request(
+                prompt_ids[index],
+                request_id=f"req_{index}",
+                max_new_tokens=output_lens[index],
+                eos_token_id=NO_EOS,
+                record_timestamps=True,
+            )
+            in_flight += 1
+        output = manager.get_result(timeout=1.0)
+        if output is None:
+            if not manager.is_running():
+                raise RuntimeError("transformers' generation thread stopped unexpectedly")
+            continue
+        if output.is_finished():
+            results[output.request_id] = to_request_result(output)
+            in_flight -= 1
+            bar.update(1)
 
 
 def _resolved_batching(config: ContinuousBatchingConfig) -> dict:
@@ -226,6 +237,7 @@ def run_peer(args: argparse.Namespace) -> dict:
         "seed": args.seed,
         "tokenizer": tokenizer.path,
         "batching": run.batching,
+        "interrupted": run.interrupted,
         **figures,
         **monitor.report(figures["total_output_tokens"]).as_dict(),
         "started_at": started_at,
