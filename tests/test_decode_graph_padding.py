@@ -1,30 +1,20 @@
-"""The CUDA-graph decode path's inputs, checked on a CPU.
+"""The CUDA-graph step paths' inputs, checked on a CPU.
 
-A graph replays a fixed batch size, so decode steps are padded up to a bucket. Here the graph
-is replaced by the same forward pass run eagerly on the padded buffers: padded rows must change
-nothing (they write no KV and their logits are dropped), whatever the real batch size.
+A graph replays a fixed shape, so decode steps are padded up to a batch bucket and mixed steps
+(prefill chunks beside decodes) up to a token bucket with the sequence count at its maximum.
+Here the graph is replaced by the same forward pass run eagerly on the padded buffers: padding
+must change nothing (it writes no KV and its outputs are dropped), whatever the real shape.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+from helpers.eager_graphs import EagerStepGraphs
 from helpers.tiny_models import make_tiny_model
 
 from ember import LLM, SamplingParams
-from ember.runner.cuda_graphs import DecodeGraphs, decode_buckets
-
-
-class EagerDecodeGraphs(DecodeGraphs):
-    """DecodeGraphs whose 'replay' runs the captured function eagerly (no CUDA needed)."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.replayed: list[int] = []
-
-    def replay(self, bucket: int) -> torch.Tensor:
-        self.replayed.append(bucket)
-        return self._forward(bucket)
+from ember.runner.cuda_graphs import decode_buckets, mixed_token_buckets
 
 
 def test_buckets_cover_every_batch_size():
@@ -34,21 +24,33 @@ def test_buckets_cover_every_batch_size():
         assert any(b >= batch for b in buckets)
 
 
+@pytest.mark.parametrize("max_tokens", [7, 100, 2048, 3000])
+def test_token_buckets_cover_every_step_size(max_tokens):
+    buckets = mixed_token_buckets(max_tokens)
+    assert buckets == sorted(set(buckets)) and buckets[-1] == max_tokens
+    for tokens in range(1, max_tokens + 1):
+        assert any(t >= tokens for t in buckets)
+
+
 @pytest.mark.parametrize("overlap", [False, True])
-def test_padded_decode_steps_give_the_same_tokens(tmp_path, overlap):
+def test_padded_steps_give_the_same_tokens(tmp_path, overlap):
     path = make_tiny_model("LlamaForCausalLM", tmp_path)
     g = torch.Generator().manual_seed(11)
     prompts = [torch.randint(3, 4000, (n,), generator=g).tolist() for n in range(3, 40, 3)]
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    params = [
+        SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+        SamplingParams(temperature=0.9, top_p=0.8, seed=5, max_tokens=8, ignore_eos=True),
+    ]
+    params = [params[i % 2] for i in range(len(prompts))]
 
     def run(use_graphs: bool) -> tuple[list[list[int]], LLM]:
-        llm = LLM(str(path), device="cpu", max_model_len=128, max_num_seqs=16, overlap=overlap)
-        runner = llm.instance.runner
+        # A 40-token budget splits prompts into chunks beside other requests' decodes.
+        llm = LLM(
+            str(path), device="cpu", max_model_len=128, max_num_seqs=16,
+            max_num_batched_tokens=40, overlap=overlap,
+        )  # fmt: skip
         if use_graphs:
-            runner.graphs = EagerDecodeGraphs(
-                llm.instance.model, runner.buffers, runner.kv_cache, runner.cos_sin_cache,
-                max_batch=16, max_seq_len=128,
-            )  # fmt: skip
+            EagerStepGraphs.install(llm, max_tokens=40)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
         llm.instance.scheduler.check_invariants()
         return [o.outputs[0].token_ids for o in outs], llm
@@ -57,8 +59,12 @@ def test_padded_decode_steps_give_the_same_tokens(tmp_path, overlap):
     padded, llm = run(use_graphs=True)
     assert padded == plain
     replayed = llm.instance.runner.graphs.replayed
-    assert replayed and all(b in decode_buckets(16) for b in replayed)
-    assert any(b > 8 for b in replayed)  # 13 requests decode together: padded to 16
+    decodes = [(k.num_seqs, real) for k, real in replayed if k.decode]
+    mixed = [(k, real) for k, real in replayed if not k.decode]
+    assert decodes and all(b in decode_buckets(16) for b, _ in decodes)
+    assert any(real < b for b, real in decodes)  # some decode batch was padded
+    assert mixed and all(k.num_seqs == 16 and k.num_tokens in (16, 32, 40) for k, _ in mixed)
+    assert any(real < k.num_tokens for k, real in mixed)  # and some mixed step
 
 
 def test_only_the_triton_ops_are_marked_capturable():

@@ -56,6 +56,7 @@ class LLM:
         seed: int = 0,
         long_prefill_token_threshold: int = 0,
         enforce_eager: bool = False,
+        lazy_cuda_graphs: bool = False,
         overlap: bool | None = None,
         backend: str = "auto",
     ) -> None:
@@ -79,6 +80,7 @@ class LLM:
             scheduler=scheduler,
             seed=seed,
             enforce_eager=enforce_eager,
+            lazy_cuda_graphs=lazy_cuda_graphs,
             overlap=overlap,
             backend=backend,
         )

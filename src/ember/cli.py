@@ -107,6 +107,17 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed for unseeded requests")
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     parser.add_argument(
+        "--lazy-cuda-graphs",
+        action="store_true",
+        help="capture each CUDA graph when a step first needs it (faster start, slower first steps)",
+    )
+    parser.add_argument(
+        "--cuda-graph-mode",
+        choices=("full", "decode"),
+        default="full",
+        help="full: CUDA graphs for decode and prefill steps; decode: decode steps only",
+    )
+    parser.add_argument(
         "--api-key",
         default=os.environ.get(API_KEY_ENV),
         help=f"require 'Authorization: Bearer KEY' (default: ${API_KEY_ENV})",
@@ -168,6 +179,8 @@ def server_config(args: argparse.Namespace):
         ),
         seed=args.seed,
         enforce_eager=args.enforce_eager,
+        lazy_cuda_graphs=args.lazy_cuda_graphs,
+        cuda_graph_mode=args.cuda_graph_mode,
     )
     return ServerConfig(
         models=(ServedModelSpec(engine, chat_template=args.chat_template),),

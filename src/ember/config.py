@@ -147,5 +147,8 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     seed: int = 0
     enforce_eager: bool = False  # no CUDA graphs
+    lazy_cuda_graphs: bool = False  # capture each graph when first needed instead of at start
+    # "full": graphs for decode and mixed (prefill) steps; "decode": decode steps only.
+    cuda_graph_mode: str = "full"
     backend: str = "auto"  # compute primitives: auto (Triton on CUDA), triton or reference
     overlap: bool | None = None  # None: overlap CPU and GPU work when on a GPU

@@ -11,6 +11,7 @@ from helpers.hf_reference import hf_greedy_tokens
 from helpers.tiny_models import make_tiny_model
 
 from ember import LLM, SamplingParams
+from ember.bench.parity import compare_greedy
 
 pytestmark = [
     pytest.mark.gpu,
@@ -40,6 +41,8 @@ def tiny_dir(request, tmp_path_factory):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_triton_path_matches_reference_path(tiny_dir, dtype):
+    """fp32: the same greedy tokens. bf16: the paths round differently, so where they part the
+    two tokens must be a near-tie (each in the other's top 5), as vLLM checks its kernels."""
     prompts = random_prompts(16)
     kwargs = {
         "device": "cuda",
@@ -47,10 +50,22 @@ def test_triton_path_matches_reference_path(tiny_dir, dtype):
         "max_model_len": 256,
         "kv_cache_memory_bytes": 1 << 30,
     }
-    reference = greedy_tokens(LLM(str(tiny_dir), backend="reference", **kwargs), prompts)
-    fast = LLM(str(tiny_dir), backend="triton", **kwargs)
-    assert greedy_tokens(fast, prompts) == reference
-    assert fast.instance.runner.graphs.captured, "decode steps should have used CUDA graphs"
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=5)
+
+    def run(backend: str) -> list[tuple[list[int], list]]:
+        llm = LLM(str(tiny_dir), backend=backend, **kwargs)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        llm.instance.scheduler.check_invariants()
+        if backend == "triton":
+            assert llm.instance.runner.graphs.captured, "steps should have used CUDA graphs"
+        return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+
+    reference, fast = run("reference"), run("triton")
+    rows = [compare_greedy(a, b) for a, b in zip(fast, reference)]
+    if dtype == "float32":
+        assert [a for a, _ in fast] == [b for b, _ in reference]
+    else:
+        assert all(row["near_tie"] for row in rows), rows
 
 
 def test_triton_path_matches_transformers(tiny_dir):

@@ -154,7 +154,9 @@ def test_samples_stay_in_kept_set(gen, device, filters):
     keep = sampling_keep_mask(logits[:1], *(p[k][:1].cpu() for k in ("temperature", "top_k",
                               "top_p", "min_p")))[0]  # fmt: skip
     assert keep[tokens].all()
-    assert len(set(tokens.tolist())) > 1
+    kept_probs = logits[0].masked_fill(~keep, float("-inf")).softmax(-1)
+    if kept_probs.max() < 0.8:  # else 32 equal draws are likely enough (>0.1%) to be fair
+        assert len(set(tokens.tolist())) > 1
     assert keep.sum() < vocab // 2  # the filters did cut something
 
 

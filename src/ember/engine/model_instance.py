@@ -40,6 +40,8 @@ class LoadReport:
     weight_bytes: int
     kv_cache_bytes: int
     num_blocks: int
+    graphs_captured: int = 0
+    graph_capture_seconds: float = 0.0
 
 
 def resolve_device(device: str) -> torch.device:
@@ -87,6 +89,8 @@ class ModelInstance:
             cfg.max_position_embeddings,
         )
         self.ops = select_ops(self.device, config.backend)
+        if config.cuda_graph_mode not in ("full", "decode"):
+            raise ValueError(f"cuda_graph_mode must be 'full' or 'decode', not {config.cuda_graph_mode!r}")
         self.model = self._load_model(ckpt)
         block_size = config.cache.block_size
         num_blocks = self._num_kv_blocks()
@@ -121,12 +125,16 @@ class ModelInstance:
             max_num_batched_tokens=scheduler_config.max_num_batched_tokens,
             max_model_len=self.max_model_len,
             use_cuda_graphs=not config.enforce_eager and self.ops.capturable,
+            mixed_cuda_graphs=config.cuda_graph_mode == "full",
         )
         # Overlap: launch step N+1 before collecting step N (on by default on a GPU).
         self.overlap = config.overlap if config.overlap is not None else self.device.type == "cuda"
         self._in_flight: tuple[SchedulerOutput, StepHandle] | None = None
         self._rng = random.Random(config.seed)
+        graphs, capture_seconds = self._capture_graphs()
         self.load_report = LoadReport(
+            graphs_captured=graphs,
+            graph_capture_seconds=capture_seconds,
             seconds=time.perf_counter() - start,
             weight_bytes=sum(p.numel() * p.element_size() for p in self.model.parameters()),
             kv_cache_bytes=self.kv_cache.numel() * self.kv_cache.element_size(),
@@ -135,6 +143,17 @@ class ModelInstance:
         logger.info(
             "loaded %s in %.2f s: %s", self.name, self.load_report.seconds, self.load_report
         )
+
+    def _capture_graphs(self) -> tuple[int, float]:
+        """Capture every step graph before the first request (vLLM does the same): a lazy capture
+        costs the request that meets a new shape ~0.1 s, and compiling the kernels several."""
+        graphs = self.runner.graphs
+        if graphs is None or self.config.lazy_cuda_graphs:
+            return 0, 0.0
+        start = time.perf_counter()
+        with torch.inference_mode():
+            count = graphs.capture_all()
+        return count, time.perf_counter() - start
 
     def _load_model(self, ckpt: Checkpoint) -> torch.nn.Module:
         cls = model_class(self.model_config.architecture)

@@ -18,7 +18,7 @@ import torch
 
 from ember.engine.step_types import RunnerOutput, SchedulerOutput, TokenLogprobs
 from ember.layers.forward_context import ForwardContext
-from ember.runner.cuda_graphs import DecodeGraphs
+from ember.runner.cuda_graphs import GraphKey, StepGraphs
 from ember.runner.input_buffers import InputBuffers
 from ember.runner.sampler import Sampler, SamplingRow
 from ember.sampling_params import SamplingParams
@@ -74,6 +74,7 @@ class ModelRunner:
         max_num_batched_tokens: int,
         max_model_len: int,
         use_cuda_graphs: bool,
+        mixed_cuda_graphs: bool = True,
     ) -> None:
         self.model = model
         self.kv_cache = kv_cache
@@ -90,7 +91,10 @@ class ModelRunner:
             device=self.device,
         )
         self.graphs = (
-            DecodeGraphs(model, self.buffers, kv_cache, cos_sin_cache, max_num_seqs, max_model_len)
+            StepGraphs(
+                model, self.buffers, kv_cache, cos_sin_cache, max_num_seqs, max_model_len,
+                max_tokens=max_num_batched_tokens if mixed_cuda_graphs else None,
+            )  # fmt: skip
             if use_cuda_graphs and self.device.type == "cuda"
             else None
         )
@@ -141,27 +145,30 @@ class ModelRunner:
             self.collect(prev)  # penalties need the whole output history on the host
         rows = [self._sampling_row(s) for s in plan.sampling_states]
         bucket = self._graph_bucket(plan)
-        padded = self._pad_for_graph(staging, plan, bucket) if bucket else plan
+        padded = self._pad_for_graph(staging, plan, bucket) if bucket is not None else plan
         self.buffers.upload(staging, padded.upload_counts)
         buf = self.buffers
         if plan.num_gathers:
             dst = buf["gather_dst"][: plan.num_gathers]
             src = buf["gather_src"][: plan.num_gathers]
             buf["input_ids"].index_copy_(0, dst, prev.tokens.index_select(0, src))
-        if bucket:
-            logits = self.graphs.replay(bucket)[: plan.num_seqs]
+        num_samples = len(plan.sampling_states)
+        if bucket is not None and bucket.decode:
+            logits = self.graphs.replay(bucket)[:num_samples]
         else:
-            hidden = self.model(
-                buf["input_ids"][: plan.num_tokens],
-                self._context(plan),
-                self.cos_sin_cache,
-                self.kv_cache,
-            )
-            if not plan.sampling_states:
+            if bucket is not None:
+                rows_hidden = self.graphs.replay(bucket)
+            else:
+                hidden = self.model(
+                    buf["input_ids"][: plan.num_tokens],
+                    self._context(plan),
+                    self.cos_sin_cache,
+                    self.kv_cache,
+                )
+                rows_hidden = hidden.index_select(0, buf["sample_indices"][:num_samples])
+            if not num_samples:
                 return StepHandle([], None, None, None, None, result=RunnerOutput())
-            logits = self.model.compute_logits(
-                hidden.index_select(0, buf["sample_indices"][: len(plan.sampling_states)])
-            )
+            logits = self.model.compute_logits(rows_hidden[:num_samples])
         tokens, logprobs = self.sampler(logits, rows)
         host_tokens, done = self._copy_to_host(tokens, staging)
         handle = StepHandle(
@@ -253,24 +260,34 @@ class ModelRunner:
         plan.num_tokens, plan.num_seqs = t, len(scheduled.num_scheduled_tokens)
         return plan
 
-    def _graph_bucket(self, plan: _StepPlan) -> int | None:
-        if self.graphs is None or plan.max_query_len != 1:
+    def _graph_bucket(self, plan: _StepPlan) -> GraphKey | None:
+        if self.graphs is None:
             return None
-        if len(plan.sampling_states) != plan.num_seqs:
-            return None
-        return self.graphs.bucket_for(plan.num_seqs)
+        if plan.max_query_len == 1 and len(plan.sampling_states) == plan.num_seqs:
+            return self.graphs.bucket_for(plan.num_seqs)
+        return self.graphs.mixed_bucket_for(plan.num_tokens, plan.num_seqs)
 
-    def _pad_for_graph(self, st, plan: _StepPlan, bucket: int) -> _StepPlan:
-        """Padded rows: a 1-token sequence at position 0 of scratch block 0, written nowhere."""
-        b, n = plan.num_seqs, bucket
-        st.numpy("input_ids")[b:n] = 0
-        st.numpy("positions")[b:n] = 0
-        st.numpy("slot_mapping")[b:n] = -1
-        st.numpy("seq_lens")[b:n] = 1
-        st.numpy("query_start_loc")[b + 1 : n + 1] = np.arange(b + 1, n + 1)
-        st.numpy("block_tables")[b:n] = 0
+    def _pad_for_graph(self, st, plan: _StepPlan, key: GraphKey) -> _StepPlan:
+        """Pad the staged inputs to the graph's shape; padding writes no KV and is never read.
+
+        Decode: extra rows are 1-token sequences on scratch block 0. Mixed: extra tokens belong
+        to no sequence, extra sequences are empty, extra sample rows point at token 0.
+        """
+        t, s, n_samples = plan.num_tokens, plan.num_seqs, len(plan.sampling_states)
+        st.numpy("input_ids")[t : key.num_tokens] = 0
+        st.numpy("positions")[t : key.num_tokens] = 0
+        st.numpy("slot_mapping")[t : key.num_tokens] = -1
+        st.numpy("block_tables")[s : key.num_seqs] = 0
+        st.numpy("sample_indices")[n_samples : key.num_seqs] = 0
+        if key.decode:
+            st.numpy("seq_lens")[s : key.num_seqs] = 1
+            st.numpy("query_start_loc")[s + 1 : key.num_seqs + 1] = np.arange(s + 1, key.num_seqs + 1)
+        else:
+            st.numpy("seq_lens")[s : key.num_seqs] = 0
+            st.numpy("query_start_loc")[s + 1 : key.num_seqs + 1] = t
         padded = _StepPlan(**plan.__dict__)
-        padded.num_tokens = padded.num_seqs = n
+        padded.num_tokens, padded.num_seqs = key.num_tokens, key.num_seqs
+        padded.num_sample_rows = key.num_seqs
         return padded
 
     def _context(self, plan: _StepPlan) -> ForwardContext:
@@ -304,6 +321,7 @@ class _StepPlan:
     max_seq_len: int = 0
     num_gathers: int = 0
     sampling_states: list[RequestState] = field(default_factory=list)
+    num_sample_rows: int = 0  # sample_indices rows to upload beyond the sampled ones (padding)
 
     @property
     def upload_counts(self) -> dict[str, int]:
@@ -314,7 +332,7 @@ class _StepPlan:
             "query_start_loc": self.num_seqs + 1,
             "seq_lens": self.num_seqs,
             "block_tables": self.num_seqs,
-            "sample_indices": len(self.sampling_states),
+            "sample_indices": max(len(self.sampling_states), self.num_sample_rows),
             "gather_dst": self.num_gathers,
             "gather_src": self.num_gathers,
         }
