@@ -106,3 +106,33 @@ def test_make_model_output_rows_past_the_tokenizer_are_zero(tmp_path, monkeypatc
     llm = LLM(str(out), max_model_len=128)
     outs = llm.generate(["hello", "a b c"], SamplingParams(temperature=0, max_tokens=8))
     assert all(t < mm.TOKENIZER_VOCAB for o in outs for t in o.outputs[0].token_ids)
+
+
+def test_targets_compare_says_what_is_missed_and_by_how_much(tmp_path, capsys):
+    step = {
+        "decode": [
+            {"batch": 1, "context": 512, "fraction_of_roofline": 0.80, "gpu_idle_fraction": 0.01},
+            {"batch": 64, "context": 512, "fraction_of_roofline": 0.90, "gpu_idle_fraction": 0.08},
+        ],
+        "prefill": [{"chunk": 2048, "fraction_of_bf16_peak": 0.66}],
+        "attention": [{"batch": 256, "context": 4096, "roofline_fraction": 0.5}],
+    }
+    serve = {"output_throughput": 12000.0, "server_cores_busy": 0.5, "median_ttft_ms": 300.0,
+             "server_cpu_seconds_per_1k_output_tokens": 0.1}  # fmt: skip
+    pinned = {"output_throughput": 11400.0}
+    paths = {}
+    for name, data in {"step": step, "serve": serve, "pinned": pinned}.items():
+        paths[name] = tmp_path / f"{name}.json"
+        paths[name].write_text(json.dumps(data))
+    out = tmp_path / "targets.json"
+    args = ["bench", "targets", *(f"--{k}={v}" for k, v in paths.items()), f"--output-json={out}"]
+    assert main(args) == 0
+    rows = {r["target"]: r for r in json.loads(out.read_text())["targets"]}
+    b1 = rows["decode batch 1, ctx 512: fraction of roofline"]
+    assert b1["met"] is False and round(b1["margin_percent"], 1) == round(100 * (0.80 / 0.85 - 1), 1)
+    assert rows["decode batch 64, ctx 512: fraction of roofline"]["met"] is True
+    assert rows["decode batch 256, ctx 512: fraction of roofline"]["value"] is None  # not measured
+    assert rows["GPU idle fraction between decode steps (worst bucket)"]["met"] is False
+    assert rows["TTFT median"]["met"] is False and rows["TTFT median"]["margin_percent"] == -100
+    assert rows["server pinned to one core: throughput over unpinned"]["value"] == 0.95
+    assert "**no**" in capsys.readouterr().out

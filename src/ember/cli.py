@@ -46,6 +46,12 @@ BENCH_COMMANDS: dict[str, BenchCommand] = {
         "run",
         "decode and prefill step times on a GPU against the measured roofline",
     ),
+    "targets": BenchCommand(
+        "ember.bench.targets",
+        "add_arguments",
+        "run",
+        "compare recorded step/serve/peer results with the project's targets",
+    ),
     "make-model": BenchCommand(
         "ember.bench.make_model",
         "add_arguments",

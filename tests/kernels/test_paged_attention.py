@@ -185,3 +185,22 @@ def test_split_kv_rejected_for_prefill(gen, device):
     step = make_step(gen, device, [3], [3], num_kv_heads=1, group=1, head_dim=16)
     with pytest.raises(ValueError, match="decode-only"):
         run_both(step, num_kv_splits=2)
+
+
+@pytest.mark.parametrize("decode_only", [True, False])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("elem_bytes", [2, 4])
+def test_tile_configs_fit_in_shared_memory(decode_only, head_dim, elem_bytes):
+    """An fp32 8B model once failed to launch its prefill tiles on an H200 (256 KiB asked,
+    227 KiB there): every config must fit, and bf16 at head_dim 128 keeps the measured tiles."""
+    from ember.kernels.paged_attention import (
+        _SHARED_MEMORY_BUDGET,
+        _tile_config,
+        shared_memory_estimate,
+    )
+
+    config = _tile_config(4, decode_only, head_dim, elem_bytes)
+    assert shared_memory_estimate(config, head_dim, elem_bytes) <= _SHARED_MEMORY_BUDGET
+    assert config["BLOCK_N"] >= 16 and config["KV_STAGES"] >= 1
+    if elem_bytes == 2 and head_dim <= 128:
+        assert (config["BLOCK_N"], config["KV_STAGES"]) == ((64, 3) if decode_only else (128, 2))

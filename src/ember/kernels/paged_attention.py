@@ -288,24 +288,55 @@ def _device_sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _tile_config(group: int, decode_only: bool) -> dict[str, int]:
+def _tile_config(group: int, decode_only: bool, head_dim: int, elem_bytes: int) -> dict[str, int]:
     """Tile sizes from the step's kind. Rows of a program = query tokens x the GQA group."""
     min_rows = max(16, triton.next_power_of_2(group))  # tl.dot needs M >= 16
     if decode_only:
         # One query per sequence: the group's heads are the rows. Memory-bound: 64-key tiles,
         # 3 stages, 4 warps measured best on an H200 (128-key tiles lose 14% at batch 64).
-        return {"BLOCK_M": min_rows, "BLOCK_Q": 1, "BLOCK_N": 64, "num_warps": 4, "KV_STAGES": 3}
-    # Prefill is compute-bound: 128x128 tiles on 8 warps ran ~10% faster than 128x64 on an H200
-    # (2k/8k-token chunks at 229/347 TFLOP/s). One configuration for every mixed step, whatever
-    # its longest chunk, so a step gives the same numbers eagerly and padded in a CUDA graph.
-    block_m = max(min_rows, 128)
-    return {
-        "BLOCK_M": block_m,
-        "BLOCK_Q": block_m // group,
-        "BLOCK_N": 128,
-        "num_warps": 8,
-        "KV_STAGES": 2,
-    }
+        config = {"BLOCK_M": min_rows, "BLOCK_Q": 1, "BLOCK_N": 64, "num_warps": 4, "KV_STAGES": 3}
+    else:
+        # Prefill is compute-bound: 128x128 tiles on 8 warps ran ~10% faster than 128x64 on an
+        # H200 (2k/8k-token chunks at 229/347 TFLOP/s). One configuration for every mixed step,
+        # whatever its longest chunk, so a step gives the same numbers eagerly and padded in a
+        # CUDA graph.
+        block_m = max(min_rows, 128)
+        config = {
+            "BLOCK_M": block_m,
+            "BLOCK_Q": block_m // group,
+            "BLOCK_N": 128,
+            "num_warps": 8,
+            "KV_STAGES": 2,
+        }
+    return _fit_shared_memory(config, head_dim, elem_bytes)
+
+
+# Shared memory a program may use: the H100/H200 limit per block (227 KiB), less a margin.
+_SHARED_MEMORY_BUDGET = 224 * 1024
+
+
+def shared_memory_estimate(config: dict[str, int], head_dim: int, elem_bytes: int) -> int:
+    """Bytes of the pipelined K and V tiles plus the query tile (what Triton stages in smem)."""
+    kv = 2 * config["BLOCK_N"] * head_dim * elem_bytes * config["KV_STAGES"]
+    return kv + config["BLOCK_M"] * head_dim * elem_bytes
+
+
+def _fit_shared_memory(config: dict[str, int], head_dim: int, elem_bytes: int) -> dict[str, int]:
+    """Shrink the K/V tiles (then the pipeline depth) of wide heads or fp32 caches until they fit:
+    fp32 with 128x128 tiles asks for 256 KiB and fails to launch on an H200."""
+    config = dict(config)
+    while shared_memory_estimate(config, head_dim, elem_bytes) > _SHARED_MEMORY_BUDGET:
+        if config["BLOCK_N"] > 64:
+            config["BLOCK_N"] //= 2
+        elif config["KV_STAGES"] > 2:
+            config["KV_STAGES"] -= 1
+        elif config["BLOCK_N"] > 16:
+            config["BLOCK_N"] //= 2
+        elif config["KV_STAGES"] > 1:
+            config["KV_STAGES"] -= 1
+        else:
+            break
+    return config
 
 
 def paged_attention(
@@ -369,7 +400,7 @@ def paged_attention(
         if num_kv_splits is not None:
             raise ValueError("split-KV attention only serves decode-only steps (max_query_len 1)")
         splits = 1
-    config = _tile_config(group, decode_only)
+    config = _tile_config(group, decode_only, head_dim, k_cache.element_size())
     split_kv = splits > 1
 
     if split_kv:
