@@ -3,7 +3,8 @@
 # and the benchmarks, and write logs and results into OUTDIR.
 #
 #   scripts/gpu_run.sh OUTDIR [STAGE ...]     stages, run in the order given:
-#                                             tests step parity serve peer (default: all)
+#                                             tests step profile parity serve peer
+#                                             (default: tests step parity serve peer)
 #
 # Needs, carried beside the tree (see scripts/prepare_gpu_assets.sh, which makes them here):
 #   .whl/                        wheels the GPU image lacks (fastapi, msgspec, pyzmq, gguf, ...)
@@ -90,6 +91,12 @@ stage_step() {
   limited $PY -m ember.cli bench step --model "$MODEL" --out "$RES"
 }
 
+stage_profile() {
+  make_model
+  stamp "bench profile"
+  limited $PY -m ember.cli bench profile --model "$MODEL" --out "$RES/profile"
+}
+
 stage_parity() {
   make_model
   for dtype in float32 bfloat16; do
@@ -133,7 +140,7 @@ stage_peer() {
 # Stages run in the order given.
 for stage in $STAGES; do
   case $stage in
-    tests | step | parity | serve | peer) "stage_$stage" ;;
+    tests | step | profile | parity | serve | peer) "stage_$stage" ;;
     *) echo "unknown stage: $stage" ;;
   esac
 done

@@ -136,3 +136,56 @@ def test_targets_compare_says_what_is_missed_and_by_how_much(tmp_path, capsys):
     assert rows["TTFT median"]["met"] is False and rows["TTFT median"]["margin_percent"] == -100
     assert rows["server pinned to one core: throughput over unpinned"]["value"] == 0.95
     assert "**no**" in capsys.readouterr().out
+
+
+def test_profile_groups_kernels_by_category():
+    from ember.bench.step_profile import categorize, summarize_kernels
+
+    assert categorize("_paged_attention_kernel") == "attention"
+    assert categorize("_split_kv_reduce_kernel") == "attention"
+    assert categorize("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize64x64x64") == "gemm"
+    assert categorize("nvjet_tst_128x64_64x8_1x1_v_bz_TNT") == "gemm"
+    assert categorize("_fused_add_rms_norm_kernel") == "norm"
+    assert categorize("_rope_and_cache_write_kernel") == "rope_kv_write"
+    assert categorize("Memcpy DtoH (Device -> Pinned)") == "copy"
+    assert categorize("something_else") == "other"
+    events = [("nvjet_gemm", 30.0), ("nvjet_gemm", 30.0), ("_paged_attention_kernel", 10.0)] * 2
+    summary = summarize_kernels(events, num_steps=2)
+    assert summary["gpu_us_per_step"] == 70.0
+    assert summary["categories_us_per_step"] == {"gemm": 60.0, "attention": 10.0}
+    top = summary["top_kernels"][0]
+    assert top["name"] == "nvjet_gemm" and top["launches_per_step"] == 2
+
+
+def test_profile_refuses_without_a_gpu(capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    assert main(["bench", "profile", "--model", "unused"]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().out
+
+
+def test_profile_logic_runs_on_a_cpu(tmp_path):
+    """The profiler benchmark's request bookkeeping on a tiny model (no CUDA kernels to count)."""
+    from ember.bench.make_model import make_model
+    from ember.bench.roofline import Ceilings
+    from ember.bench.step_bench import StepBench
+    from ember.bench.step_profile import profile_decode, profile_mixed
+    from ember.config import CacheConfig, EngineConfig, SchedulerConfig
+    from ember.engine.model_instance import ModelInstance
+
+    path = make_model("tiny", tmp_path / "tiny", device="cpu")
+    config = EngineConfig(
+        model=str(path),
+        cache=CacheConfig(num_blocks=64),
+        scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256),
+    )
+    inst = ModelInstance(config)
+    bench = StepBench(inst, Ceilings(hbm_bytes_per_s=1e11, bf16_flops_per_s=1e12))
+    trace = tmp_path / "trace.json"
+    decode = profile_decode(bench, batch=2, context=16, steps=2, trace=trace)
+    assert decode["wall_us_per_step"] > 0 and trace.stat().st_size > 0
+    mixed = profile_mixed(bench, batch=2, context=16, chunk=24, trace=None)
+    assert mixed["kind"] == "mixed" and mixed["prefill_tokens"] == 24
+    assert inst.kv_manager.num_free_blocks == inst.kv_manager.pool.capacity

@@ -46,6 +46,12 @@ BENCH_COMMANDS: dict[str, BenchCommand] = {
         "run",
         "decode and prefill step times on a GPU against the measured roofline",
     ),
+    "profile": BenchCommand(
+        "ember.bench.step_profile",
+        "add_arguments",
+        "run",
+        "torch.profiler over decode and mixed steps on a GPU: kernel time by category",
+    ),
     "targets": BenchCommand(
         "ember.bench.targets",
         "add_arguments",

@@ -152,17 +152,27 @@ class StepBench:
         }
 
 
-def run_step_bench(model: str, out_dir: Path, max_model_len: int = 8320) -> dict:
+def bench_instance(
+    model: str, max_model_len: int, max_num_batched_tokens: int = 8192
+) -> tuple[ModelInstance, Ceilings]:
+    """The GPU's measured ceilings and a model instance sized for the step benchmarks."""
     ceilings = measure_ceilings()
     config = EngineConfig(
         model=model,
         cache=CacheConfig(gpu_memory_utilization=0.92),
         scheduler=SchedulerConfig(
-            max_num_seqs=256, max_num_batched_tokens=8192, max_model_len=max_model_len
+            max_num_seqs=256,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len,
         ),
     )
     inst = ModelInstance(config)
     inst.kv_cache.normal_(0, 0.5)  # never time on zeros
+    return inst, ceilings
+
+
+def run_step_bench(model: str, out_dir: Path, max_model_len: int = 8320) -> dict:
+    inst, ceilings = bench_instance(model, max_model_len)
     bench = StepBench(inst, ceilings)
     result: dict = {
         "model": model,

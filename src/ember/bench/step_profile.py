@@ -1,0 +1,148 @@
+"""`ember bench profile`: where a step's GPU time goes, kernel by kernel, with torch.profiler.
+
+Profiles a few steps of each shape through the real engine loop (CUDA graphs and overlap as in
+serving): pure decode at the given batch sizes, and a serving-like mixed step (a decode batch
+beside one prefill chunk). Kernels are grouped into categories (GEMM, attention, norm, RoPE/KV
+write, activation, sampling, copies, other) and reported per step, beside the step's wall time,
+so "GPU busy" and "what it is busy with" come from one measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from ember.bench.step_bench import StepBench, bench_instance
+from ember.sampling_params import SamplingParams
+
+# Substrings of kernel names, checked in order; the first match names the category.
+CATEGORIES = (
+    ("attention", ("paged_attention", "split_kv_reduce")),
+    ("norm", ("rms_norm", "rmsnorm")),
+    ("rope_kv_write", ("rope",)),
+    ("activation", ("silu",)),
+    ("sampling", ("sample", "argmax", "topk", "softmax", "gumbel", "hash")),
+    ("gemm", ("gemm", "gemv", "cutlass", "sm90", "sm80", "cublas", "nvjet", "matmul", "xmma")),
+    ("copy", ("memcpy", "memset", "copy", "index", "gather", "scatter", "fill")),
+)
+
+
+def categorize(kernel_name: str) -> str:
+    name = kernel_name.lower()
+    for category, needles in CATEGORIES:
+        if any(n in name for n in needles):
+            return category
+    return "other"
+
+
+def summarize_kernels(events, num_steps: int) -> dict:
+    """Per-step microseconds by category and the top kernels, from profiler kernel events."""
+    by_category: dict[str, float] = defaultdict(float)
+    by_kernel: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for name, micros in events:
+        by_category[categorize(name)] += micros
+        by_kernel[name][0] += micros
+        by_kernel[name][1] += 1
+    total = sum(by_category.values())
+    top = sorted(by_kernel.items(), key=lambda kv: -kv[1][0])[:15]
+    return {
+        "gpu_us_per_step": total / num_steps,
+        "categories_us_per_step": {
+            k: v / num_steps for k, v in sorted(by_category.items(), key=lambda kv: -kv[1])
+        },
+        "top_kernels": [
+            {"name": name[:120], "us_per_step": t / num_steps, "launches_per_step": n / num_steps,
+             "category": categorize(name)}
+            for name, (t, n) in top
+        ],  # fmt: skip
+    }
+
+
+def _kernel_events(prof) -> list[tuple[str, float]]:
+    events = []
+    for event in prof.events():
+        device_type = getattr(event, "device_type", None)
+        if device_type is not None and device_type == torch.autograd.DeviceType.CUDA:
+            events.append((event.name, event.device_time))
+    return events
+
+
+def profile_steps(bench: StepBench, steps: int, trace_path: Path | None) -> dict:
+    """Profile `steps` engine steps of whatever is queued; returns wall and kernel figures."""
+    inst = bench.inst
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if inst.device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    bench._sync()
+    with torch.profiler.profile(activities=activities) as prof:
+        start = time.perf_counter()
+        for _ in range(steps):
+            inst.step()
+        bench._sync()
+        wall = time.perf_counter() - start
+    if trace_path is not None:
+        prof.export_chrome_trace(str(trace_path))
+    summary = summarize_kernels(_kernel_events(prof), steps)
+    summary["wall_us_per_step"] = wall / steps * 1e6
+    summary["gpu_busy_fraction"] = summary["gpu_us_per_step"] / summary["wall_us_per_step"]
+    inst.scheduler.check_invariants()
+    return summary
+
+
+def profile_decode(bench: StepBench, batch: int, context: int, steps: int, trace: Path | None):
+    ids = [bench._add_warm_request(context, steps + 12) for _ in range(batch)]
+    for _ in range(6):
+        bench.inst.step()
+    row = {"kind": "decode", "batch": batch, "context": context}
+    row.update(profile_steps(bench, steps, trace))
+    bench._drain(ids)
+    return row
+
+
+def profile_mixed(bench: StepBench, batch: int, context: int, chunk: int, trace: Path | None):
+    """A decode batch with one prompt of `chunk` tokens arriving: its first step is mixed."""
+    ids = [bench._add_warm_request(context, 40) for _ in range(batch)]
+    for _ in range(6):
+        bench.inst.step()
+    prompt = torch.randint(3, bench.cfg.vocab_size, (chunk,)).tolist()
+    bench.inst.add_request("profile-prefill", prompt, SamplingParams(temperature=0, max_tokens=2))
+    row = {"kind": "mixed", "batch": batch, "context": context, "prefill_tokens": chunk}
+    row.update(profile_steps(bench, 1, trace))
+    bench._drain([*ids, "profile-prefill"])
+    return row
+
+
+def run_profile(model: str, out_dir: Path, batches: list[int], context: int, chunk: int) -> dict:
+    inst, ceilings = bench_instance(model, max_model_len=4160, max_num_batched_tokens=4096)
+    bench = StepBench(inst, ceilings)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for batch in batches:
+        trace = out_dir / f"profile_decode_b{batch}.json"
+        rows.append(profile_decode(bench, batch, context, steps=10, trace=trace))
+        print(json.dumps(rows[-1]["categories_us_per_step"]), flush=True)
+    rows.append(profile_mixed(bench, max(batches), context, chunk, out_dir / "profile_mixed.json"))
+    result = {"model": model, "gpu": torch.cuda.get_device_name(), "rows": rows}
+    (out_dir / "step_profile.json").write_text(json.dumps(result, indent=2))
+    return result
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, help="checkpoint directory (see make-model)")
+    parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 64, 200])
+    parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--prefill-chunk", type=int, default=512)
+
+
+def run(args: argparse.Namespace) -> int:
+    if not torch.cuda.is_available():
+        print("ember bench profile needs a CUDA GPU")
+        return 2
+    run_profile(args.model, args.out, args.batches, args.context, args.prefill_chunk)
+    return 0
