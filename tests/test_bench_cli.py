@@ -129,7 +129,9 @@ def test_targets_compare_says_what_is_missed_and_by_how_much(tmp_path, capsys):
     assert main(args) == 0
     rows = {r["target"]: r for r in json.loads(out.read_text())["targets"]}
     b1 = rows["decode batch 1, ctx 512: fraction of roofline"]
-    assert b1["met"] is False and round(b1["margin_percent"], 1) == round(100 * (0.80 / 0.85 - 1), 1)
+    assert b1["met"] is False and round(b1["margin_percent"], 1) == round(
+        100 * (0.80 / 0.85 - 1), 1
+    )
     assert rows["decode batch 64, ctx 512: fraction of roofline"]["met"] is True
     assert rows["decode batch 256, ctx 512: fraction of roofline"]["value"] is None  # not measured
     assert rows["GPU idle fraction between decode steps (worst bucket)"]["met"] is False

@@ -103,6 +103,9 @@ def measure_hbm_bytes_per_s(num_bytes: int = 2 << 30) -> float:
     return 2 * num_bytes / (ms * 1e-3)
 
 
+_SPLIT_SWEEP = (1, 2, 4, 8, 16, 32)
+
+
 def bench_attention(
     hbm_bytes_per_s: float | None = None,
     *,
@@ -151,6 +154,13 @@ def bench_attention(
             }
             if splits > 1:
                 row["unsplit_us"] = gpu_seconds(lambda run=run: run(1)) * 1e6
+            # Every split count that leaves each segment a 64-key tile or more, so the split
+            # heuristic can be checked against the best one measured.
+            row["us_by_splits"] = {
+                n: gpu_seconds(lambda run=run, n=n: run(n)) * 1e6
+                for n in _SPLIT_SWEEP
+                if n * 64 <= context
+            }
             rows.append(row)
             del inputs, out
     torch.cuda.empty_cache()

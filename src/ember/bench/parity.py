@@ -19,7 +19,6 @@ import torch
 from ember.api import LLM
 from ember.sampling_params import SamplingParams
 
-
 TOP_K = 5
 
 

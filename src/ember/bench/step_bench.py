@@ -186,7 +186,9 @@ def run_step_bench(model: str, out_dir: Path, max_model_len: int = 8320) -> dict
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "step_bench.json"
     sections = {
-        "decode": lambda: [_row(bench.decode, b, c) for c in DECODE_CONTEXTS for b in DECODE_BATCHES],
+        "decode": lambda: [
+            _row(bench.decode, b, c) for c in DECODE_CONTEXTS for b in DECODE_BATCHES
+        ],
         "graphs_vs_eager": lambda: [_row(bench.eager_vs_graph, b) for b in (1, 64)],
         "prefill": lambda: [_row(bench.prefill, c) for c in PREFILL_CHUNKS],
         "attention": _attention_section(ceilings),

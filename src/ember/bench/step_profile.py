@@ -56,10 +56,14 @@ def summarize_kernels(events, num_steps: int) -> dict:
             k: v / num_steps for k, v in sorted(by_category.items(), key=lambda kv: -kv[1])
         },
         "top_kernels": [
-            {"name": name[:120], "us_per_step": t / num_steps, "launches_per_step": n / num_steps,
-             "category": categorize(name)}
+            {
+                "name": name[:120],
+                "us_per_step": t / num_steps,
+                "launches_per_step": n / num_steps,
+                "category": categorize(name),
+            }
             for name, (t, n) in top
-        ],  # fmt: skip
+        ],
     }
 
 

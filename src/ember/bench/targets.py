@@ -123,7 +123,9 @@ def format_table(rows: list[dict]) -> str:
         value = "n/a" if row["value"] is None else f"{row['value']:.4g} {row['unit']}".strip()
         met = "n/a" if "met" not in row else ("yes" if row["met"] else "**no**")
         margin = f"{row['margin_percent']:+.1f}%" if "margin_percent" in row else ""
-        lines.append(f"| {row['target']} | {row['bound']:g} {row['unit']} | {value} | {met} | {margin} |")
+        lines.append(
+            f"| {row['target']} | {row['bound']:g} {row['unit']} | {value} | {met} | {margin} |"
+        )
     return "\n".join(lines)
 
 

@@ -90,7 +90,9 @@ class ModelInstance:
         )
         self.ops = select_ops(self.device, config.backend)
         if config.cuda_graph_mode not in ("full", "decode"):
-            raise ValueError(f"cuda_graph_mode must be 'full' or 'decode', not {config.cuda_graph_mode!r}")
+            raise ValueError(
+                f"cuda_graph_mode must be 'full' or 'decode', not {config.cuda_graph_mode!r}"
+            )
         self.model = self._load_model(ckpt)
         block_size = config.cache.block_size
         num_blocks = self._num_kv_blocks()

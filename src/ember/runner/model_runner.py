@@ -90,14 +90,17 @@ class ModelRunner:
             max_blocks_per_seq=-(-max_model_len // block_size),
             device=self.device,
         )
-        self.graphs = (
-            StepGraphs(
-                model, self.buffers, kv_cache, cos_sin_cache, max_num_seqs, max_model_len,
+        self.graphs = None
+        if use_cuda_graphs and self.device.type == "cuda":
+            self.graphs = StepGraphs(
+                model,
+                self.buffers,
+                kv_cache,
+                cos_sin_cache,
+                max_num_seqs,
+                max_model_len,
                 max_tokens=max_num_batched_tokens if mixed_cuda_graphs else None,
-            )  # fmt: skip
-            if use_cuda_graphs and self.device.type == "cuda"
-            else None
-        )
+            )
         self._in_flight: StepHandle | None = None
 
     # -- the step ---------------------------------------------------------------------------------
@@ -281,7 +284,9 @@ class ModelRunner:
         st.numpy("sample_indices")[n_samples : key.num_seqs] = 0
         if key.decode:
             st.numpy("seq_lens")[s : key.num_seqs] = 1
-            st.numpy("query_start_loc")[s + 1 : key.num_seqs + 1] = np.arange(s + 1, key.num_seqs + 1)
+            st.numpy("query_start_loc")[s + 1 : key.num_seqs + 1] = np.arange(
+                s + 1, key.num_seqs + 1
+            )
         else:
             st.numpy("seq_lens")[s : key.num_seqs] = 0
             st.numpy("query_start_loc")[s + 1 : key.num_seqs + 1] = t
