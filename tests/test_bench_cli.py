@@ -61,6 +61,7 @@ def test_step_bench_logic_runs_on_a_cpu(tmp_path):
     bench = StepBench(inst, Ceilings(hbm_bytes_per_s=1e11, bf16_flops_per_s=1e12))
     row = bench.decode(batch=2, context=32, steps=3, warmup=1)
     assert row["step_ms"] > 0 and 0 < row["fraction_of_roofline"]
+    assert row["sequential_roofline_ms"] >= row["roofline_ms"] * (1 - 1e-9)
     assert row["gpu_only_ms"] is None  # no graphs on a CPU
     assert bench.decode(batch=4, context=250)["skipped"].startswith("KV for")
     prefill = bench.prefill(chunk=16, repeat=1)
