@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from ember import LLM, SamplingParams
 from ember.bench import cpu_step
 from ember.cli import main
@@ -33,18 +35,19 @@ def test_cpu_step_reports_every_phase():
     )
 
 
-def test_step_bench_refuses_without_a_gpu(capsys):
+@pytest.mark.parametrize("benchmark", ["step", "profile"])
+def test_gpu_benchmarks_refuse_without_a_gpu(capsys, benchmark):
     import torch
 
     if torch.cuda.is_available():
         return
-    assert main(["bench", "step", "--model", "unused"]) == 2
+    assert main(["bench", benchmark, "--model", "unused"]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().out
 
 
-def test_step_bench_logic_runs_on_a_cpu(tmp_path):
-    """The GPU step benchmark's bookkeeping (warm requests, drains, roofline maths) on a tiny
-    model on the CPU, so a device run is not the first time this code executes."""
+@pytest.fixture
+def tiny_bench(tmp_path):
+    """A StepBench over the tiny preset on the CPU, with made-up ceilings."""
     from ember.bench.make_model import make_model
     from ember.bench.roofline import Ceilings
     from ember.bench.step_bench import StepBench
@@ -57,8 +60,13 @@ def test_step_bench_logic_runs_on_a_cpu(tmp_path):
         cache=CacheConfig(num_blocks=64),
         scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256),
     )
-    inst = ModelInstance(config)
-    bench = StepBench(inst, Ceilings(hbm_bytes_per_s=1e11, bf16_flops_per_s=1e12))
+    return StepBench(ModelInstance(config), Ceilings(hbm_bytes_per_s=1e11, bf16_flops_per_s=1e12))
+
+
+def test_step_bench_logic_runs_on_a_cpu(tiny_bench):
+    """The GPU step benchmark's bookkeeping (warm requests, drains, roofline maths) on a tiny
+    model on the CPU, so a device run is not the first time this code executes."""
+    bench, inst = tiny_bench, tiny_bench.inst
     row = bench.decode(batch=2, context=32, steps=3, warmup=1)
     assert row["step_ms"] > 0 and 0 < row["fraction_of_roofline"]
     assert row["sequential_roofline_ms"] >= row["roofline_ms"] * (1 - 1e-9)
@@ -160,32 +168,11 @@ def test_profile_groups_kernels_by_category():
     assert top["name"] == "nvjet_gemm" and top["launches_per_step"] == 2
 
 
-def test_profile_refuses_without_a_gpu(capsys):
-    import torch
-
-    if torch.cuda.is_available():
-        return
-    assert main(["bench", "profile", "--model", "unused"]) == 2
-    assert "needs a CUDA GPU" in capsys.readouterr().out
-
-
-def test_profile_logic_runs_on_a_cpu(tmp_path):
+def test_profile_logic_runs_on_a_cpu(tiny_bench, tmp_path):
     """The profiler benchmark's request bookkeeping on a tiny model (no CUDA kernels to count)."""
-    from ember.bench.make_model import make_model
-    from ember.bench.roofline import Ceilings
-    from ember.bench.step_bench import StepBench
     from ember.bench.step_profile import profile_decode, profile_mixed
-    from ember.config import CacheConfig, EngineConfig, SchedulerConfig
-    from ember.engine.model_instance import ModelInstance
 
-    path = make_model("tiny", tmp_path / "tiny", device="cpu")
-    config = EngineConfig(
-        model=str(path),
-        cache=CacheConfig(num_blocks=64),
-        scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256),
-    )
-    inst = ModelInstance(config)
-    bench = StepBench(inst, Ceilings(hbm_bytes_per_s=1e11, bf16_flops_per_s=1e12))
+    bench, inst = tiny_bench, tiny_bench.inst
     trace = tmp_path / "trace.json"
     decode = profile_decode(bench, batch=2, context=16, steps=2, trace=trace)
     assert decode["wall_us_per_step"] > 0 and trace.stat().st_size > 0

@@ -76,3 +76,20 @@ def test_only_the_triton_ops_are_marked_capturable():
 
     assert select_ops(torch.device("cpu"), "reference").capturable is False
     assert triton_ops().capturable is True
+
+
+def test_start_up_capture_runs_every_bucket_over_a_padded_empty_step(tmp_path):
+    """Start-up capture stages an empty step padded to each bucket, the same padding real
+    steps get; every bucket's pass must run on it, and generation is unchanged afterwards."""
+    path = make_tiny_model("LlamaForCausalLM", tmp_path)
+    prompt = {"prompt_token_ids": list(range(3, 30))}
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    llm = LLM(
+        str(path), device="cpu", max_model_len=128, max_num_seqs=16, max_num_batched_tokens=40
+    )
+    plain = llm.generate([prompt], params)[0].outputs[0].token_ids
+    graphs = EagerStepGraphs.install(llm, max_tokens=40)
+    assert llm.instance.runner.capture_graphs() == len(graphs.all_keys)
+    assert {k for k in graphs.captured} == set(graphs.all_keys)
+    assert llm.generate([prompt], params)[0].outputs[0].token_ids == plain
+    assert llm.instance.kv_manager.num_free_blocks == llm.instance.kv_manager.pool.capacity

@@ -14,6 +14,10 @@ class EagerStepGraphs(StepGraphs):
         super().__init__(*args, **kwargs)
         self.replayed: list[tuple[GraphKey, int]] = []  # (key, tokens that write KV)
 
+    def capture(self, key: GraphKey) -> None:
+        """Run the pass a capture would record, eagerly, over the buffers as they are."""
+        self._graphs[key] = (None, self._forward(key))
+
     def replay(self, key: GraphKey) -> torch.Tensor:
         real = int((self.buffers["slot_mapping"][: key.num_tokens] >= 0).sum())
         self.replayed.append((key, real))

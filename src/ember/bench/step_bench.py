@@ -39,7 +39,7 @@ class StepBench:
         self.weight_bytes = self.matmul_params * elem
         self._ids = 0
 
-    def _sync(self) -> None:
+    def sync(self) -> None:
         if self.inst.device.type == "cuda":
             torch.cuda.synchronize()
 
@@ -47,7 +47,7 @@ class StepBench:
         cfg = self.cfg
         return 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * queries * context
 
-    def _add_warm_request(self, context: int, max_tokens: int) -> str:
+    def add_warm_request(self, context: int, max_tokens: int) -> str:
         """A request whose first context-1 tokens are already 'in' the cache."""
         inst = self.inst
         self._ids += 1
@@ -61,7 +61,7 @@ class StepBench:
         inst.scheduler.add_request(request)
         return rid
 
-    def _drain(self, ids: list[str]) -> None:
+    def drain(self, ids: list[str]) -> None:
         for rid in ids:
             self.inst.abort(rid)
         while self.inst.has_work():
@@ -75,17 +75,17 @@ class StepBench:
         if need > capacity:
             gib = need * self.kv_bytes_per_token / 2**30
             return {**row, "skipped": f"KV for {need} tokens ({gib:.0f} GiB) exceeds the pool"}
-        ids = [self._add_warm_request(context, steps + warmup + 4) for _ in range(batch)]
+        ids = [self.add_warm_request(context, steps + warmup + 4) for _ in range(batch)]
         for _ in range(warmup):
             inst.step()
-        self._sync()
+        self.sync()
         start = time.perf_counter()
         for _ in range(steps):
             inst.step()
-        self._sync()
+        self.sync()
         step_s = (time.perf_counter() - start) / steps
         gpu_s = self._gpu_only_step_seconds(batch)
-        self._drain(ids)
+        self.drain(ids)
         ctx = context + (warmup + steps / 2)
         kv_bytes = batch * ctx * self.kv_bytes_per_token
         bytes_moved = self.weight_bytes + kv_bytes
@@ -142,12 +142,12 @@ class StepBench:
             rid = f"prefill-{self._ids}"
             prompt = torch.randint(3, self.cfg.vocab_size, (chunk,)).tolist()
             inst.add_request(rid, prompt, SamplingParams(temperature=0, max_tokens=1))
-            self._sync()
+            self.sync()
             start = time.perf_counter()
             inst.step()
-            self._sync()
+            self.sync()
             times.append(time.perf_counter() - start)
-            self._drain([rid])
+            self.drain([rid])
         seconds = sorted(times[1:])[len(times[1:]) // 2]
         flops = 2 * self.matmul_params * chunk + self._attn_flops(chunk, chunk / 2)
         floor = self.ceil.floor_seconds(self.weight_bytes + chunk * self.kv_bytes_per_token, flops)
@@ -200,7 +200,7 @@ def run_step_bench(model: str, out_dir: Path, max_model_len: int = 8320) -> dict
         ],
         "graphs_vs_eager": lambda: [_row(bench.eager_vs_graph, b) for b in (1, 64)],
         "prefill": lambda: [_row(bench.prefill, c) for c in PREFILL_CHUNKS],
-        "attention": _attention_section(ceilings),
+        "attention": lambda: _attention_rows(ceilings),
     }
     for name, section in sections.items():
         result[name] = section()
@@ -220,15 +220,12 @@ def _row(measure, *args) -> dict:
     return row
 
 
-def _attention_section(ceilings: Ceilings):
-    def measure() -> list | dict:
-        try:
-            from ember.bench.kernel_bench import bench_attention
-        except ImportError as exc:  # the kernel benchmark is optional
-            return {"skipped": str(exc)}
-        return bench_attention(ceilings.hbm_bytes_per_s)
-
-    return measure
+def _attention_rows(ceilings: Ceilings) -> list | dict:
+    try:
+        from ember.bench.kernel_bench import bench_attention
+    except ImportError as exc:  # the kernel benchmark is optional
+        return {"skipped": str(exc)}
+    return bench_attention(ceilings.hbm_bytes_per_s)
 
 
 def _plot(result: dict, path: Path) -> None:

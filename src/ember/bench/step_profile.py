@@ -82,12 +82,12 @@ def profile_steps(bench: StepBench, steps: int, trace_path: Path | None) -> dict
     activities = [torch.profiler.ProfilerActivity.CPU]
     if inst.device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
-    bench._sync()
+    bench.sync()
     with torch.profiler.profile(activities=activities) as prof:
         start = time.perf_counter()
         for _ in range(steps):
             inst.step()
-        bench._sync()
+        bench.sync()
         wall = time.perf_counter() - start
     if trace_path is not None:
         prof.export_chrome_trace(str(trace_path))
@@ -99,25 +99,25 @@ def profile_steps(bench: StepBench, steps: int, trace_path: Path | None) -> dict
 
 
 def profile_decode(bench: StepBench, batch: int, context: int, steps: int, trace: Path | None):
-    ids = [bench._add_warm_request(context, steps + 12) for _ in range(batch)]
+    ids = [bench.add_warm_request(context, steps + 12) for _ in range(batch)]
     for _ in range(6):
         bench.inst.step()
     row = {"kind": "decode", "batch": batch, "context": context}
     row.update(profile_steps(bench, steps, trace))
-    bench._drain(ids)
+    bench.drain(ids)
     return row
 
 
 def profile_mixed(bench: StepBench, batch: int, context: int, chunk: int, trace: Path | None):
     """A decode batch with one prompt of `chunk` tokens arriving: its first step is mixed."""
-    ids = [bench._add_warm_request(context, 40) for _ in range(batch)]
+    ids = [bench.add_warm_request(context, 40) for _ in range(batch)]
     for _ in range(6):
         bench.inst.step()
     prompt = torch.randint(3, bench.cfg.vocab_size, (chunk,)).tolist()
     bench.inst.add_request("profile-prefill", prompt, SamplingParams(temperature=0, max_tokens=2))
     row = {"kind": "mixed", "batch": batch, "context": context, "prefill_tokens": chunk}
     row.update(profile_steps(bench, 1, trace))
-    bench._drain([*ids, "profile-prefill"])
+    bench.drain([*ids, "profile-prefill"])
     return row
 
 

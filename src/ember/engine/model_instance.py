@@ -149,12 +149,10 @@ class ModelInstance:
     def _capture_graphs(self) -> tuple[int, float]:
         """Capture every step graph before the first request (vLLM does the same): a lazy capture
         costs the request that meets a new shape ~0.1 s, and compiling the kernels several."""
-        graphs = self.runner.graphs
-        if graphs is None or self.config.lazy_cuda_graphs:
+        if self.runner.graphs is None or self.config.lazy_cuda_graphs:
             return 0, 0.0
         start = time.perf_counter()
-        with torch.inference_mode():
-            count = graphs.capture_all()
+        count = self.runner.capture_graphs()
         return count, time.perf_counter() - start
 
     def _load_model(self, ckpt: Checkpoint) -> torch.nn.Module:

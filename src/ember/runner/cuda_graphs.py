@@ -115,42 +115,16 @@ class StepGraphs:
         Returns the decode graph's logits ``[num_seqs, vocab]``, or the mixed graph's hidden rows
         at ``sample_indices`` ``[num_seqs, hidden]``.
         """
-        if key not in self._graphs:
-            self._graphs[key] = self._capture(key)
+        self.capture(key)
         graph, output = self._graphs[key]
         graph.replay()
         return output
 
-    def capture_all(self) -> int:
-        """Capture every bucket now (at start-up, so no request pays for it); returns the count.
-
-        The input buffers get placeholder metadata first: capture records addresses, not
-        values, but the warm-up pass before each capture must read valid indices.
-        """
-        for key in self.all_keys:
-            if key not in self._graphs:
-                self._fill_placeholder(key)
-                self._graphs[key] = self._capture(key)
-        return len(self._graphs)
-
-    def _fill_placeholder(self, key: GraphKey) -> None:
-        """One sequence per row (decode) or one sequence over every token (mixed), on block 0,
-        writing no KV."""
-        buf, s, t = self.buffers, key.num_seqs, key.num_tokens
-        buf["input_ids"][:t].zero_()
-        buf["positions"][:t].zero_()
-        buf["slot_mapping"][:t].fill_(-1)
-        buf["block_tables"][:s].zero_()
-        buf["sample_indices"][:s].zero_()
-        qsl, seq_lens = buf["query_start_loc"][: s + 1], buf["seq_lens"][:s]
-        if key.decode:
-            qsl.copy_(torch.arange(s + 1, dtype=qsl.dtype))
-            seq_lens.fill_(1)
-        else:
-            qsl.fill_(t)
-            qsl[0] = 0
-            seq_lens.zero_()
-            seq_lens[0] = t
+    def capture(self, key: GraphKey) -> None:
+        """Capture the key's graph now if it has none, over the input buffers as they are
+        (at start-up: the runner stages a padded empty step first)."""
+        if key not in self._graphs:
+            self._graphs[key] = self._capture(key)
 
     def _context(self, key: GraphKey) -> ForwardContext:
         buf, s, t = self.buffers, key.num_seqs, key.num_tokens

@@ -103,6 +103,23 @@ class ModelRunner:
             )
         self._in_flight: StepHandle | None = None
 
+    def capture_graphs(self) -> int:
+        """Capture every graph bucket now, so no request pays for a capture; returns the count.
+
+        Each capture runs over an empty step padded to the bucket, exactly as a real step is
+        padded: capture records addresses, but its warm-up pass must read valid indices.
+        """
+        if self.graphs is None:
+            return 0
+        with torch.inference_mode():
+            for key in self.graphs.all_keys:
+                staging = self.buffers.next_staging()
+                staging.numpy("query_start_loc")[0] = 0
+                padded = self._pad_for_graph(staging, _StepPlan(), key)
+                self.buffers.upload(staging, padded.upload_counts)
+                self.graphs.capture(key)
+        return len(self.graphs.captured)
+
     # -- the step ---------------------------------------------------------------------------------
 
     def execute(self, scheduled: SchedulerOutput) -> RunnerOutput:
