@@ -3,7 +3,7 @@
 # and the benchmarks, and write logs and results into OUTDIR.
 #
 #   scripts/gpu_run.sh OUTDIR [STAGE ...]     stages, run in the order given:
-#                                             tests step profile parity serve peer
+#                                             tests step profile tune parity serve peer
 #                                             (default: tests step parity serve peer)
 #
 # Needs, carried beside the tree (see scripts/prepare_gpu_assets.sh, which makes them here):
@@ -97,6 +97,11 @@ stage_profile() {
   limited $PY -m ember.cli bench profile --model "$MODEL" --out "$RES/profile"
 }
 
+stage_tune() {  # needs no checkpoint: the sweeps allocate the 8B shapes themselves
+  stamp "bench tune"
+  limited $PY -m ember.cli bench tune --out "$RES"
+}
+
 stage_parity() {
   make_model
   for dtype in float32 bfloat16; do
@@ -140,7 +145,7 @@ stage_peer() {
 # Stages run in the order given.
 for stage in $STAGES; do
   case $stage in
-    tests | step | profile | parity | serve | peer) "stage_$stage" ;;
+    tests | step | profile | tune | parity | serve | peer) "stage_$stage" ;;
     *) echo "unknown stage: $stage" ;;
   esac
 done

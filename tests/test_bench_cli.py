@@ -35,14 +35,25 @@ def test_cpu_step_reports_every_phase():
     )
 
 
-@pytest.mark.parametrize("benchmark", ["step", "profile"])
+@pytest.mark.parametrize("benchmark", ["step", "profile", "tune"])
 def test_gpu_benchmarks_refuse_without_a_gpu(capsys, benchmark):
     import torch
 
     if torch.cuda.is_available():
         return
-    assert main(["bench", benchmark, "--model", "unused"]) == 2
+    args = ["--model", "unused"] if benchmark != "tune" else []
+    assert main(["bench", benchmark, *args]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().out
+
+
+def test_tune_sweeps_every_linear_layer_of_the_preset():
+    from ember.bench.tune import linear_shapes
+
+    shapes = {name: (n, k, gated) for name, n, k, gated in linear_shapes("llama-3.1-8b")}
+    assert shapes["qkv"] == (4096 + 2 * 1024, 4096, False)
+    assert shapes["gate_up"] == (2 * 14336, 4096, False)
+    assert shapes["down_gated"] == (4096, 14336, True)
+    assert shapes["lm_head"] == (128256, 4096, False)
 
 
 @pytest.fixture

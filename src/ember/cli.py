@@ -52,6 +52,12 @@ BENCH_COMMANDS: dict[str, BenchCommand] = {
         "run",
         "torch.profiler over decode and mixed steps on a GPU: kernel time by category",
     ),
+    "tune": BenchCommand(
+        "ember.bench.tune",
+        "add_arguments",
+        "run",
+        "sweep GEMM (cuBLAS vs skinny Triton) and decode-attention tiles on a GPU",
+    ),
     "targets": BenchCommand(
         "ember.bench.targets",
         "add_arguments",

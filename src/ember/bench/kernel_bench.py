@@ -41,7 +41,7 @@ def decode_attention_bytes(shape: AttentionShape, batch: int, context: int, elem
     return kv + q_and_out + tables
 
 
-def _decode_inputs(shape: AttentionShape, batch: int, context: int, dtype: torch.dtype):
+def decode_inputs(shape: AttentionShape, batch: int, context: int, dtype: torch.dtype):
     """A decode step over a shuffled block pool (block 0 left unused, as in the engine)."""
     blocks_per_seq = -(-context // shape.block_size)
     num_blocks = 1 + batch * blocks_per_seq
@@ -130,7 +130,7 @@ def bench_attention(
     rows = []
     for context in contexts:
         for batch in batches:
-            inputs = _decode_inputs(shape, batch, context, dtype)
+            inputs = decode_inputs(shape, batch, context, dtype)
             out = torch.empty_like(inputs["q"])
             splits = choose_num_kv_splits(batch, shape.num_kv_heads, context, num_sms)
 
@@ -181,7 +181,7 @@ def bench_prefill_attention(
 
     rows = []
     for chunk in chunks:
-        inputs = _decode_inputs(shape, 1, chunk, dtype)
+        inputs = decode_inputs(shape, 1, chunk, dtype)
         q = torch.randn(chunk, shape.num_q_heads, shape.head_dim, dtype=dtype, device="cuda")
         inputs.update(q=q, query_start_loc=torch.tensor([0, chunk], dtype=torch.int32,
                                                         device="cuda"))  # fmt: skip

@@ -353,6 +353,7 @@ def paged_attention(
     max_seq_len: int,
     num_kv_splits: int | None = None,
     num_sms: int | None = None,
+    tile_config: dict[str, int] | None = None,
 ) -> torch.Tensor:
     """Causal attention of this step's queries over the paged KV cache; writes and returns ``out``.
 
@@ -371,6 +372,8 @@ def paged_attention(
             from the shape. Under CUDA graphs pass a fixed ``max_seq_len`` (the bucket's bound):
             segments are cut per sequence in the kernel, so short sequences stay cheap.
         num_sms: SM count for the split heuristic; None asks the device (or assumes an H200).
+        tile_config: override the tile sizes (``BLOCK_M``, ``BLOCK_Q``, ``BLOCK_N``,
+            ``num_warps``, ``KV_STAGES``); for ``ember bench tune``'s sweep.
 
     The split path allocates its fp32 partials (``num_seqs * num_q_heads * splits * (head_dim+2)``
     floats) with ``torch.empty``: no sync and capturable, but the only scratch this op uses.
@@ -400,7 +403,7 @@ def paged_attention(
         if num_kv_splits is not None:
             raise ValueError("split-KV attention only serves decode-only steps (max_query_len 1)")
         splits = 1
-    config = _tile_config(group, decode_only, head_dim, k_cache.element_size())
+    config = tile_config or _tile_config(group, decode_only, head_dim, k_cache.element_size())
     split_kv = splits > 1
 
     if split_kv:

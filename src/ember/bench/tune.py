@@ -1,0 +1,198 @@
+"""`ember bench tune`: the sweeps behind the GPU fast path's kernel choices, on this GPU.
+
+Two questions, each answered with times replayed from CUDA graphs with L2 flushed (as the
+engine runs its decode steps):
+
+- **GEMMs at decode batch sizes.** For each linear layer of the model's shape (q/k/v, o,
+  gate/up, down with and without the SiLU-and-mul fused into its load, the output projection)
+  and each batch M: cuBLAS (``torch.matmul``) against ``ember.kernels.skinny_gemm`` over a grid of
+  tile configurations, each as bandwidth over the bytes the product must move.
+- **Decode attention tiles.** ``paged_attention`` over (batch, context) points for a grid of
+  (key tile, pipeline depth, warps) and KV split counts, so the decode tile and the split
+  heuristic are checked against the best measured.
+
+The figures pick the defaults in ``ember.kernels``; the sweep is kept runnable so a new GPU or
+model shape can be re-measured with one command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from functools import partial
+from pathlib import Path
+
+import torch
+
+from ember.bench.kernel_bench import (
+    LLAMA_8B,
+    decode_attention_bytes,
+    decode_inputs,
+    gpu_seconds,
+    measure_hbm_bytes_per_s,
+)
+from ember.bench.make_model import PRESETS
+
+GEMM_BATCHES = (1, 4, 8, 16, 32, 64)
+# (BLOCK_N, BLOCK_K, STAGES, num_warps); BLOCK_M follows M.
+GEMM_CONFIGS = (
+    (16, 256, 4, 4),
+    (32, 256, 4, 4),
+    (64, 256, 4, 4),
+    (16, 512, 4, 4),
+    (32, 128, 6, 4),
+    (32, 512, 3, 4),
+    (64, 128, 4, 4),
+    (32, 256, 4, 8),
+    (64, 256, 3, 8),
+    (128, 128, 4, 8),
+    (16, 128, 8, 2),
+)
+ATTENTION_POINTS = ((1, 512), (8, 512), (32, 512), (64, 512), (128, 512), (256, 512),
+                    (1, 4096), (8, 4096), (32, 4096))  # fmt: skip
+# (BLOCK_N, KV_STAGES, num_warps)
+ATTENTION_CONFIGS = ((64, 3, 4), (32, 3, 4), (32, 4, 2), (64, 4, 4), (64, 2, 4), (64, 3, 2),
+                     (128, 2, 4), (128, 3, 8), (16, 4, 2))  # fmt: skip
+ATTENTION_SPLITS = (1, 2, 4, 8, 16, 32)
+
+
+def linear_shapes(preset: str) -> list[tuple[str, int, int, bool]]:
+    """(name, N, K, gated) of every distinct linear layer of a make-model preset."""
+    cfg = PRESETS[preset]
+    hidden, inter = cfg["hidden_size"], cfg["intermediate_size"]
+    head_dim = hidden // cfg["num_attention_heads"]
+    qkv = hidden + 2 * cfg["num_key_value_heads"] * head_dim
+    return [
+        ("qkv", qkv, hidden, False),
+        ("o", hidden, hidden, False),
+        ("gate_up", 2 * inter, hidden, False),
+        ("down", hidden, inter, False),
+        ("down_gated", hidden, inter, True),
+        ("lm_head", cfg["vocab_size"], hidden, False),
+    ]
+
+
+def _gemm_config(m: int, block_n: int, block_k: int, stages: int, warps: int) -> dict[str, int]:
+    import triton
+
+    block_m = max(16, triton.next_power_of_2(m))
+    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "STAGES": stages,
+            "num_warps": warps}  # fmt: skip
+
+
+def _timed_us(fn) -> float | str:
+    """Microseconds of ``fn`` or, when the configuration cannot launch, why."""
+    try:
+        return gpu_seconds(fn) * 1e6
+    except Exception as exc:  # noqa: BLE001 - a tile that does not fit is a result, not a crash
+        return f"{type(exc).__name__}: {str(exc)[:120]}"
+
+
+def _silu_then_matmul(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> None:
+    from ember.kernels import silu_and_mul
+
+    torch.matmul(silu_and_mul(x), weight.t(), out=out)
+
+
+def bench_gemms(preset: str, hbm_bytes_per_s: float, batches=GEMM_BATCHES) -> list[dict]:
+    from ember.kernels.skinny_gemm import skinny_gemm
+
+    rows = []
+    for name, n, k, gated in linear_shapes(preset):
+        weight = torch.randn(n, k, dtype=torch.bfloat16, device="cuda") / k**0.5
+        for m in batches:
+            x = torch.randn(m, 2 * k if gated else k, dtype=torch.bfloat16, device="cuda")
+            out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+            moved = 2 * (n * k + x.numel() + m * n)
+            if gated:
+                cublas = _timed_us(partial(_silu_then_matmul, x, weight, out))
+            else:
+                cublas = _timed_us(partial(torch.matmul, x, weight.t(), out=out))
+            triton_us = {}
+            for block_n, block_k, stages, warps in GEMM_CONFIGS:
+                config = _gemm_config(m, block_n, block_k, stages, warps)
+                key = f"n{block_n}_k{block_k}_s{stages}_w{warps}"
+                triton_us[key] = _timed_us(
+                    partial(skinny_gemm, x, weight, gated=gated, out=out, config=config)
+                )
+            timed = {key: us for key, us in triton_us.items() if isinstance(us, float)}
+            best = min(timed, key=timed.get) if timed else None
+            row = {
+                "shape": name, "n": n, "k": k, "m": m, "bytes": moved,
+                "roofline_us": moved / hbm_bytes_per_s * 1e6,
+                "cublas_us": cublas,
+                "cublas_tb_per_s": moved / cublas / 1e6 if isinstance(cublas, float) else None,
+                "best_config": best,
+                "best_us": timed.get(best),
+                "best_tb_per_s": moved / timed[best] / 1e6 if best else None,
+                "triton_us": triton_us,
+            }  # fmt: skip
+            rows.append(row)
+            print(json.dumps({k_: v for k_, v in row.items() if k_ != "triton_us"}), flush=True)
+        del weight
+    torch.cuda.empty_cache()
+    return rows
+
+
+def bench_attention_tiles(hbm_bytes_per_s: float, points=ATTENTION_POINTS) -> list[dict]:
+    from ember.kernels import paged_attention
+
+    shape = LLAMA_8B
+    scale = shape.head_dim**-0.5
+    rows = []
+    for batch, context in points:
+        inputs = decode_inputs(shape, batch, context, torch.bfloat16)
+        out = torch.empty_like(inputs["q"])
+        moved = decode_attention_bytes(shape, batch, context, 2)
+        times = {}
+        for block_n, stages, warps in ATTENTION_CONFIGS:
+            config = {"BLOCK_M": 16, "BLOCK_Q": 1, "BLOCK_N": block_n, "num_warps": warps,
+                      "KV_STAGES": stages}  # fmt: skip
+            for splits in ATTENTION_SPLITS:
+                if splits * block_n > context:
+                    continue
+                times[f"n{block_n}_s{stages}_w{warps}_x{splits}"] = _timed_us(
+                    partial(paged_attention, **inputs, scale=scale, out=out, max_query_len=1,
+                            max_seq_len=context, num_kv_splits=splits, tile_config=config)
+                )  # fmt: skip
+        timed = {key: us for key, us in times.items() if isinstance(us, float)}
+        best = min(timed, key=timed.get)
+        row = {
+            "batch": batch, "context": context, "bytes": moved,
+            "roofline_us": moved / hbm_bytes_per_s * 1e6,
+            "best": best, "best_us": timed[best],
+            "best_fraction": moved / hbm_bytes_per_s / (timed[best] * 1e-6),
+            "current_default_unsplit_us": times.get("n64_s3_w4_x1"),
+            "us": times,
+        }  # fmt: skip
+        rows.append(row)
+        print(json.dumps({k_: v for k_, v in row.items() if k_ != "us"}), flush=True)
+        del inputs, out
+    torch.cuda.empty_cache()
+    return rows
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="llama-3.1-8b",
+                        help="model shape whose linear layers are swept")  # fmt: skip
+    parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    parser.add_argument("--skip-gemm", action="store_true")
+    parser.add_argument("--skip-attention", action="store_true")
+
+
+def run(args: argparse.Namespace) -> int:
+    if not torch.cuda.is_available():
+        print("ember bench tune needs a CUDA GPU")
+        return 2
+    hbm = measure_hbm_bytes_per_s()
+    result = {"gpu": torch.cuda.get_device_name(), "preset": args.preset,
+              "hbm_copy_tb_per_s": hbm / 1e12}  # fmt: skip
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / "tune.json"
+    if not args.skip_attention:
+        result["attention"] = bench_attention_tiles(hbm)
+        path.write_text(json.dumps(result, indent=1))
+    if not args.skip_gemm:
+        result["gemm"] = bench_gemms(args.preset, hbm)
+        path.write_text(json.dumps(result, indent=1))
+    return 0
