@@ -49,11 +49,11 @@ def test_gpu_benchmarks_refuse_without_a_gpu(capsys, benchmark):
 def test_tune_sweeps_every_linear_layer_of_the_preset():
     from ember.bench.tune import linear_shapes
 
-    shapes = {name: (n, k, gated) for name, n, k, gated in linear_shapes("llama-3.1-8b")}
-    assert shapes["qkv"] == (4096 + 2 * 1024, 4096, False)
-    assert shapes["gate_up"] == (2 * 14336, 4096, False)
-    assert shapes["down_gated"] == (4096, 14336, True)
-    assert shapes["lm_head"] == (128256, 4096, False)
+    shapes = {name: (n, k) for name, n, k in linear_shapes("llama-3.1-8b")}
+    assert shapes["qkv"] == (4096 + 2 * 1024, 4096)
+    assert shapes["gate_up"] == (2 * 14336, 4096)
+    assert shapes["down"] == (4096, 14336)
+    assert shapes["lm_head"] == (128256, 4096)
 
 
 @pytest.fixture

@@ -132,7 +132,7 @@ def test_decode_split_kv(gen, device, num_splits, dtype):
 def test_decode_split_kv_chosen_by_heuristic(gen, device):
     """Few sequences and few SMs: the wrapper picks more than one split on its own."""
     step = make_step(gen, device, [1, 1], [600, 513], num_kv_heads=1, group=4, head_dim=64)
-    assert choose_num_kv_splits(2, 1, step.max_seq_len, num_sms=8) == 3
+    assert choose_num_kv_splits(2, 1, step.max_seq_len, num_sms=8) == 8
     assert_close(*run_both(step, num_sms=8), torch.float32)
 
 
@@ -172,13 +172,16 @@ def test_decode_with_empty_sequence_split(gen, device):
 
 
 def test_split_heuristic():
-    # Batch 1 at 4k context on 132 SMs: split into 16 segments of 256 tokens.
-    assert choose_num_kv_splits(1, 8, 4096, 132) == 16
-    assert choose_num_kv_splits(1, 8, 512, 132) == 2
+    # Under one wave (8 programs on 132 SMs): split down to 64-key segments, at most 32.
+    assert choose_num_kv_splits(1, 8, 512, 132) == 8
+    assert choose_num_kv_splits(1, 8, 4096, 132) == 32
+    assert choose_num_kv_splits(8, 8, 512, 132) == 5  # 64 programs: 5 x 64 fill two per SM
+    # A full wave: split only segments of 1,024 tokens or more.
+    assert choose_num_kv_splits(32, 8, 512, 132) == 1
+    assert choose_num_kv_splits(32, 8, 4096, 132) == 2
     # Enough programs already: no split.
     assert choose_num_kv_splits(64, 8, 4096, 132) == 1
     assert choose_num_kv_splits(256, 8, 4096, 132) == 1
-    assert 1 <= choose_num_kv_splits(8, 8, 4096, 132) <= 32
 
 
 def test_split_kv_rejected_for_prefill(gen, device):
@@ -199,8 +202,8 @@ def test_tile_configs_fit_in_shared_memory(decode_only, head_dim, elem_bytes):
         shared_memory_estimate,
     )
 
-    config = _tile_config(4, decode_only, head_dim, elem_bytes)
+    config = _tile_config(4, decode_only, head_dim, elem_bytes, split_kv=decode_only)
     assert shared_memory_estimate(config, head_dim, elem_bytes) <= _SHARED_MEMORY_BUDGET
     assert config["BLOCK_N"] >= 16 and config["KV_STAGES"] >= 1
     if elem_bytes == 2 and head_dim <= 128:
-        assert (config["BLOCK_N"], config["KV_STAGES"]) == ((64, 3) if decode_only else (128, 2))
+        assert (config["BLOCK_N"], config["KV_STAGES"]) == ((64, 2) if decode_only else (128, 2))

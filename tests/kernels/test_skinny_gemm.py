@@ -1,4 +1,4 @@
-"""Skinny (decode) GEMM: kernel vs a float64 matmul, plain, with bias, and with SiLU-and-mul fused."""
+"""Skinny (decode) GEMM: kernel vs a float64 matmul; its routing and tile sizes."""
 
 from __future__ import annotations
 
@@ -6,12 +6,10 @@ import pytest
 import torch
 
 from ember.kernels.skinny_gemm import MAX_M, skinny_gemm
-from ember.layers.reference_ops import silu_and_mul_reference
 
 
-def _expected(x, weight, bias, gated):
-    x_in = silu_and_mul_reference(x) if gated else x
-    out = x_in.double() @ weight.double().t()
+def _expected(x, weight, bias):
+    out = x.double() @ weight.double().t()
     if bias is not None:
         out += bias.double()
     return out
@@ -19,26 +17,23 @@ def _expected(x, weight, bias, gated):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
-    ("m", "n", "k", "use_bias", "gated"),
+    ("m", "n", "k", "use_bias"),
     [
-        (1, 96, 512, False, False),  # K a multiple of BLOCK_K, N a multiple of BLOCK_N
-        (3, 100, 300, True, False),  # partial last column tile, K not a multiple of BLOCK_K
-        (16, 40, 256, False, True),  # gated: x is [M, 2K]
-        (33, 70, 200, True, True),  # BLOCK_M 64, every edge partial
+        (1, 96, 512, False),  # K a multiple of BLOCK_K, N a multiple of BLOCK_N
+        (3, 100, 300, True),  # partial last column tile, K not a multiple of BLOCK_K
+        (16, 40, 256, False),
+        (33, 70, 200, True),  # BLOCK_M 64, every edge partial
+        (64, 2000, 100, False),  # N >= 16 K: the output-projection tiles
     ],
 )
-def test_kernel_matches_matmul(gen, device, dtype, m, n, k, use_bias, gated):
-    width = 2 * k if gated else k
-    buffer = torch.randn(m, width + 8, generator=gen).to(dtype)
-    x = buffer[:, :width]  # strided rows, as a fused projection's slice is
+def test_kernel_matches_matmul(gen, device, dtype, m, n, k, use_bias):
+    buffer = torch.randn(m, k + 8, generator=gen).to(dtype)
+    x = buffer[:, :k]  # strided rows, as a slice of a fused projection is
     weight = (torch.randn(n, k, generator=gen) / k**0.5).to(dtype)
     bias = torch.randn(n, generator=gen).to(dtype) if use_bias else None
     out = torch.full((m, n), float("nan"), dtype=dtype, device=device)
-    skinny_gemm(
-        x.to(device), weight.to(device), None if bias is None else bias.to(device),
-        gated=gated, out=out,
-    )  # fmt: skip
-    expected = _expected(x, weight, bias, gated)
+    skinny_gemm(x.to(device), weight.to(device), None if bias is None else bias.to(device), out=out)
+    expected = _expected(x, weight, bias)
     if dtype == torch.float32:
         torch.testing.assert_close(out.cpu().double(), expected, atol=1e-4, rtol=1e-4)
     else:  # one bf16 rounding of an fp32 sum
@@ -49,10 +44,40 @@ def test_rejects_bad_shapes(device):
     w = torch.zeros(8, 32, device=device)
     with pytest.raises(ValueError, match="at most"):
         skinny_gemm(torch.zeros(MAX_M + 1, 32, device=device), w)
-    with pytest.raises(ValueError, match="gate"):
-        skinny_gemm(torch.zeros(2, 32, device=device), w, gated=True)
+    with pytest.raises(ValueError, match="columns"):
+        skinny_gemm(torch.zeros(2, 16, device=device), w)
 
 
 def test_empty_batch(device):
     out = skinny_gemm(torch.zeros(0, 32, device=device), torch.zeros(8, 32, device=device))
     assert out.shape == (0, 8)
+
+
+def test_routing_follows_the_measured_wins():
+    from ember.kernels.linear import use_skinny_gemm
+
+    cuda, cpu, bf16 = torch.device("cuda"), torch.device("cpu"), torch.bfloat16
+    assert use_skinny_gemm(1, 4096, 4096, bf16, cuda)  # attention output
+    assert use_skinny_gemm(64, 4096, 14336, bf16, cuda)  # MLP down
+    assert use_skinny_gemm(8, 128256, 4096, bf16, cuda)  # vocabulary projection
+    assert not use_skinny_gemm(1, 6144, 4096, bf16, cuda)  # q/k/v: a tie, cuBLAS kept
+    assert not use_skinny_gemm(1, 28672, 4096, bf16, cuda)  # gate/up: a tie
+    assert not use_skinny_gemm(MAX_M + 1, 4096, 4096, bf16, cuda)
+    assert not use_skinny_gemm(0, 4096, 4096, bf16, cuda)
+    assert not use_skinny_gemm(1, 4096, 4096, torch.float32, cuda)  # fp32 stays exact on cuBLAS
+    assert not use_skinny_gemm(1, 4096, 4096, bf16, cpu)
+
+
+@pytest.mark.parametrize("elem_bytes", [2, 4])
+@pytest.mark.parametrize("m", [1, 16, 33, 64])
+def test_default_configs_fit_in_shared_memory(m, elem_bytes):
+    from ember.kernels.skinny_gemm import (
+        _SHARED_MEMORY_BUDGET,
+        default_config,
+        shared_memory_estimate,
+    )
+
+    for n, k in [(4096, 4096), (4096, 14336), (128256, 4096)]:
+        config = default_config(m, n, k, elem_bytes)
+        assert config["BLOCK_M"] >= m
+        assert shared_memory_estimate(config, elem_bytes) <= _SHARED_MEMORY_BUDGET

@@ -4,8 +4,7 @@ Two questions, each answered with times replayed from CUDA graphs with L2 flushe
 engine runs its decode steps):
 
 - **GEMMs at decode batch sizes.** For each linear layer of the model's shape (q/k/v, o,
-  gate/up, down with and without the SiLU-and-mul fused into its load, the output projection)
-  and each batch M: cuBLAS (``torch.matmul``) against ``ember.kernels.skinny_gemm`` over a grid of
+  gate/up, down, the output projection) and each batch M: cuBLAS (``torch.matmul``) against ``ember.kernels.skinny_gemm`` over a grid of
   tile configurations, each as bandwidth over the bytes the product must move.
 - **Decode attention tiles.** ``paged_attention`` over (batch, context) points for a grid of
   (key tile, pipeline depth, warps) and KV split counts, so the decode tile and the split
@@ -56,19 +55,18 @@ ATTENTION_CONFIGS = ((64, 3, 4), (32, 3, 4), (32, 4, 2), (64, 4, 4), (64, 2, 4),
 ATTENTION_SPLITS = (1, 2, 4, 8, 16, 32)
 
 
-def linear_shapes(preset: str) -> list[tuple[str, int, int, bool]]:
-    """(name, N, K, gated) of every distinct linear layer of a make-model preset."""
+def linear_shapes(preset: str) -> list[tuple[str, int, int]]:
+    """(name, N, K) of every distinct linear layer of a make-model preset."""
     cfg = PRESETS[preset]
     hidden, inter = cfg["hidden_size"], cfg["intermediate_size"]
     head_dim = hidden // cfg["num_attention_heads"]
     qkv = hidden + 2 * cfg["num_key_value_heads"] * head_dim
     return [
-        ("qkv", qkv, hidden, False),
-        ("o", hidden, hidden, False),
-        ("gate_up", 2 * inter, hidden, False),
-        ("down", hidden, inter, False),
-        ("down_gated", hidden, inter, True),
-        ("lm_head", cfg["vocab_size"], hidden, False),
+        ("qkv", qkv, hidden),
+        ("o", hidden, hidden),
+        ("gate_up", 2 * inter, hidden),
+        ("down", hidden, inter),
+        ("lm_head", cfg["vocab_size"], hidden),
     ]
 
 
@@ -88,33 +86,23 @@ def _timed_us(fn) -> float | str:
         return f"{type(exc).__name__}: {str(exc)[:120]}"
 
 
-def _silu_then_matmul(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> None:
-    from ember.kernels import silu_and_mul
-
-    torch.matmul(silu_and_mul(x), weight.t(), out=out)
-
-
 def bench_gemms(preset: str, hbm_bytes_per_s: float, batches=GEMM_BATCHES) -> list[dict]:
+    from ember.kernels.linear import use_skinny_gemm
     from ember.kernels.skinny_gemm import skinny_gemm
 
     rows = []
-    for name, n, k, gated in linear_shapes(preset):
+    for name, n, k in linear_shapes(preset):
         weight = torch.randn(n, k, dtype=torch.bfloat16, device="cuda") / k**0.5
         for m in batches:
-            x = torch.randn(m, 2 * k if gated else k, dtype=torch.bfloat16, device="cuda")
+            x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
             out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
             moved = 2 * (n * k + x.numel() + m * n)
-            if gated:
-                cublas = _timed_us(partial(_silu_then_matmul, x, weight, out))
-            else:
-                cublas = _timed_us(partial(torch.matmul, x, weight.t(), out=out))
+            cublas = _timed_us(partial(torch.matmul, x, weight.t(), out=out))
             triton_us = {}
             for block_n, block_k, stages, warps in GEMM_CONFIGS:
                 config = _gemm_config(m, block_n, block_k, stages, warps)
                 key = f"n{block_n}_k{block_k}_s{stages}_w{warps}"
-                triton_us[key] = _timed_us(
-                    partial(skinny_gemm, x, weight, gated=gated, out=out, config=config)
-                )
+                triton_us[key] = _timed_us(partial(skinny_gemm, x, weight, out=out, config=config))
             timed = {key: us for key, us in triton_us.items() if isinstance(us, float)}
             best = min(timed, key=timed.get) if timed else None
             row = {
@@ -122,6 +110,8 @@ def bench_gemms(preset: str, hbm_bytes_per_s: float, batches=GEMM_BATCHES) -> li
                 "roofline_us": moved / hbm_bytes_per_s * 1e6,
                 "cublas_us": cublas,
                 "cublas_tb_per_s": moved / cublas / 1e6 if isinstance(cublas, float) else None,
+                "routed_to_skinny": use_skinny_gemm(m, n, k, weight.dtype, weight.device),
+                "default_config_us": _timed_us(partial(skinny_gemm, x, weight, out=out)),
                 "best_config": best,
                 "best_us": timed.get(best),
                 "best_tb_per_s": moved / timed[best] / 1e6 if best else None,

@@ -5,6 +5,7 @@ kernels are tested against those on a CPU under ``TRITON_INTERPRET=1``.
 """
 
 from ember.kernels.activation import silu_and_mul
+from ember.kernels.linear import linear
 from ember.kernels.paged_attention import choose_num_kv_splits, paged_attention
 from ember.kernels.rmsnorm import fused_add_rms_norm, rms_norm
 from ember.kernels.rope_cache_write import rope_and_cache_write
@@ -13,6 +14,7 @@ from ember.kernels.sampling import sample
 __all__ = [
     "choose_num_kv_splits",
     "fused_add_rms_norm",
+    "linear",
     "paged_attention",
     "rms_norm",
     "rope_and_cache_write",

@@ -21,11 +21,14 @@ import triton.language as tl
 
 _LOG2E = 1.4426950408889634
 
-# The split heuristic aims for this many resident programs per SM: two decode programs fit in
-# an SM's shared memory, and a second one hides the latency of the first one's loads.
+# The split heuristic (measured with `ember bench tune` on an H200, 8B attention shape): while
+# the programs do not fill one wave (fewer than one per SM) a decode is latency-bound and
+# splitting down to one 64-key tile per segment pays (batch 1 at 512 tokens: 17.4 us unsplit,
+# 13.2 in 2 segments, 7.6 in 8); once they fill a wave, a split only pays on long segments
+# (batch 32: 2 splits lose 6% at 512 tokens and win 7% at 4,096).
 _PROGRAMS_PER_SM = 2
-# A KV segment shorter than this costs more in partial writes and the reduce than it saves.
-_MIN_TOKENS_PER_SPLIT = 256
+_MIN_TOKENS_PER_SPLIT_UNDER_ONE_WAVE = 64
+_MIN_TOKENS_PER_SPLIT = 1024
 _MAX_SPLITS = 32
 # Used when there is no CUDA device to ask (the CPU interpreter): an H200's SM count.
 _DEFAULT_NUM_SMS = 132
@@ -274,11 +277,15 @@ def choose_num_kv_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num
     """KV segments per sequence for a decode-only step.
 
     Split only as far as needed to give every SM ``_PROGRAMS_PER_SM`` programs, and never into
-    segments shorter than ``_MIN_TOKENS_PER_SPLIT`` tokens.
+    segments shorter than one KV tile while the GPU is under one wave, or than
+    ``_MIN_TOKENS_PER_SPLIT`` tokens once it is full.
     """
     programs = max(1, num_seqs * num_kv_heads)
     wanted = triton.cdiv(_PROGRAMS_PER_SM * num_sms, programs)
-    by_length = triton.cdiv(max(1, max_seq_len), _MIN_TOKENS_PER_SPLIT)
+    min_tokens = (
+        _MIN_TOKENS_PER_SPLIT_UNDER_ONE_WAVE if programs < num_sms else _MIN_TOKENS_PER_SPLIT
+    )
+    by_length = triton.cdiv(max(1, max_seq_len), min_tokens)
     return max(1, min(wanted, by_length, _MAX_SPLITS))
 
 
@@ -288,13 +295,18 @@ def _device_sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _tile_config(group: int, decode_only: bool, head_dim: int, elem_bytes: int) -> dict[str, int]:
+def _tile_config(
+    group: int, decode_only: bool, head_dim: int, elem_bytes: int, split_kv: bool = False
+) -> dict[str, int]:
     """Tile sizes from the step's kind. Rows of a program = query tokens x the GQA group."""
     min_rows = max(16, triton.next_power_of_2(group))  # tl.dot needs M >= 16
     if decode_only:
-        # One query per sequence: the group's heads are the rows. Memory-bound: 64-key tiles,
-        # 3 stages, 4 warps measured best on an H200 (128-key tiles lose 14% at batch 64).
-        config = {"BLOCK_M": min_rows, "BLOCK_Q": 1, "BLOCK_N": 64, "num_warps": 4, "KV_STAGES": 3}
+        # One query per sequence: the group's heads are the rows. Memory-bound: 64-key tiles.
+        # On an H200 (`ember bench tune`) unsplit decodes ran best on 2 warps with 3 stages
+        # (2-3% over 4 warps at batch 64-256), split ones on 4 warps with 2 stages.
+        warps, stages = (4, 2) if split_kv else (2, 3)
+        config = {"BLOCK_M": min_rows, "BLOCK_Q": 1, "BLOCK_N": 64, "num_warps": warps,
+                  "KV_STAGES": stages}  # fmt: skip
     else:
         # Prefill is compute-bound: 128x128 tiles on 8 warps ran ~10% faster than 128x64 on an
         # H200 (2k/8k-token chunks at 229/347 TFLOP/s). One configuration for every mixed step,
@@ -403,8 +415,10 @@ def paged_attention(
         if num_kv_splits is not None:
             raise ValueError("split-KV attention only serves decode-only steps (max_query_len 1)")
         splits = 1
-    config = tile_config or _tile_config(group, decode_only, head_dim, k_cache.element_size())
     split_kv = splits > 1
+    config = tile_config or _tile_config(
+        group, decode_only, head_dim, k_cache.element_size(), split_kv
+    )
 
     if split_kv:
         part_max = torch.empty(num_seqs * num_q_heads * splits, device=q.device)

@@ -2,15 +2,11 @@
 
 At small M a linear layer is a weight stream: every byte of ``w`` is read once and the few rows
 of ``x`` stay in L2. A program owns ``BLOCK_N`` output columns and walks all of K with a
-pipelined loop, so the whole GPU is busy reading weights with no split-K reduction. M is padded
-to ``tl.dot``'s minimum of 16 rows; the padding rows are never loaded or stored.
+pipelined loop, so the whole GPU reads weights with no split-K reduction. M is padded to
+``tl.dot``'s minimum of 16 rows; padding rows are never loaded or stored.
 
-``gated=True`` fuses the MLP's SiLU-and-mul into the load of ``x``: ``x`` is then the gate/up
-GEMM's output ``[M, 2K]`` and the kernel multiplies ``silu(gate) * up`` (rounded to the model
-dtype, as ``ember.kernels.silu_and_mul`` does) by ``w``, saving a launch and a round trip.
-
-Whether this beats cuBLAS is a measured question per GPU and shape (``ember bench tune``);
-``ember.kernels.linear`` routes to it only where the measurement says so.
+Where this beats cuBLAS is a measured question per GPU and shape (``ember bench tune``);
+``ember.kernels.linear`` routes to it only there.
 """
 
 from __future__ import annotations
@@ -33,7 +29,6 @@ def _skinny_gemm_kernel(
     stride_wn,
     stride_om,
     HAS_BIAS: tl.constexpr,
-    GATED: tl.constexpr,
     EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -54,18 +49,12 @@ def _skinny_gemm_kernel(
         x_offsets = rows[:, None] * stride_xm + ks[None, :]
         w_offsets = w_rows[:, None].to(tl.int64) * stride_wn + ks[None, :]
         if EVEN_K:
-            x_mask = row_valid[:, None]
+            x = tl.load(x_ptr + x_offsets, mask=row_valid[:, None], other=0.0)
             w = tl.load(w_ptr + w_offsets)
         else:
-            x_mask = row_valid[:, None] & (ks[None, :] < K)
-            w = tl.load(w_ptr + w_offsets, mask=ks[None, :] < K, other=0.0)
-        if GATED:
-            gate = tl.load(x_ptr + x_offsets, mask=x_mask, other=0.0).to(tl.float32)
-            up = tl.load(x_ptr + x_offsets + K, mask=x_mask, other=0.0).to(tl.float32)
-            silu = (gate / (1.0 + tl.exp(-gate))).to(w_ptr.dtype.element_ty).to(tl.float32)
-            x = (silu * up).to(w_ptr.dtype.element_ty)
-        else:
-            x = tl.load(x_ptr + x_offsets, mask=x_mask, other=0.0)
+            k_valid = ks[None, :] < K
+            x = tl.load(x_ptr + x_offsets, mask=row_valid[:, None] & k_valid, other=0.0)
+            w = tl.load(w_ptr + w_offsets, mask=k_valid, other=0.0)
         acc += tl.dot(x, tl.trans(w), input_precision=DOT_PRECISION)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + w_rows).to(tl.float32)[None, :]
@@ -76,15 +65,50 @@ def _skinny_gemm_kernel(
     )
 
 
-# Largest M the kernel takes: beyond it the weight tile is re-used across enough rows that
-# cuBLAS's tensor-core tiles win (and BLOCK_M would outgrow the registers).
+# Largest M the kernel takes: past it the tensor-core tiles of cuBLAS re-use each weight tile
+# across enough rows to win, and BLOCK_M would outgrow the registers.
 MAX_M = 64
+# Shared memory a program may use: the H100/H200 limit per block (227 KiB), less a margin.
+_SHARED_MEMORY_BUDGET = 200 * 1024
 
 
-def default_config(m: int, n: int, k: int) -> dict[str, int]:
-    """Tile sizes for an ``[m, k] x [n, k]^T`` product (see ``ember bench tune`` for the sweep)."""
+def default_config(m: int, n: int, k: int, elem_bytes: int = 2) -> dict[str, int]:
+    """Tiles for an ``[m, k] x [n, k]^T`` product, from `ember bench tune` on an H200 (8B shapes).
+
+    Output projections (N >= 16 K) are long weight streams that want wide column tiles as M
+    grows; the square and K-major layer shapes ran best on 32 x 256 tiles with 4 stages.
+    """
     block_m = max(16, triton.next_power_of_2(m))
-    return {"BLOCK_M": block_m, "BLOCK_N": 32, "BLOCK_K": 256, "STAGES": 4, "num_warps": 4}
+    if n >= 16 * k:
+        block_n, block_k, stages, warps = (
+            (32, 128, 6, 4) if m <= 8 else (64, 128, 4, 4) if m <= 16 else (128, 128, 4, 8)
+        )
+    elif m <= 32:
+        block_n, block_k, stages, warps = 32, 256, 4, 4
+    else:
+        block_n, block_k, stages, warps = 32, 128, 6, 4
+    config = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "STAGES": stages,
+              "num_warps": warps}  # fmt: skip
+    return fit_shared_memory(config, elem_bytes)
+
+
+def shared_memory_estimate(config: dict[str, int], elem_bytes: int) -> int:
+    """Bytes of the pipelined x and w tiles, what Triton stages in shared memory."""
+    rows = config["BLOCK_M"] + config["BLOCK_N"]
+    return rows * config["BLOCK_K"] * elem_bytes * config["STAGES"]
+
+
+def fit_shared_memory(config: dict[str, int], elem_bytes: int) -> dict[str, int]:
+    """Halve BLOCK_K, then drop stages, until the tiles fit (fp32 at BLOCK_M 64 asked 544 KiB)."""
+    config = dict(config)
+    while shared_memory_estimate(config, elem_bytes) > _SHARED_MEMORY_BUDGET:
+        if config["BLOCK_K"] > 64:
+            config["BLOCK_K"] //= 2
+        elif config["STAGES"] > 2:
+            config["STAGES"] -= 1
+        else:
+            break
+    return config
 
 
 def skinny_gemm(
@@ -92,20 +116,18 @@ def skinny_gemm(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     *,
-    gated: bool = False,
     out: torch.Tensor | None = None,
     config: dict[str, int] | None = None,
 ) -> torch.Tensor:
-    """``x @ weight.T (+ bias)`` for ``x [M, K]`` (``[M, 2K]`` gate|up when ``gated``), M <= 64.
+    """``x @ weight.T (+ bias)`` for ``x [M, K]`` with M <= ``MAX_M``.
 
     ``weight`` is ``[N, K]`` with K contiguous (``nn.Linear``'s layout); ``x`` rows may be
     strided. Returns ``out [M, N]`` in ``x``'s dtype.
     """
-    m = x.shape[0]
-    n, k = weight.shape
-    if x.shape[1] != (2 * k if gated else k):
-        raise ValueError(f"x has {x.shape[1]} columns; weight {tuple(weight.shape)} wants "
-                         f"{2 * k if gated else k}{' (gate|up)' if gated else ''}")  # fmt: skip
+    m, k = x.shape
+    n = weight.shape[0]
+    if weight.shape[1] != k:
+        raise ValueError(f"x has {k} columns; weight {tuple(weight.shape)} wants {weight.shape[1]}")
     if m > MAX_M:
         raise ValueError(f"skinny_gemm takes at most {MAX_M} rows, got {m}")
     if x.stride(1) != 1 or weight.stride(1) != 1:
@@ -114,13 +136,14 @@ def skinny_gemm(
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    config = dict(config or default_config(m, n, k))
+    config = dict(config or default_config(m, n, k, weight.element_size()))
+    if config["BLOCK_M"] < m:
+        raise ValueError(f"BLOCK_M {config['BLOCK_M']} is smaller than M {m}")
     block_n = config.pop("BLOCK_N")
     _skinny_gemm_kernel[(triton.cdiv(n, block_n),)](
         x, weight, bias if bias is not None else weight, out,
         m, n, k, x.stride(0), weight.stride(0), out.stride(0),
         HAS_BIAS=bias is not None,
-        GATED=gated,
         EVEN_K=k % config["BLOCK_K"] == 0,
         BLOCK_N=block_n,
         # fp32 weights must not silently drop to tf32 on the tensor cores.

@@ -16,6 +16,8 @@ import torch
 @dataclass(frozen=True)
 class Ops:
     name: str
+    # (x, weight, bias) -> x @ weight.T + bias, as F.linear.
+    linear: Callable[..., torch.Tensor]
     rms_norm: Callable[..., torch.Tensor]
     # (x, residual, weight, eps) -> None; residual += x, x = rms_norm(residual) in place.
     fused_add_rms_norm: Callable[..., None]
@@ -33,6 +35,7 @@ def reference_ops() -> Ops:
 
     return Ops(
         name="reference",
+        linear=torch.nn.functional.linear,
         rms_norm=ref.rms_norm_reference,
         fused_add_rms_norm=ref.fused_add_rms_norm_reference,
         silu_and_mul=ref.silu_and_mul_reference,
@@ -48,6 +51,7 @@ def triton_ops() -> Ops:
 
     return Ops(
         name="triton",
+        linear=kernels.linear,
         rms_norm=kernels.rms_norm,
         fused_add_rms_norm=kernels.fused_add_rms_norm,
         silu_and_mul=kernels.silu_and_mul,

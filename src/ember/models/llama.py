@@ -2,7 +2,7 @@
 
 Llama 3.x and SmolLM2 (LlamaForCausalLM), Mistral (same graph), Qwen2 (q/k/v bias) and Qwen3
 (per-head q/k RMSNorm, explicit head_dim). q/k/v and gate/up are fused into single GEMMs at load
-time; the attention, norms and activation go through the instance's `Ops`.
+time; the linear products, attention, norms and activation go through the instance's `Ops`.
 """
 
 from __future__ import annotations
@@ -47,7 +47,8 @@ class Attention(nn.Module):
         v_cache: torch.Tensor,
     ) -> torch.Tensor:
         cfg, n = self.cfg, x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.shard_sizes, dim=-1)
+        qkv = self.ops.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
+        q, k, v = qkv.split(self.shard_sizes, dim=-1)
         q = q.reshape(n, cfg.num_heads, cfg.head_dim)
         k = k.reshape(n, cfg.num_kv_heads, cfg.head_dim)
         v = v.reshape(n, cfg.num_kv_heads, cfg.head_dim)
@@ -71,7 +72,7 @@ class Attention(nn.Module):
             max_query_len=ctx.max_query_len,
             max_seq_len=ctx.max_seq_len,
         )
-        return self.o_proj(out.view(n, cfg.q_size))
+        return self.ops.linear(out.view(n, cfg.q_size), self.o_proj.weight)
 
 
 class MLP(nn.Module):
@@ -82,7 +83,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+        gate_up = self.ops.linear(x, self.gate_up_proj.weight)
+        return self.ops.linear(self.ops.silu_and_mul(gate_up), self.down_proj.weight)
 
 
 class DecoderLayer(nn.Module):
@@ -141,7 +143,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head
-        return torch.matmul(hidden, weight.t()).float()
+        return self.ops.linear(hidden, weight).float()
 
     # -- weights ---------------------------------------------------------------------------------
 
