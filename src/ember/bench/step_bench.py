@@ -162,10 +162,14 @@ class StepBench:
 
 
 def bench_instance(
-    model: str, max_model_len: int, max_num_batched_tokens: int = 8192
+    model: str,
+    max_model_len: int,
+    max_num_batched_tokens: int = 8192,
+    ceilings: Ceilings | None = None,
 ) -> tuple[ModelInstance, Ceilings]:
-    """The GPU's measured ceilings and a model instance sized for the step benchmarks."""
-    ceilings = measure_ceilings()
+    """The GPU's measured ceilings (unless given) and a model instance sized for the step
+    benchmarks."""
+    ceilings = ceilings or measure_ceilings()
     config = EngineConfig(
         model=model,
         cache=CacheConfig(gpu_memory_utilization=0.92),
@@ -180,33 +184,49 @@ def bench_instance(
     return inst, ceilings
 
 
-def run_step_bench(model: str, out_dir: Path, max_model_len: int = 8320) -> dict:
-    inst, ceilings = bench_instance(model, max_model_len)
-    bench = StepBench(inst, ceilings)
+SECTIONS = ("attention", "decode", "graphs_vs_eager", "prefill")
+
+
+def run_step_bench(
+    model: str, out_dir: Path, max_model_len: int = 8320, sections: tuple[str, ...] = SECTIONS
+) -> dict:
+    ceilings = measure_ceilings()
     result: dict = {
         "model": model,
         "gpu": torch.cuda.get_device_name(),
         "hbm_copy_tb_per_s": ceilings.hbm_bytes_per_s / 1e12,
         "bf16_tflops": ceilings.bf16_flops_per_s / 1e12,
-        "weight_gib": bench.weight_bytes / 2**30,
-        "kv_pool_tokens": inst.kv_manager.pool.capacity * inst.kv_manager.block_size,
-        "load_seconds": inst.load_report.seconds,
     }
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "step_bench.json"
-    sections = {
+    if "attention" in sections:
+        # Before the engine exists: its KV pool and graphs leave too little memory for the
+        # kernel benchmark's own caches.
+        result["attention"] = _attention_rows(ceilings)
+        path.write_text(json.dumps(result, indent=2))
+    engine_sections = [name for name in sections if name != "attention"]
+    if not engine_sections:
+        return result
+    inst, _ = bench_instance(model, max_model_len, ceilings=ceilings)
+    bench = StepBench(inst, ceilings)
+    result.update(
+        weight_gib=bench.weight_bytes / 2**30,
+        kv_pool_tokens=inst.kv_manager.pool.capacity * inst.kv_manager.block_size,
+        load_seconds=inst.load_report.seconds,
+    )
+    measures = {
         "decode": lambda: [
             _row(bench.decode, b, c) for c in DECODE_CONTEXTS for b in DECODE_BATCHES
         ],
         "graphs_vs_eager": lambda: [_row(bench.eager_vs_graph, b) for b in (1, 64)],
         "prefill": lambda: [_row(bench.prefill, c) for c in PREFILL_CHUNKS],
-        "attention": lambda: _attention_rows(ceilings),
     }
-    for name, section in sections.items():
-        result[name] = section()
+    for name in engine_sections:
+        result[name] = measures[name]()
         # Written after every section, so a later failure keeps what was measured.
         path.write_text(json.dumps(result, indent=2))
-    _plot(result, out_dir / "step_bench.png")
+    if "decode" in result and "prefill" in result:
+        _plot(result, out_dir / "step_bench.png")
     return result
 
 
@@ -270,11 +290,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     # Room for the largest prefill chunk (8,192) plus a margin.
     parser.add_argument("--max-model-len", type=int, default=8320)
+    parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS),
+                        help="what to measure (default: all)")  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
         print("ember bench step needs a CUDA GPU")
         return 2
-    run_step_bench(args.model, args.out, args.max_model_len)
+    run_step_bench(args.model, args.out, args.max_model_len, tuple(args.sections))
     return 0
