@@ -16,7 +16,9 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+# M (the batch) is a runtime value: specialising on it (M == 1, M % 16 == 0) compiled new variants
+# mid-serving for eager steps, seconds of first-token latency; BLOCK_M already covers it.
+@triton.jit(do_not_specialize=["M"])
 def _skinny_gemm_kernel(
     x_ptr,
     w_ptr,
