@@ -135,17 +135,20 @@ def test_targets_compare_says_what_is_missed_and_by_how_much(tmp_path, capsys):
             {"batch": 64, "context": 512, "fraction_of_roofline": 0.90, "gpu_idle_fraction": 0.08},
         ],
         "prefill": [{"chunk": 2048, "fraction_of_bf16_peak": 0.66}],
-        "attention": [{"batch": 256, "context": 4096, "roofline_fraction": 0.5}],
     }
+    # The attention kernel section from a separate `--sections attention` run: merged in.
+    attention = {"attention": [{"batch": 256, "context": 4096, "roofline_fraction": 0.5}]}
     serve = {"output_throughput": 12000.0, "server_cores_busy": 0.5, "median_ttft_ms": 300.0,
              "server_cpu_seconds_per_1k_output_tokens": 0.1}  # fmt: skip
     pinned = {"output_throughput": 11400.0}
     paths = {}
-    for name, data in {"step": step, "serve": serve, "pinned": pinned}.items():
+    for name, data in {"step": step, "attn": attention, "serve": serve, "pinned": pinned}.items():
         paths[name] = tmp_path / f"{name}.json"
         paths[name].write_text(json.dumps(data))
     out = tmp_path / "targets.json"
-    args = ["bench", "targets", *(f"--{k}={v}" for k, v in paths.items()), f"--output-json={out}"]
+    step_files = ["--step", str(paths.pop("step")), str(paths.pop("attn"))]
+    args = ["bench", "targets", *step_files, *(f"--{k}={v}" for k, v in paths.items()),
+            f"--output-json={out}"]  # fmt: skip
     assert main(args) == 0
     rows = {r["target"]: r for r in json.loads(out.read_text())["targets"]}
     b1 = rows["decode batch 1, ctx 512: fraction of roofline"]
@@ -157,6 +160,8 @@ def test_targets_compare_says_what_is_missed_and_by_how_much(tmp_path, capsys):
     assert rows["GPU idle fraction between decode steps (worst bucket)"]["met"] is False
     assert rows["TTFT median"]["met"] is False and rows["TTFT median"]["margin_percent"] == -100
     assert rows["server pinned to one core: throughput over unpinned"]["value"] == 0.95
+    attention_row = rows["decode attention batch 256, ctx 4096: fraction of bytes roofline"]
+    assert attention_row["value"] == 0.5 and attention_row["met"] is False
     assert "**no**" in capsys.readouterr().out
 
 

@@ -130,20 +130,36 @@ def format_table(rows: list[dict]) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    for name in ("step", "serve", "pinned", "peer"):
+    parser.add_argument("--step", type=Path, nargs="+",
+                        help="the step result JSON; several (e.g. `--sections` runs) are merged, "
+                             "the first file's value winning a key they share")  # fmt: skip
+    for name in ("serve", "pinned", "peer"):
         parser.add_argument(f"--{name}", type=Path, help=f"the {name} result JSON")
     parser.add_argument("--output-json", type=Path)
 
 
+def _merged(paths: list[Path]) -> dict:
+    merged: dict = {}
+    for path in paths:
+        for key, value in json.loads(path.read_text()).items():
+            merged.setdefault(key, value)
+    return merged
+
+
 def run(args: argparse.Namespace) -> int:
+    paths = {name: getattr(args, name) for name in ("step", "serve", "pinned", "peer")}
     sources = {
-        name: json.loads(path.read_text())
-        for name in ("step", "serve", "pinned", "peer")
-        if (path := getattr(args, name)) is not None
+        name: _merged(path) if isinstance(path, list) else json.loads(path.read_text())
+        for name, path in paths.items()
+        if path is not None
     }
     rows = compare(sources)
     report = {
-        "files": {name: str(getattr(args, name)) for name in sources},
+        "files": {
+            name: [str(p) for p in path] if isinstance(path, list) else str(path)
+            for name, path in paths.items()
+            if path is not None
+        },
         "targets": rows,
         "against_peer": peer_ratios(sources),
     }
