@@ -197,13 +197,13 @@ def test_tile_configs_fit_in_shared_memory(decode_only, head_dim, elem_bytes):
     """An fp32 8B model once failed to launch its prefill tiles on an H200 (256 KiB asked,
     227 KiB there): every config must fit, and bf16 at head_dim 128 keeps the measured tiles."""
     from ember.kernels.paged_attention import (
-        _SHARED_MEMORY_BUDGET,
         _tile_config,
         shared_memory_estimate,
     )
+    from ember.kernels.tiles import SHARED_MEMORY_BUDGET
 
     config = _tile_config(4, decode_only, head_dim, elem_bytes, split_kv=decode_only)
-    assert shared_memory_estimate(config, head_dim, elem_bytes) <= _SHARED_MEMORY_BUDGET
+    assert shared_memory_estimate(config, head_dim, elem_bytes) <= SHARED_MEMORY_BUDGET
     assert config["BLOCK_N"] >= 16 and config["KV_STAGES"] >= 1
     if elem_bytes == 2 and head_dim <= 128:
         assert (config["BLOCK_N"], config["KV_STAGES"]) == ((64, 2) if decode_only else (128, 2))

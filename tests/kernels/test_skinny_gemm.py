@@ -72,12 +72,12 @@ def test_routing_follows_the_measured_wins():
 @pytest.mark.parametrize("m", [1, 16, 33, 64])
 def test_default_configs_fit_in_shared_memory(m, elem_bytes):
     from ember.kernels.skinny_gemm import (
-        _SHARED_MEMORY_BUDGET,
         default_config,
         shared_memory_estimate,
     )
+    from ember.kernels.tiles import SHARED_MEMORY_BUDGET
 
     for n, k in [(4096, 4096), (4096, 14336), (128256, 4096)]:
         config = default_config(m, n, k, elem_bytes)
         assert config["BLOCK_M"] >= m
-        assert shared_memory_estimate(config, elem_bytes) <= _SHARED_MEMORY_BUDGET
+        assert shared_memory_estimate(config, elem_bytes) <= SHARED_MEMORY_BUDGET

@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ember.kernels.tiles import shrink_to_fit
+
 _LOG2E = 1.4426950408889634
 
 # The split heuristic (measured with `ember bench tune` on an H200, 8B attention shape): while
@@ -323,10 +325,6 @@ def _tile_config(
     return _fit_shared_memory(config, head_dim, elem_bytes)
 
 
-# Shared memory a program may use: the H100/H200 limit per block (227 KiB), less a margin.
-_SHARED_MEMORY_BUDGET = 224 * 1024
-
-
 def shared_memory_estimate(config: dict[str, int], head_dim: int, elem_bytes: int) -> int:
     """Bytes of the pipelined K and V tiles plus the query tile (what Triton stages in smem)."""
     kv = 2 * config["BLOCK_N"] * head_dim * elem_bytes * config["KV_STAGES"]
@@ -336,19 +334,12 @@ def shared_memory_estimate(config: dict[str, int], head_dim: int, elem_bytes: in
 def _fit_shared_memory(config: dict[str, int], head_dim: int, elem_bytes: int) -> dict[str, int]:
     """Shrink the K/V tiles (then the pipeline depth) of wide heads or fp32 caches until they fit:
     fp32 with 128x128 tiles asks for 256 KiB and fails to launch on an H200."""
-    config = dict(config)
-    while shared_memory_estimate(config, head_dim, elem_bytes) > _SHARED_MEMORY_BUDGET:
-        if config["BLOCK_N"] > 64:
-            config["BLOCK_N"] //= 2
-        elif config["KV_STAGES"] > 2:
-            config["KV_STAGES"] -= 1
-        elif config["BLOCK_N"] > 16:
-            config["BLOCK_N"] //= 2
-        elif config["KV_STAGES"] > 1:
-            config["KV_STAGES"] -= 1
-        else:
-            break
-    return config
+    return shrink_to_fit(
+        config,
+        lambda c: shared_memory_estimate(c, head_dim, elem_bytes),
+        [("BLOCK_N", 64, True), ("KV_STAGES", 2, False), ("BLOCK_N", 16, True),
+         ("KV_STAGES", 1, False)],
+    )  # fmt: skip
 
 
 def paged_attention(

@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ember.kernels.tiles import shrink_to_fit
+
 
 # M (the batch) is a runtime value: specialising on it (M == 1, M % 16 == 0) compiled new variants
 # mid-serving for eager steps, seconds of first-token latency; BLOCK_M already covers it.
@@ -70,8 +72,6 @@ def _skinny_gemm_kernel(
 # Largest M the kernel takes: past it the tensor-core tiles of cuBLAS re-use each weight tile
 # across enough rows to win, and BLOCK_M would outgrow the registers.
 MAX_M = 64
-# Shared memory a program may use: the H100/H200 limit per block (227 KiB), less a margin.
-_SHARED_MEMORY_BUDGET = 200 * 1024
 
 
 def default_config(m: int, n: int, k: int, elem_bytes: int = 2) -> dict[str, int]:
@@ -102,15 +102,11 @@ def shared_memory_estimate(config: dict[str, int], elem_bytes: int) -> int:
 
 def fit_shared_memory(config: dict[str, int], elem_bytes: int) -> dict[str, int]:
     """Halve BLOCK_K, then drop stages, until the tiles fit (fp32 at BLOCK_M 64 asked 544 KiB)."""
-    config = dict(config)
-    while shared_memory_estimate(config, elem_bytes) > _SHARED_MEMORY_BUDGET:
-        if config["BLOCK_K"] > 64:
-            config["BLOCK_K"] //= 2
-        elif config["STAGES"] > 2:
-            config["STAGES"] -= 1
-        else:
-            break
-    return config
+    return shrink_to_fit(
+        config,
+        lambda c: shared_memory_estimate(c, elem_bytes),
+        [("BLOCK_K", 64, True), ("STAGES", 2, False)],
+    )
 
 
 def skinny_gemm(
