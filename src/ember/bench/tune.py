@@ -4,8 +4,9 @@ Two questions, each answered with times replayed from CUDA graphs with L2 flushe
 engine runs its decode steps):
 
 - **GEMMs at decode batch sizes.** For each linear layer of the model's shape (q/k/v, o,
-  gate/up, down, the output projection) and each batch M: cuBLAS (``torch.matmul``) against ``ember.kernels.skinny_gemm`` over a grid of
-  tile configurations, each as bandwidth over the bytes the product must move.
+  gate/up, down, the output projection) and each batch M: cuBLAS (``torch.matmul``) against
+  ``ember.kernels.skinny_gemm`` over a grid of tile configurations, each as bandwidth over the
+  bytes the product must move.
 - **Decode attention tiles.** ``paged_attention`` over (batch, context) points for a grid of
   (key tile, pipeline depth, warps) and KV split counts, so the decode tile and the split
   heuristic are checked against the best measured.
@@ -70,14 +71,6 @@ def linear_shapes(preset: str) -> list[tuple[str, int, int]]:
     ]
 
 
-def _gemm_config(m: int, block_n: int, block_k: int, stages: int, warps: int) -> dict[str, int]:
-    import triton
-
-    block_m = max(16, triton.next_power_of_2(m))
-    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "STAGES": stages,
-            "num_warps": warps}  # fmt: skip
-
-
 def _timed_us(fn) -> float | str:
     """Microseconds of ``fn`` or, when the configuration cannot launch, why."""
     try:
@@ -88,7 +81,7 @@ def _timed_us(fn) -> float | str:
 
 def bench_gemms(preset: str, hbm_bytes_per_s: float, batches=GEMM_BATCHES) -> list[dict]:
     from ember.kernels.linear import use_skinny_gemm
-    from ember.kernels.skinny_gemm import skinny_gemm
+    from ember.kernels.skinny_gemm import block_m_for, skinny_gemm
 
     rows = []
     for name, n, k in linear_shapes(preset):
@@ -100,7 +93,8 @@ def bench_gemms(preset: str, hbm_bytes_per_s: float, batches=GEMM_BATCHES) -> li
             cublas = _timed_us(partial(torch.matmul, x, weight.t(), out=out))
             triton_us = {}
             for block_n, block_k, stages, warps in GEMM_CONFIGS:
-                config = _gemm_config(m, block_n, block_k, stages, warps)
+                config = {"BLOCK_M": block_m_for(m), "BLOCK_N": block_n, "BLOCK_K": block_k,
+                          "STAGES": stages, "num_warps": warps}  # fmt: skip
                 key = f"n{block_n}_k{block_k}_s{stages}_w{warps}"
                 triton_us[key] = _timed_us(partial(skinny_gemm, x, weight, out=out, config=config))
             timed = {key: us for key, us in triton_us.items() if isinstance(us, float)}
@@ -152,7 +146,9 @@ def bench_attention_tiles(hbm_bytes_per_s: float, points=ATTENTION_POINTS) -> li
             "roofline_us": moved / hbm_bytes_per_s * 1e6,
             "best": best, "best_us": timed[best],
             "best_fraction": moved / hbm_bytes_per_s / (timed[best] * 1e-6),
-            "current_default_unsplit_us": times.get("n64_s3_w4_x1"),
+            # The kernel's own choice of tiles and splits, whatever its defaults are now.
+            "default_us": _timed_us(partial(paged_attention, **inputs, scale=scale, out=out,
+                                            max_query_len=1, max_seq_len=context)),
             "us": times,
         }  # fmt: skip
         rows.append(row)

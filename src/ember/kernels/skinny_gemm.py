@@ -74,13 +74,17 @@ def _skinny_gemm_kernel(
 MAX_M = 64
 
 
+def block_m_for(m: int) -> int:
+    """Rows of the program's tile: M padded to a power of two, at least ``tl.dot``'s 16."""
+    return max(16, triton.next_power_of_2(m))
+
+
 def default_config(m: int, n: int, k: int, elem_bytes: int = 2) -> dict[str, int]:
     """Tiles for an ``[m, k] x [n, k]^T`` product, from `ember bench tune` on an H200 (8B shapes).
 
     Output projections (N >= 16 K) are long weight streams that want wide column tiles as M
     grows; the square and K-major layer shapes ran best on 32 x 256 tiles with 4 stages.
     """
-    block_m = max(16, triton.next_power_of_2(m))
     if n >= 16 * k:
         block_n, block_k, stages, warps = (
             (32, 128, 6, 4) if m <= 8 else (64, 128, 4, 4) if m <= 16 else (128, 128, 4, 8)
@@ -89,7 +93,7 @@ def default_config(m: int, n: int, k: int, elem_bytes: int = 2) -> dict[str, int
         block_n, block_k, stages, warps = 32, 256, 4, 4
     else:
         block_n, block_k, stages, warps = 32, 128, 6, 4
-    config = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "STAGES": stages,
+    config = {"BLOCK_M": block_m_for(m), "BLOCK_N": block_n, "BLOCK_K": block_k, "STAGES": stages,
               "num_warps": warps}  # fmt: skip
     return fit_shared_memory(config, elem_bytes)
 
