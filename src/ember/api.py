@@ -59,6 +59,7 @@ class LLM:
         lazy_cuda_graphs: bool = False,
         overlap: bool | None = None,
         backend: str = "auto",
+        programmatic_launch: bool | None = None,
     ) -> None:
         scheduler = SchedulerConfig(
             max_num_seqs=max_num_seqs,
@@ -83,6 +84,7 @@ class LLM:
             lazy_cuda_graphs=lazy_cuda_graphs,
             overlap=overlap,
             backend=backend,
+            programmatic_launch=programmatic_launch,
         )
         self.instance = ModelInstance(config)
         self._ids = itertools.count()

@@ -135,6 +135,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         default="full",
         help="full: CUDA graphs for decode and prefill steps; decode: decode steps only",
     )
+    add_programmatic_launch_argument(parser)
     parser.add_argument(
         "--api-key",
         default=os.environ.get(API_KEY_ENV),
@@ -172,6 +173,23 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+_AUTO_ON_OFF = {"auto": None, "on": True, "off": False}
+
+
+def add_programmatic_launch_argument(parser: argparse.ArgumentParser) -> None:
+    """``--programmatic-launch {auto,on,off}`` -> ``args.programmatic_launch`` None/True/False."""
+    parser.add_argument(
+        "--programmatic-launch",
+        choices=tuple(_AUTO_ON_OFF),
+        default="auto",
+        help="launch a step's kernels with programmatic dependent launch (auto: on Hopper+)",
+    )
+
+
+def programmatic_launch_from(args: argparse.Namespace) -> bool | None:
+    return _AUTO_ON_OFF[args.programmatic_launch]
+
+
 def server_config(args: argparse.Namespace):
     """The ServerConfig described by `ember serve` flags."""
     from ember.config import CacheConfig, EngineConfig, SchedulerConfig
@@ -199,6 +217,7 @@ def server_config(args: argparse.Namespace):
         enforce_eager=args.enforce_eager,
         lazy_cuda_graphs=args.lazy_cuda_graphs,
         cuda_graph_mode=args.cuda_graph_mode,
+        programmatic_launch=programmatic_launch_from(args),
     )
     return ServerConfig(
         models=(ServedModelSpec(engine, chat_template=args.chat_template),),

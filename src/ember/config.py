@@ -151,4 +151,7 @@ class EngineConfig:
     # "full": graphs for decode and mixed (prefill) steps; "decode": decode steps only.
     cuda_graph_mode: str = "full"
     backend: str = "auto"  # compute primitives: auto (Triton on CUDA), triton or reference
+    # Programmatic dependent launch between the Triton kernels of a step; None: where the GPU
+    # supports it (Hopper and later).
+    programmatic_launch: bool | None = None
     overlap: bool | None = None  # None: overlap CPU and GPU work when on a GPU

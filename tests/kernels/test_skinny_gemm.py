@@ -24,6 +24,8 @@ def _expected(x, weight, bias):
         (16, 40, 256, False),
         (33, 70, 200, True),  # BLOCK_M 64, every edge partial
         (64, 2000, 100, False),  # N >= 16 K: the output-projection tiles
+        (5, 600, 128, False),  # N >= 4 K: the gate/up tiles
+        (2, 200, 48, True),  # K shorter than one tile: only the tile loaded before the loop
     ],
 )
 def test_kernel_matches_matmul(gen, device, dtype, m, n, k, use_bias):
@@ -77,7 +79,7 @@ def test_default_configs_fit_in_shared_memory(m, elem_bytes):
     )
     from ember.kernels.tiles import SHARED_MEMORY_BUDGET
 
-    for n, k in [(4096, 4096), (4096, 14336), (128256, 4096)]:
+    for n, k in [(4096, 4096), (4096, 14336), (128256, 4096), (6144, 4096), (28672, 4096)]:
         config = default_config(m, n, k, elem_bytes)
         assert config["BLOCK_M"] >= m
         assert shared_memory_estimate(config, elem_bytes) <= SHARED_MEMORY_BUDGET

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from ember.bench.roofline import Ceilings, measure_ceilings, time_cuda
+from ember.cli import add_programmatic_launch_argument, programmatic_launch_from
 from ember.config import CacheConfig, EngineConfig, SchedulerConfig
 from ember.engine.model_instance import ModelInstance
 from ember.sampling_params import SamplingParams
@@ -166,6 +167,7 @@ def bench_instance(
     max_model_len: int,
     max_num_batched_tokens: int = 8192,
     ceilings: Ceilings | None = None,
+    programmatic_launch: bool | None = None,
 ) -> tuple[ModelInstance, Ceilings]:
     """The GPU's measured ceilings (unless given) and a model instance sized for the step
     benchmarks."""
@@ -178,6 +180,7 @@ def bench_instance(
             max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max_model_len,
         ),
+        programmatic_launch=programmatic_launch,
     )
     inst = ModelInstance(config)
     inst.kv_cache.normal_(0, 0.5)  # never time on zeros
@@ -188,7 +191,13 @@ SECTIONS = ("attention", "decode", "graphs_vs_eager", "prefill")
 
 
 def run_step_bench(
-    model: str, out_dir: Path, max_model_len: int = 8320, sections: tuple[str, ...] = SECTIONS
+    model: str,
+    out_dir: Path,
+    max_model_len: int = 8320,
+    sections: tuple[str, ...] = SECTIONS,
+    programmatic_launch: bool | None = None,
+    decode_batches: tuple[int, ...] = DECODE_BATCHES,
+    decode_contexts: tuple[int, ...] = DECODE_CONTEXTS,
 ) -> dict:
     ceilings = measure_ceilings()
     result: dict = {
@@ -207,16 +216,19 @@ def run_step_bench(
     engine_sections = [name for name in sections if name != "attention"]
     if not engine_sections:
         return result
-    inst, _ = bench_instance(model, max_model_len, ceilings=ceilings)
+    inst, _ = bench_instance(
+        model, max_model_len, ceilings=ceilings, programmatic_launch=programmatic_launch
+    )
     bench = StepBench(inst, ceilings)
     result.update(
+        programmatic_launch=inst.ops.programmatic_launch,
         weight_gib=bench.weight_bytes / 2**30,
         kv_pool_tokens=inst.kv_manager.pool.capacity * inst.kv_manager.block_size,
         load_seconds=inst.load_report.seconds,
     )
     measures = {
         "decode": lambda: [
-            _row(bench.decode, b, c) for c in DECODE_CONTEXTS for b in DECODE_BATCHES
+            _row(bench.decode, b, c) for c in decode_contexts for b in decode_batches
         ],
         "graphs_vs_eager": lambda: [_row(bench.eager_vs_graph, b) for b in (1, 64)],
         "prefill": lambda: [_row(bench.prefill, c) for c in PREFILL_CHUNKS],
@@ -292,11 +304,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=8320)
     parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS),
                         help="what to measure (default: all)")  # fmt: skip
+    parser.add_argument("--decode-batches", type=int, nargs="+", default=list(DECODE_BATCHES))
+    parser.add_argument("--decode-contexts", type=int, nargs="+", default=list(DECODE_CONTEXTS))
+    add_programmatic_launch_argument(parser)
 
 
 def run(args: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
         print("ember bench step needs a CUDA GPU")
         return 2
-    run_step_bench(args.model, args.out, args.max_model_len, tuple(args.sections))
+    run_step_bench(
+        args.model,
+        args.out,
+        args.max_model_len,
+        tuple(args.sections),
+        programmatic_launch_from(args),
+        tuple(args.decode_batches),
+        tuple(args.decode_contexts),
+    )
     return 0

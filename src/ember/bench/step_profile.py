@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from ember.bench.step_bench import StepBench, bench_instance
+from ember.cli import add_programmatic_launch_argument, programmatic_launch_from
 from ember.sampling_params import SamplingParams
 
 # Substrings of kernel names, checked in order; the first match names the category.
@@ -121,8 +122,20 @@ def profile_mixed(bench: StepBench, batch: int, context: int, chunk: int, trace:
     return row
 
 
-def run_profile(model: str, out_dir: Path, batches: list[int], context: int, chunk: int) -> dict:
-    inst, ceilings = bench_instance(model, max_model_len=4160, max_num_batched_tokens=4096)
+def run_profile(
+    model: str,
+    out_dir: Path,
+    batches: list[int],
+    context: int,
+    chunk: int,
+    programmatic_launch: bool | None = None,
+) -> dict:
+    inst, ceilings = bench_instance(
+        model,
+        max_model_len=4160,
+        max_num_batched_tokens=4096,
+        programmatic_launch=programmatic_launch,
+    )
     bench = StepBench(inst, ceilings)
     out_dir.mkdir(parents=True, exist_ok=True)
     rows = []
@@ -131,7 +144,12 @@ def run_profile(model: str, out_dir: Path, batches: list[int], context: int, chu
         rows.append(profile_decode(bench, batch, context, steps=10, trace=trace))
         print(json.dumps(rows[-1]["categories_us_per_step"]), flush=True)
     rows.append(profile_mixed(bench, max(batches), context, chunk, out_dir / "profile_mixed.json"))
-    result = {"model": model, "gpu": torch.cuda.get_device_name(), "rows": rows}
+    result = {
+        "model": model,
+        "gpu": torch.cuda.get_device_name(),
+        "programmatic_launch": inst.ops.programmatic_launch,
+        "rows": rows,
+    }
     (out_dir / "step_profile.json").write_text(json.dumps(result, indent=2))
     return result
 
@@ -142,11 +160,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 64, 200])
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--prefill-chunk", type=int, default=512)
+    add_programmatic_launch_argument(parser)
 
 
 def run(args: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
         print("ember bench profile needs a CUDA GPU")
         return 2
-    run_profile(args.model, args.out, args.batches, args.context, args.prefill_chunk)
+    run_profile(
+        args.model,
+        args.out,
+        args.batches,
+        args.context,
+        args.prefill_chunk,
+        programmatic_launch_from(args),
+    )
     return 0

@@ -10,12 +10,17 @@ import torch
 import triton
 import triton.language as tl
 
+from ember.kernels.pdl import wait_for_producer
+
 # 1024 bf16 elements per program: 16-byte loads for 4 warps, and enough programs per row.
 _BLOCK = 1024
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, inter, stride_x, stride_o, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(
+    x_ptr, out_ptr, inter, stride_x, stride_o, BLOCK: tl.constexpr, PDL: tl.constexpr
+):
+    wait_for_producer(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
@@ -25,8 +30,11 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, inter, stride_x, stride_o, BLOCK: tl.co
     tl.store(out_ptr + row * stride_o + cols, (silu * up).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``x [T, 2I]`` -> ``[T, I]`` (``out`` if given); rows may be strided, columns contiguous."""
+def silu_and_mul(
+    x: torch.Tensor, out: torch.Tensor | None = None, *, pdl: bool = False
+) -> torch.Tensor:
+    """``x [T, 2I]`` -> ``[T, I]`` (``out`` if given); rows may be strided, columns contiguous.
+    ``pdl``: launch with programmatic dependent launch (`ember.kernels.pdl`)."""
     num_tokens, width = x.shape
     inter = width // 2
     if out is None:
@@ -36,6 +44,7 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
     if num_tokens == 0:
         return out
     _silu_and_mul_kernel[(num_tokens, triton.cdiv(inter, _BLOCK))](
-        x, out, inter, x.stride(0), out.stride(0), BLOCK=_BLOCK, num_warps=4
-    )
+        x, out, inter, x.stride(0), out.stride(0), BLOCK=_BLOCK, PDL=pdl, num_warps=4,
+        launch_pdl=pdl,
+    )  # fmt: skip
     return out

@@ -5,7 +5,9 @@ their input (attention output, MLP down) as split-K plus a reduce kernel. The sk
 needs no reduce: in the engine's decode step at batch 64 (`ember bench profile`) o + down + the
 vocabulary projection took 1,723 us per step against cuBLAS's 1,805 (reduces included); at batch
 1 the kernel time is the same (1,689 vs 1,675 us) with 64 fewer launches per step. On q/k/v and
-gate/up the two tied in `ember bench tune`, so those stay on cuBLAS.
+gate/up the two tied in `ember bench tune`, so those stay on cuBLAS, except under programmatic
+dependent launch (`ember.kernels.pdl`): a cuBLAS kernel in the chain neither starts early nor
+lets the next kernel start early, so there every decode-sized product takes the skinny kernel.
 """
 
 from __future__ import annotations
@@ -18,16 +20,21 @@ from ember.kernels.skinny_gemm import MAX_M, skinny_gemm
 _HALF_DTYPES = (torch.bfloat16, torch.float16)
 
 
-def use_skinny_gemm(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device) -> bool:
+def use_skinny_gemm(
+    m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, pdl: bool = False
+) -> bool:
     """Whether ``[m, k] x [n, k]^T`` goes to the skinny kernel (measured wins only)."""
     if device.type != "cuda" or dtype not in _HALF_DTYPES or not 0 < m <= MAX_M:
         return False
-    return n <= k or n >= 16 * k
+    return pdl or n <= k or n >= 16 * k
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear`` semantics for 2-D ``x``."""
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, pdl: bool = False
+) -> torch.Tensor:
+    """``F.linear`` semantics for 2-D ``x``; ``pdl``: the step's kernels use programmatic
+    dependent launch."""
     m, k = x.shape
-    if x.stride(1) == 1 and use_skinny_gemm(m, weight.shape[0], k, weight.dtype, x.device):
-        return skinny_gemm(x, weight, bias)
+    if x.stride(1) == 1 and use_skinny_gemm(m, weight.shape[0], k, weight.dtype, x.device, pdl):
+        return skinny_gemm(x, weight, bias, pdl=pdl)
     return F.linear(x, weight, bias)

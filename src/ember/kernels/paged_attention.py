@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ember.kernels.pdl import wait_for_producer
 from ember.kernels.tiles import shrink_to_fit
 
 _LOG2E = 1.4426950408889634
@@ -147,7 +148,9 @@ def _paged_attention_kernel(
     SPLIT_KV: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     KV_STAGES: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_producer(PDL)
     tile_id = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -248,8 +251,10 @@ def _split_kv_reduce_kernel(
     stride_o_head,
     HEAD_DIM: tl.constexpr,
     BLOCK_SPLITS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Merge one (sequence, query head)'s split partials: rescale each to the global max."""
+    wait_for_producer(PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     tok = tl.load(query_start_loc_ptr + seq)
@@ -357,6 +362,7 @@ def paged_attention(
     num_kv_splits: int | None = None,
     num_sms: int | None = None,
     tile_config: dict[str, int] | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """Causal attention of this step's queries over the paged KV cache; writes and returns ``out``.
 
@@ -377,6 +383,7 @@ def paged_attention(
         num_sms: SM count for the split heuristic; None asks the device (or assumes an H200).
         tile_config: override the tile sizes (``BLOCK_M``, ``BLOCK_Q``, ``BLOCK_N``,
             ``num_warps``, ``KV_STAGES``); for ``ember bench tune``'s sweep.
+        pdl: launch with programmatic dependent launch (`ember.kernels.pdl`).
 
     The split path allocates its fp32 partials (``num_seqs * num_q_heads * splits * (head_dim+2)``
     floats) with ``torch.empty``: no sync and capturable, but the only scratch this op uses.
@@ -437,6 +444,8 @@ def paged_attention(
         SPLIT_KV=split_kv,
         # fp32 inputs must not silently drop to tf32 on the tensor cores.
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        PDL=pdl,
+        launch_pdl=pdl,
         **config,
     )  # fmt: skip
     if split_kv:
@@ -445,6 +454,8 @@ def paged_attention(
             out.stride(0), out.stride(1),
             HEAD_DIM=head_dim,
             BLOCK_SPLITS=triton.next_power_of_2(splits),
+            PDL=pdl,
             num_warps=4,
+            launch_pdl=pdl,
         )  # fmt: skip
     return out

@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ember.kernels.pdl import wait_for_producer
+
 # Elements a program handles per launch: rows of hidden-size width get one program each.
 _ELEMENTS_PER_PROGRAM = 2048
 
@@ -37,8 +39,10 @@ def _rms_norm_kernel(
     BLOCK_H: tl.constexpr,
     ROWS: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Rows are addressed as (row // inner_rows, row % inner_rows) so 3-D strided views work."""
+    wait_for_producer(PDL)
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_H)
     row_mask = rows < num_rows
@@ -71,7 +75,7 @@ def _row_layout(t: torch.Tensor) -> tuple[int, int, int]:
     raise ValueError(f"expected a 2-D or 3-D tensor, got shape {tuple(t.shape)}")
 
 
-def _launch(x, residual, weight, out, eps):
+def _launch(x, residual, weight, out, eps, pdl):
     hidden = x.shape[-1]
     if x.stride(-1) != 1 or out.stride(-1) != 1:
         raise ValueError("the normalised dim must be contiguous")
@@ -91,25 +95,33 @@ def _launch(x, residual, weight, out, eps):
         BLOCK_H=block_h,
         ROWS=rows,
         HAS_RESIDUAL=residual is not None,
+        PDL=pdl,
         num_warps=8 if block_h >= 4096 else 4,
+        launch_pdl=pdl,
     )  # fmt: skip
 
 
 def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    out: torch.Tensor | None = None,
+    *,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """RMSNorm over the last dim of ``x`` (``[T, H]``, or ``[T, heads, D]`` for q/k norm, any
-    strides with a contiguous last dim); returns ``out`` (allocated like ``x`` if None)."""
+    strides with a contiguous last dim); returns ``out`` (allocated like ``x`` if None).
+    ``pdl``: launch with programmatic dependent launch (`ember.kernels.pdl`)."""
     if out is None:
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    _launch(x, None, weight, out, eps)
+    _launch(x, None, weight, out, eps, pdl)
     return out
 
 
 def fused_add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, *, pdl: bool = False
 ) -> None:
     """In place on ``[T, H]`` tensors: ``residual += x`` then ``x = rmsnorm(residual) * weight``."""
     if x.dim() != 2 or residual.shape != x.shape or residual.stride(-1) != 1:
         raise ValueError("x and residual must be [T, H] with a contiguous last dim")
-    _launch(x, residual, weight, x, eps)
+    _launch(x, residual, weight, x, eps, pdl)

@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ember.kernels.pdl import wait_for_producer
+
 
 @triton.jit
 def _rotate_heads_in_place(
@@ -62,7 +64,9 @@ def _rope_cache_write_kernel(
     BLOCK_HKV: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     PAGE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_producer(PDL)
     tok = tl.program_id(0).to(tl.int64)
     half: tl.constexpr = HEAD_DIM // 2
     dims = tl.arange(0, half)
@@ -103,13 +107,16 @@ def rope_and_cache_write(
     slot_mapping: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
+    *,
+    pdl: bool = False,
 ) -> None:
     """Rotate ``q [T, Hq, D]`` and ``k [T, Hkv, D]`` in place and write k, v to the cache.
 
     ``q``, ``k``, ``v`` may be strided views (e.g. of a fused qkv output) with a contiguous last
     dim; ``positions`` and ``slot_mapping`` are int64 ``[T]``; ``cos_sin_cache`` is float32
     ``[P, D]`` from ``reference_ops.build_cos_sin_cache``; caches are
-    ``[num_blocks, block_size, Hkv, D]``.
+    ``[num_blocks, block_size, Hkv, D]``. ``pdl``: launch with programmatic dependent launch
+    (`ember.kernels.pdl`).
     """
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
@@ -133,5 +140,7 @@ def rope_and_cache_write(
         BLOCK_HKV=triton.next_power_of_2(num_kv_heads),
         HEAD_DIM=head_dim,
         PAGE=k_cache.shape[1],
+        PDL=pdl,
         num_warps=4,
+        launch_pdl=pdl,
     )  # fmt: skip

@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ember.kernels.pdl import wait_for_producer
 from ember.kernels.tiles import shrink_to_fit
 
 
@@ -39,6 +40,7 @@ def _skinny_gemm_kernel(
     BLOCK_K: tl.constexpr,
     STAGES: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     rows = tl.arange(0, BLOCK_M)
@@ -47,19 +49,36 @@ def _skinny_gemm_kernel(
     # The last column tile re-reads valid weight rows instead of masking: loads stay unmasked
     # along N and only the store is masked.
     w_rows = cols % N
+    w_row_offsets = w_rows[:, None].to(tl.int64) * stride_wn
+    # The first weight tile needs nothing from the previous kernel: loaded before the wait, it
+    # streams while that kernel finishes (PDL). It is multiplied in after the loop, so that the
+    # loop's pipelined loads are not held up behind it.
+    first_ks = tl.arange(0, BLOCK_K)
+    if EVEN_K:
+        w_first = tl.load(w_ptr + w_row_offsets + first_ks[None, :])
+    else:
+        w_first = tl.load(w_ptr + w_row_offsets + first_ks[None, :],
+                          mask=first_ks[None, :] < K, other=0.0)  # fmt: skip
+    wait_for_producer(PDL)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+    for k0 in tl.range(BLOCK_K, K, BLOCK_K, num_stages=STAGES):
         ks = k0 + tl.arange(0, BLOCK_K)
         x_offsets = rows[:, None] * stride_xm + ks[None, :]
-        w_offsets = w_rows[:, None].to(tl.int64) * stride_wn + ks[None, :]
         if EVEN_K:
             x = tl.load(x_ptr + x_offsets, mask=row_valid[:, None], other=0.0)
-            w = tl.load(w_ptr + w_offsets)
+            w = tl.load(w_ptr + w_row_offsets + ks[None, :])
         else:
             k_valid = ks[None, :] < K
             x = tl.load(x_ptr + x_offsets, mask=row_valid[:, None] & k_valid, other=0.0)
-            w = tl.load(w_ptr + w_offsets, mask=k_valid, other=0.0)
+            w = tl.load(w_ptr + w_row_offsets + ks[None, :], mask=k_valid, other=0.0)
         acc += tl.dot(x, tl.trans(w), input_precision=DOT_PRECISION)
+    x_first_offsets = rows[:, None] * stride_xm + first_ks[None, :]
+    if EVEN_K:
+        x_first = tl.load(x_ptr + x_first_offsets, mask=row_valid[:, None], other=0.0)
+    else:
+        x_first = tl.load(x_ptr + x_first_offsets,
+                          mask=row_valid[:, None] & (first_ks[None, :] < K), other=0.0)  # fmt: skip
+    acc += tl.dot(x_first, tl.trans(w_first), input_precision=DOT_PRECISION)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + w_rows).to(tl.float32)[None, :]
     tl.store(
@@ -83,12 +102,18 @@ def default_config(m: int, n: int, k: int, elem_bytes: int = 2) -> dict[str, int
     """Tiles for an ``[m, k] x [n, k]^T`` product, from `ember bench tune` on an H200 (8B shapes).
 
     Output projections (N >= 16 K) are long weight streams that want wide column tiles as M
-    grows; the square and K-major layer shapes ran best on 32 x 256 tiles with 4 stages.
+    grows; so do the fused gate/up (N = 7 K: 128 x 128 on 8 warps, 8% over 32 x 256) and q/k/v
+    (N = 1.5 K: 64-column tiles), which take this kernel under programmatic launch. The square
+    and K-major shapes (o, down) ran best on 32 x 256 tiles with 4 stages.
     """
     if n >= 16 * k:
         block_n, block_k, stages, warps = (
             (32, 128, 6, 4) if m <= 8 else (64, 128, 4, 4) if m <= 16 else (128, 128, 4, 8)
         )
+    elif n >= 4 * k:
+        block_n, block_k, stages, warps = 128, 128, 4, 8
+    elif n > k:
+        block_n, block_k, stages, warps = (64, 256, 4, 4) if m <= 32 else (64, 128, 4, 4)
     elif m <= 32:
         block_n, block_k, stages, warps = 32, 256, 4, 4
     else:
@@ -120,11 +145,13 @@ def skinny_gemm(
     *,
     out: torch.Tensor | None = None,
     config: dict[str, int] | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """``x @ weight.T (+ bias)`` for ``x [M, K]`` with M <= ``MAX_M``.
 
     ``weight`` is ``[N, K]`` with K contiguous (``nn.Linear``'s layout); ``x`` rows may be
-    strided. Returns ``out [M, N]`` in ``x``'s dtype.
+    strided. Returns ``out [M, N]`` in ``x``'s dtype. ``pdl``: launch with programmatic
+    dependent launch (`ember.kernels.pdl`).
     """
     m, k = x.shape
     n = weight.shape[0]
@@ -150,6 +177,8 @@ def skinny_gemm(
         BLOCK_N=block_n,
         # fp32 weights must not silently drop to tf32 on the tensor cores.
         DOT_PRECISION="ieee" if weight.dtype == torch.float32 else "tf32",
+        PDL=pdl,
+        launch_pdl=pdl,
         **config,
     )  # fmt: skip
     return out

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -28,6 +29,8 @@ class Ops:
     # Whether a forward pass can be captured in a CUDA graph: the reference ops pick rows with
     # boolean masks and read lengths back to the host, which capture forbids.
     capturable: bool
+    # Whether the kernels launch with programmatic dependent launch (ember.kernels.pdl).
+    programmatic_launch: bool = False
 
 
 def reference_ops() -> Ops:
@@ -46,26 +49,44 @@ def reference_ops() -> Ops:
     )
 
 
-def triton_ops() -> Ops:
+def triton_ops(programmatic_launch: bool = False) -> Ops:
+    """The Triton kernels; ``programmatic_launch`` launches the ones of a forward pass with PDL
+    (Hopper and later; the sampler's kernels run after host-visible torch ops and keep plain
+    launches)."""
     from ember import kernels
+
+    def chained(op):
+        return partial(op, pdl=True) if programmatic_launch else op
 
     return Ops(
         name="triton",
-        linear=kernels.linear,
-        rms_norm=kernels.rms_norm,
-        fused_add_rms_norm=kernels.fused_add_rms_norm,
-        silu_and_mul=kernels.silu_and_mul,
-        rope_and_cache_write=kernels.rope_and_cache_write,
-        paged_attention=kernels.paged_attention,
+        linear=chained(kernels.linear),
+        rms_norm=chained(kernels.rms_norm),
+        fused_add_rms_norm=chained(kernels.fused_add_rms_norm),
+        silu_and_mul=chained(kernels.silu_and_mul),
+        rope_and_cache_write=chained(kernels.rope_and_cache_write),
+        paged_attention=chained(kernels.paged_attention),
         sample=kernels.sample,
         capturable=True,
+        programmatic_launch=programmatic_launch,
     )
 
 
-def select_ops(device: torch.device, backend: str = "auto") -> Ops:
-    """Triton on CUDA unless asked otherwise; the reference everywhere else."""
+def select_ops(
+    device: torch.device, backend: str = "auto", programmatic_launch: bool | None = None
+) -> Ops:
+    """Triton on CUDA unless asked otherwise; the reference everywhere else.
+
+    ``programmatic_launch``: None uses it where the GPU supports it; True where it does not is
+    an error.
+    """
     if backend == "reference" or (backend == "auto" and device.type != "cuda"):
         return reference_ops()
-    if backend in ("auto", "triton"):
-        return triton_ops()
-    raise ValueError(f"unknown attention backend {backend!r}; choose auto, triton or reference")
+    if backend not in ("auto", "triton"):
+        raise ValueError(f"unknown attention backend {backend!r}; choose auto, triton or reference")
+    from ember.kernels.pdl import supports_programmatic_launch
+
+    supported = supports_programmatic_launch(device)
+    if programmatic_launch and not supported:
+        raise ValueError("programmatic dependent launch needs a CUDA GPU of compute capability 9+")
+    return triton_ops(supported if programmatic_launch is None else programmatic_launch)

@@ -1,0 +1,178 @@
+"""Programmatic dependent launch: the wiring (CPU) and, on a Hopper GPU, that a decoder-shaped
+chain of PDL kernels in a CUDA graph gives bit for bit what the plain launches give.
+
+PDL changes when a kernel starts, never what it computes: any difference is a kernel that read or
+wrote before waiting for the one before it (a race).
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import replace
+from functools import partial
+
+import pytest
+import torch
+
+from ember.cli import add_programmatic_launch_argument, programmatic_launch_from
+from ember.kernels.linear import use_skinny_gemm
+from ember.kernels.pdl import supports_programmatic_launch
+from ember.kernels.skinny_gemm import skinny_gemm
+from ember.layers.ops import Ops, reference_ops, select_ops, triton_ops
+from ember.layers.reference_ops import build_cos_sin_cache
+
+EPS = 1e-5
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER = 256, 4, 2, 64, 384
+PAGE, CONTEXTS = 16, (37, 100, 260)
+
+
+def test_ops_pass_pdl_to_the_step_kernels_only():
+    ops = triton_ops(programmatic_launch=True)
+    assert ops.programmatic_launch
+    for op in (ops.linear, ops.rms_norm, ops.fused_add_rms_norm, ops.silu_and_mul,
+               ops.rope_and_cache_write, ops.paged_attention):  # fmt: skip
+        assert op.keywords == {"pdl": True}
+    assert not hasattr(ops.sample, "keywords")  # the sampler follows plain torch ops
+    assert not triton_ops().programmatic_launch
+
+
+def test_select_ops_uses_pdl_only_where_supported():
+    cpu = torch.device("cpu")
+    assert not supports_programmatic_launch(cpu)
+    assert not select_ops(cpu, "triton").programmatic_launch
+    assert not select_ops(cpu, "triton", programmatic_launch=False).programmatic_launch
+    with pytest.raises(ValueError, match="compute capability"):
+        select_ops(cpu, "triton", programmatic_launch=True)
+
+
+def test_pdl_routes_every_decode_product_to_the_chainable_kernel():
+    """A cuBLAS kernel would break the chain, so q/k/v and gate/up (a measured tie) move too."""
+    cuda, bf16 = torch.device("cuda"), torch.bfloat16
+    assert not use_skinny_gemm(1, 6144, 4096, bf16, cuda)  # qkv: cuBLAS without PDL
+    assert use_skinny_gemm(1, 6144, 4096, bf16, cuda, pdl=True)
+    assert use_skinny_gemm(64, 28672, 4096, bf16, cuda, pdl=True)
+    assert not use_skinny_gemm(65, 6144, 4096, bf16, cuda, pdl=True)  # prefill: cuBLAS
+    assert not use_skinny_gemm(1, 6144, 4096, torch.float32, cuda, pdl=True)
+
+
+@pytest.mark.parametrize(("flag", "value"), [("auto", None), ("on", True), ("off", False)])
+def test_cli_flag(flag, value):
+    parser = argparse.ArgumentParser()
+    add_programmatic_launch_argument(parser)
+    assert programmatic_launch_from(parser.parse_args(["--programmatic-launch", flag])) is value
+    assert programmatic_launch_from(parser.parse_args([])) is None
+
+
+class DecoderChain:
+    """Two Llama-shaped decoder layers at decode through an `Ops`: norm, q/k/v, RoPE + cache
+    write, split-KV attention (3 sequences, 2 KV heads: the heuristic splits), o, add + norm,
+    gate/up, SiLU, down."""
+
+    def __init__(
+        self, device: torch.device, gen: torch.Generator, dtype: torch.dtype, layers: int = 2
+    ) -> None:
+        batch = len(CONTEXTS)
+
+        def rand(*shape, scale=1.0):
+            return (torch.randn(*shape, generator=gen) * scale).to(dtype).to(device)
+
+        self.weights = [
+            {
+                "qkv": rand((HEADS + 2 * KV_HEADS) * HEAD_DIM, HIDDEN, scale=HIDDEN**-0.5),
+                "o": rand(HIDDEN, HEADS * HEAD_DIM, scale=(HEADS * HEAD_DIM) ** -0.5),
+                "gate_up": rand(2 * INTER, HIDDEN, scale=HIDDEN**-0.5),
+                "down": rand(HIDDEN, INTER, scale=INTER**-0.5),
+                "norm1": rand(HIDDEN, scale=0.1) + 1,
+                "norm2": rand(HIDDEN, scale=0.1) + 1,
+            }
+            for _ in range(layers)
+        ]
+        blocks = [-(-n // PAGE) for n in CONTEXTS]
+        table = torch.zeros(batch, max(blocks), dtype=torch.int32)
+        start = 1
+        for seq, n in enumerate(blocks):
+            table[seq, :n] = torch.arange(start, start + n)
+            start += n
+        cache_shape = (layers, start, PAGE, KV_HEADS, HEAD_DIM)
+        positions = torch.tensor(CONTEXTS) - 1
+        slots = table[torch.arange(batch), positions // PAGE].long() * PAGE + positions % PAGE
+        self.state = {
+            "x": rand(batch, HIDDEN),
+            "residual": rand(batch, HIDDEN),
+            "k_cache": rand(*cache_shape),
+            "v_cache": rand(*cache_shape),
+        }
+        self.meta = {
+            "positions": positions.to(device),
+            "slot_mapping": slots.to(device),
+            "cos_sin": build_cos_sin_cache(HEAD_DIM, 512, 10000.0, None).to(device),
+            "query_start_loc": torch.arange(batch + 1, dtype=torch.int32, device=device),
+            "seq_lens": torch.tensor(CONTEXTS, dtype=torch.int32, device=device),
+            "block_tables": table.to(device),
+        }
+
+    def fresh_state(self) -> dict[str, torch.Tensor]:
+        return {name: t.clone() for name, t in self.state.items()}
+
+    def run(self, s: dict[str, torch.Tensor], ops: Ops) -> None:
+        """One step in place on ``s``; the result is ``s['x']``, ``s['residual']`` and caches."""
+        m, x, residual = self.meta, s["x"], s["residual"]
+        batch = x.shape[0]
+        for i, w in enumerate(self.weights):
+            ops.fused_add_rms_norm(x, residual, w["norm1"], EPS)
+            qkv = ops.linear(x, w["qkv"])
+            q, k, v = qkv.split([HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], -1)
+            q = q.view(batch, HEADS, HEAD_DIM)
+            k, v = (t.view(batch, KV_HEADS, HEAD_DIM) for t in (k, v))
+            k_cache, v_cache = s["k_cache"][i], s["v_cache"][i]
+            ops.rope_and_cache_write(q, k, v, m["positions"], m["cos_sin"], m["slot_mapping"],
+                                     k_cache, v_cache)  # fmt: skip
+            attn = torch.empty_like(q)
+            ops.paged_attention(q, k_cache, v_cache, m["query_start_loc"], m["seq_lens"],
+                                m["block_tables"], HEAD_DIM**-0.5, attn, max_query_len=1,
+                                max_seq_len=max(CONTEXTS))  # fmt: skip
+            out = ops.linear(attn.view(batch, -1), w["o"])
+            ops.fused_add_rms_norm(out, residual, w["norm2"], EPS)
+            x = ops.linear(ops.silu_and_mul(ops.linear(out, w["gate_up"])), w["down"])
+        s["x"].copy_(x)
+
+
+def test_decoder_chain_on_the_kernels_matches_the_reference(gen, device):
+    """The chain below, checked once against the reference ops so that its GPU comparison of
+    launch modes compares right answers."""
+    chain = DecoderChain(device, gen, torch.float32)
+    got, expected = chain.fresh_state(), chain.fresh_state()
+    chain.run(got, triton_ops())
+    chain.run(expected, reference_ops())
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or not supports_programmatic_launch(torch.device("cuda")),
+    reason="programmatic dependent launch needs a Hopper or later GPU",
+)
+def test_pdl_chain_in_a_cuda_graph_is_bitwise_the_plain_chain(gen):
+    device = torch.device("cuda")
+    chain = DecoderChain(device, gen, torch.bfloat16)
+    # The same kernels both ways (every product on the skinny GEMM), launched plainly or with PDL.
+    plain_ops = replace(triton_ops(), linear=skinny_gemm)
+    pdl_ops = replace(triton_ops(programmatic_launch=True), linear=partial(skinny_gemm, pdl=True))
+    plain = chain.fresh_state()
+    chain.run(plain, plain_ops)
+
+    eager = chain.fresh_state()
+    chain.run(eager, pdl_ops)  # also compiles the PDL variants outside the capture
+    graphed = chain.fresh_state()
+    inputs = {name: t.clone() for name, t in graphed.items()}
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        chain.run(graphed, pdl_ops)
+    for replay in range(3):
+        for name, t in graphed.items():
+            t.copy_(inputs[name])
+        graph.replay()
+        torch.cuda.synchronize()
+        for name in plain:
+            assert torch.equal(eager[name], plain[name]), name
+            assert torch.equal(graphed[name], plain[name]), (name, replay)
