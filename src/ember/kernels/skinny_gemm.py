@@ -11,8 +11,6 @@ Where this beats cuBLAS is a measured question per GPU and shape (``ember bench 
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -43,7 +41,6 @@ def _skinny_gemm_kernel(
     STAGES: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     PDL: tl.constexpr,
-    PREFETCH_FIRST: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     rows = tl.arange(0, BLOCK_M)
@@ -57,15 +54,14 @@ def _skinny_gemm_kernel(
     # streams while that kernel finishes (PDL). It is multiplied in after the loop, so that the
     # loop's pipelined loads are not held up behind it.
     first_ks = tl.arange(0, BLOCK_K)
-    if PREFETCH_FIRST:
-        if EVEN_K:
-            w_first = tl.load(w_ptr + w_row_offsets + first_ks[None, :])
-        else:
-            w_first = tl.load(w_ptr + w_row_offsets + first_ks[None, :],
-                              mask=first_ks[None, :] < K, other=0.0)  # fmt: skip
+    if EVEN_K:
+        w_first = tl.load(w_ptr + w_row_offsets + first_ks[None, :])
+    else:
+        w_first = tl.load(w_ptr + w_row_offsets + first_ks[None, :],
+                          mask=first_ks[None, :] < K, other=0.0)  # fmt: skip
     wait_for_producer(PDL)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in tl.range(BLOCK_K if PREFETCH_FIRST else 0, K, BLOCK_K, num_stages=STAGES):
+    for k0 in tl.range(BLOCK_K, K, BLOCK_K, num_stages=STAGES):
         ks = k0 + tl.arange(0, BLOCK_K)
         x_offsets = rows[:, None] * stride_xm + ks[None, :]
         if EVEN_K:
@@ -76,15 +72,13 @@ def _skinny_gemm_kernel(
             x = tl.load(x_ptr + x_offsets, mask=row_valid[:, None] & k_valid, other=0.0)
             w = tl.load(w_ptr + w_row_offsets + ks[None, :], mask=k_valid, other=0.0)
         acc += tl.dot(x, tl.trans(w), input_precision=DOT_PRECISION)
-    if PREFETCH_FIRST:
-        x_first_offsets = rows[:, None] * stride_xm + first_ks[None, :]
-        if EVEN_K:
-            x_first = tl.load(x_ptr + x_first_offsets, mask=row_valid[:, None], other=0.0)
-        else:
-            x_first = tl.load(x_ptr + x_first_offsets,
-                              mask=row_valid[:, None] & (first_ks[None, :] < K),
-                              other=0.0)  # fmt: skip
-        acc += tl.dot(x_first, tl.trans(w_first), input_precision=DOT_PRECISION)
+    x_first_offsets = rows[:, None] * stride_xm + first_ks[None, :]
+    if EVEN_K:
+        x_first = tl.load(x_ptr + x_first_offsets, mask=row_valid[:, None], other=0.0)
+    else:
+        x_first = tl.load(x_ptr + x_first_offsets,
+                          mask=row_valid[:, None] & (first_ks[None, :] < K), other=0.0)  # fmt: skip
+    acc += tl.dot(x_first, tl.trans(w_first), input_precision=DOT_PRECISION)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + w_rows).to(tl.float32)[None, :]
     tl.store(
@@ -184,8 +178,6 @@ def skinny_gemm(
         # fp32 weights must not silently drop to tf32 on the tensor cores.
         DOT_PRECISION="ieee" if weight.dtype == torch.float32 else "tf32",
         PDL=pdl,
-        # EXPERIMENT (A/B on the H200, to be settled): load the first weight tile before the wait.
-        PREFETCH_FIRST=os.environ.get("EMBER_SKINNY_PREFETCH", "1") != "0",
         launch_pdl=pdl,
         **config,
     )  # fmt: skip
