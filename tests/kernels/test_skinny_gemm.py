@@ -25,7 +25,7 @@ def _expected(x, weight, bias):
         (33, 70, 200, True),  # BLOCK_M 64, every edge partial
         (64, 2000, 100, False),  # N >= 16 K: the output-projection tiles
         (5, 600, 128, False),  # N >= 4 K: the gate/up tiles
-        (2, 200, 48, True),  # K shorter than one tile: only the tile loaded before the loop
+        (2, 200, 48, True),  # K shorter than one tile
     ],
 )
 def test_kernel_matches_matmul(gen, device, dtype, m, n, k, use_bias):

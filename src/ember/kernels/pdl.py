@@ -2,9 +2,8 @@
 
 A decode step at small batch is ~290 short kernels in a row; each one pays its launch, its
 first memory latency and the previous kernel's tail, where only a few SMs still work. Launched
-with PDL, a kernel's programs start while the kernel before it finishes: they do what needs no
-result of it (the skinny GEMM loads its first weight tile), then wait for it at
-``wait_for_producer``, which also lets the next kernel launch in turn.
+with PDL, a kernel's programs are launched and scheduled while the kernel before it finishes, then
+wait for it at ``wait_for_producer``, which also lets the next kernel launch in turn.
 
 The rule that keeps this race-free: every kernel launched with PDL calls ``wait_for_producer``
 before it reads or writes anything another kernel touches. Completion is transitive (a kernel
