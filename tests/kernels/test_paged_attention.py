@@ -171,6 +171,28 @@ def test_decode_with_empty_sequence_split(gen, device):
     assert_close(*run_both(step, num_kv_splits=3), torch.float32)
 
 
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_split_kv_merged_in_kernel(gen, device, group, dtype):
+    """With arrival counters the last split program of each (sequence, KV head) merges: the
+    same answers as the reduce kernel, an empty (padding) sequence untouched, and the counters
+    zero again after each launch, so they serve the next (as across layers and graph replays)."""
+    q_lens, seq_lens = [1, 1, 0, 1], [300, 7, 2, 130]
+    step = make_step(gen, device, q_lens, seq_lens, num_kv_heads=2, group=group, head_dim=64,
+                     dtype=dtype)  # fmt: skip
+    counters = torch.zeros(4 * 2 + 3, dtype=torch.int32, device=device)
+    for num_splits in (5, 3):
+        assert_close(*run_both(step, num_kv_splits=num_splits, split_counters=counters), dtype)
+        assert not counters.any()
+
+
+def test_split_counters_are_checked(gen, device):
+    step = make_step(gen, device, [1, 1], [40, 90], num_kv_heads=2, group=2, head_dim=32)
+    too_few = torch.zeros(3, dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match="split_counters"):
+        run_both(step, num_kv_splits=2, split_counters=too_few)
+
+
 def test_split_heuristic():
     # Under one wave (8 programs on 132 SMs): split down to 64-key segments, at most 32.
     assert choose_num_kv_splits(1, 8, 512, 132) == 8

@@ -65,8 +65,8 @@ def test_cli_flag(flag, value):
 
 class DecoderChain:
     """Two Llama-shaped decoder layers at decode through an `Ops`: norm, q/k/v, RoPE + cache
-    write, split-KV attention (3 sequences, 2 KV heads: the heuristic splits), o, add + norm,
-    gate/up, SiLU, down."""
+    write, split-KV attention (3 sequences, 2 KV heads: the heuristic splits; partials merged in
+    the kernel), o, add + norm, gate/up, SiLU, down."""
 
     def __init__(
         self, device: torch.device, gen: torch.Generator, dtype: torch.dtype, layers: int = 2
@@ -109,6 +109,7 @@ class DecoderChain:
             "query_start_loc": torch.arange(batch + 1, dtype=torch.int32, device=device),
             "seq_lens": torch.tensor(CONTEXTS, dtype=torch.int32, device=device),
             "block_tables": table.to(device),
+            "split_counters": torch.zeros(batch * KV_HEADS, dtype=torch.int32, device=device),
         }
 
     def fresh_state(self) -> dict[str, torch.Tensor]:
@@ -130,7 +131,8 @@ class DecoderChain:
             attn = torch.empty_like(q)
             ops.paged_attention(q, k_cache, v_cache, m["query_start_loc"], m["seq_lens"],
                                 m["block_tables"], HEAD_DIM**-0.5, attn, max_query_len=1,
-                                max_seq_len=max(CONTEXTS))  # fmt: skip
+                                max_seq_len=max(CONTEXTS),
+                                split_counters=m["split_counters"])  # fmt: skip
             out = ops.linear(attn.view(batch, -1), w["o"])
             ops.fused_add_rms_norm(out, residual, w["norm2"], EPS)
             x = ops.linear(ops.silu_and_mul(ops.linear(out, w["gate_up"])), w["down"])

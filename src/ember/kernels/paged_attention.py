@@ -127,6 +127,7 @@ def _paged_attention_kernel(
     part_max_ptr,
     part_sum_ptr,
     part_acc_ptr,
+    split_counters_ptr,
     qk_scale,
     num_seqs,
     num_splits,
@@ -148,6 +149,8 @@ def _paged_attention_kernel(
     SPLIT_KV: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     KV_STAGES: tl.constexpr,
+    MERGE_IN_KERNEL: tl.constexpr,
+    BLOCK_SPLITS: tl.constexpr,
     PDL: tl.constexpr,
 ):
     wait_for_producer(PDL)
@@ -229,6 +232,24 @@ def _paged_attention_kernel(
             acc,
             mask=row_valid[:, None],
         )
+        if MERGE_IN_KERNEL:
+            # The last of this (sequence, KV head)'s split programs to finish merges them all,
+            # instead of a reduce kernel: a launch less per layer. The barrier puts every
+            # thread's partials before the counter's release; the acquire makes the others'
+            # partials visible to the merging program.
+            tl.debug_barrier()
+            counter = split_counters_ptr + seq * tl.num_programs(1) + kv_head
+            arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+            if arrived == num_splits - 1:
+                tl.store(counter, 0)  # zero again for the next launch (and graph replay)
+                tl.debug_barrier()
+                first_row = (seq * (tl.num_programs(1) * GROUP) + row_head) * num_splits
+                _merge_split_partials(
+                    out_ptr + row_tok[:, None] * stride_o_tok + row_head[:, None] * stride_o_head
+                    + dims[None, :],
+                    part_max_ptr, part_sum_ptr, part_acc_ptr, first_row, row_valid, num_splits,
+                    BLOCK_M, HEAD_DIM, BLOCK_SPLITS,
+                )  # fmt: skip
     else:
         out = acc / l_i[:, None]
         tl.store(
@@ -237,6 +258,44 @@ def _paged_attention_kernel(
             out.to(out_ptr.dtype.element_ty),
             mask=row_valid[:, None],
         )  # fmt: skip
+
+
+@triton.jit
+def _merge_split_partials(
+    out_ptrs,
+    part_max_ptr,
+    part_sum_ptr,
+    part_acc_ptr,
+    first_row,
+    row_valid,
+    num_splits,
+    BLOCK_M: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SPLITS: tl.constexpr,
+):
+    """Merge the split partials of a program's rows (query heads): rescale each split to the
+    global max. ``first_row[r]`` indexes row r's first split; ``.cg`` loads skip L1, which may
+    hold nothing of other SMs' writes but must not be trusted to."""
+    splits = tl.arange(0, BLOCK_SPLITS)
+    mask = row_valid[:, None] & (splits < num_splits)[None, :]
+    part_max = tl.load(part_max_ptr + first_row[:, None] + splits[None, :], mask=mask,
+                       other=float("-inf"), cache_modifier=".cg")  # fmt: skip
+    row_max = tl.max(part_max, 1)
+    row_max = tl.where(row_valid, row_max, 0.0)  # padding rows: keep the arithmetic finite
+    weight = tl.exp2(part_max - row_max[:, None])  # empty splits have max -inf: weight 0
+    part_sum = tl.load(part_sum_ptr + first_row[:, None] + splits[None, :], mask=mask, other=0.0,
+                       cache_modifier=".cg")  # fmt: skip
+    denominator = tl.sum(part_sum * weight, 1)
+    dims = tl.arange(0, HEAD_DIM)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    for split in range(num_splits):
+        split_weight = tl.sum(tl.where(splits[None, :] == split, weight, 0.0), 1)
+        part = tl.load(part_acc_ptr + (first_row + split)[:, None] * HEAD_DIM + dims[None, :],
+                       mask=row_valid[:, None], other=0.0, cache_modifier=".cg")  # fmt: skip
+        acc += part * split_weight[:, None]
+    denominator = tl.where(row_valid, denominator, 1.0)
+    out = acc / denominator[:, None]
+    tl.store(out_ptrs, out.to(out_ptrs.dtype.element_ty), mask=row_valid[:, None])
 
 
 @triton.jit
@@ -362,6 +421,7 @@ def paged_attention(
     num_kv_splits: int | None = None,
     num_sms: int | None = None,
     tile_config: dict[str, int] | None = None,
+    split_counters: torch.Tensor | None = None,
     pdl: bool = False,
 ) -> torch.Tensor:
     """Causal attention of this step's queries over the paged KV cache; writes and returns ``out``.
@@ -383,6 +443,10 @@ def paged_attention(
         num_sms: SM count for the split heuristic; None asks the device (or assumes an H200).
         tile_config: override the tile sizes (``BLOCK_M``, ``BLOCK_Q``, ``BLOCK_N``,
             ``num_warps``, ``KV_STAGES``); for ``ember bench tune``'s sweep.
+        split_counters: int32 zeros, at least ``num_seqs * num_kv_heads``, kept by the caller
+            across calls: with them the split path merges its partials in the attention kernel
+            (the last program of each sequence and KV head to finish does it, and zeroes its
+            counter again) instead of launching a reduce kernel.
         pdl: launch with programmatic dependent launch (`ember.kernels.pdl`).
 
     The split path allocates its fp32 partials (``num_seqs * num_q_heads * splits * (head_dim+2)``
@@ -418,6 +482,11 @@ def paged_attention(
         group, decode_only, head_dim, k_cache.element_size(), split_kv
     )
 
+    merge_in_kernel = split_kv and split_counters is not None
+    if merge_in_kernel and (
+        split_counters.dtype != torch.int32 or split_counters.numel() < num_seqs * num_kv_heads
+    ):
+        raise ValueError(f"split_counters must be int32 with >= {num_seqs * num_kv_heads} entries")
     if split_kv:
         part_max = torch.empty(num_seqs * num_q_heads * splits, device=q.device)
         part_sum = torch.empty_like(part_max)
@@ -433,6 +502,7 @@ def paged_attention(
         q, k_cache, v_cache, out,
         query_start_loc, seq_lens, block_tables,
         part_max, part_sum, part_acc,
+        split_counters if merge_in_kernel else seq_lens,
         scale * _LOG2E, num_seqs, splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -444,11 +514,13 @@ def paged_attention(
         SPLIT_KV=split_kv,
         # fp32 inputs must not silently drop to tf32 on the tensor cores.
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        MERGE_IN_KERNEL=merge_in_kernel,
+        BLOCK_SPLITS=triton.next_power_of_2(splits),
         PDL=pdl,
         launch_pdl=pdl,
         **config,
     )  # fmt: skip
-    if split_kv:
+    if split_kv and not merge_in_kernel:
         _split_kv_reduce_kernel[(num_seqs, num_q_heads)](
             out, part_max, part_sum, part_acc, query_start_loc, splits,
             out.stride(0), out.stride(1),

@@ -95,8 +95,10 @@ def paged_attention_reference(
     *,
     max_query_len: int,
     max_seq_len: int,
+    split_counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention over the paged cache, one sequence at a time in fp32; returns ``out``.
+    ``split_counters`` (the kernel's split-KV workspace) is accepted and unused.
 
     Steps where every sequence has exactly one query token take one batched pass instead of a loop over
     sequences; ``max_seq_len`` bounds the gathered context there.

@@ -71,6 +71,7 @@ class Attention(nn.Module):
             out,
             max_query_len=ctx.max_query_len,
             max_seq_len=ctx.max_seq_len,
+            split_counters=ctx.split_kv_counters,
         )
         return self.ops.linear(out.view(n, cfg.q_size), self.o_proj.weight)
 

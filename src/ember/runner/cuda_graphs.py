@@ -137,6 +137,7 @@ class StepGraphs:
             # Only "one query per sequence or not" matters to the kernels (their tile choice).
             max_query_len=1 if key.decode else t,
             max_seq_len=self.max_seq_len,
+            split_kv_counters=buf.split_kv_counters,
         )
 
     def _forward(self, key: GraphKey) -> torch.Tensor:

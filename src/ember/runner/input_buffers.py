@@ -34,7 +34,12 @@ class InputBuffers:
     """Device-side inputs of a step, sized for the largest step the scheduler can build."""
 
     def __init__(
-        self, max_tokens: int, max_seqs: int, max_blocks_per_seq: int, device: torch.device
+        self,
+        max_tokens: int,
+        max_seqs: int,
+        max_blocks_per_seq: int,
+        device: torch.device,
+        num_kv_heads: int = 1,
     ) -> None:
         self.max_tokens, self.max_seqs = max_tokens, max_seqs
         self.max_blocks_per_seq = max_blocks_per_seq
@@ -44,6 +49,11 @@ class InputBuffers:
             name: torch.zeros(shape, dtype=dtype, device=device)
             for name, (shape, dtype) in shapes.items()
         }
+        # Split-KV attention's arrival counters: zero between launches (the kernel re-zeroes
+        # them), never staged from the host.
+        self.split_kv_counters = torch.zeros(
+            max_seqs * num_kv_heads, dtype=torch.int32, device=device
+        )
         pin = device.type == "cuda"
         self._staging = [
             HostStaging(

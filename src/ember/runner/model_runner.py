@@ -89,6 +89,7 @@ class ModelRunner:
             max_seqs=max_num_seqs,
             max_blocks_per_seq=-(-max_model_len // block_size),
             device=self.device,
+            num_kv_heads=kv_cache.shape[-2],
         )
         self.graphs = None
         if use_cuda_graphs and self.device.type == "cuda":
@@ -322,6 +323,7 @@ class ModelRunner:
             block_tables=buf["block_tables"][: plan.num_seqs],
             max_query_len=plan.max_query_len,
             max_seq_len=plan.max_seq_len,
+            split_kv_counters=buf.split_kv_counters,
         )
 
     def _sampling_row(self, state: RequestState) -> SamplingRow:
