@@ -184,6 +184,17 @@ def test_profile_groups_kernels_by_category():
     assert top["name"] == "nvjet_gemm" and top["launches_per_step"] == 2
 
 
+def test_critical_path_counts_what_each_kernel_adds():
+    from ember.bench.step_profile import critical_path_us
+
+    spans = [
+        ("nvjet_gemm", 0.0, 10.0),
+        ("_rms_norm_kernel", 2.0, 12.0),  # launched early (PDL): adds only 2 us past the GEMM
+        ("_paged_attention_kernel", 20.0, 25.0),  # after an idle gap: adds its own 5 us
+    ]
+    assert critical_path_us(spans, num_steps=1) == {"gemm": 10.0, "attention": 5.0, "norm": 2.0}
+
+
 def test_profile_logic_runs_on_a_cpu(tiny_bench, tmp_path):
     """The profiler benchmark's request bookkeeping on a tiny model (no CUDA kernels to count)."""
     from ember.bench.step_profile import profile_decode, profile_mixed

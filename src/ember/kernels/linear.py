@@ -12,8 +12,6 @@ lets the next kernel start early, so there every decode-sized product takes the 
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 
@@ -28,10 +26,6 @@ def use_skinny_gemm(
     """Whether ``[m, k] x [n, k]^T`` goes to the skinny kernel (measured wins only)."""
     if device.type != "cuda" or dtype not in _HALF_DTYPES or not 0 < m <= MAX_M:
         return False
-    # EXPERIMENT (A/B on the H200, to be settled): EMBER_PDL_WIDE_ON_CUBLAS=1 keeps q/k/v and
-    # gate/up on cuBLAS under PDL.
-    if pdl and os.environ.get("EMBER_PDL_WIDE_ON_CUBLAS") == "1":
-        pdl = False
     return pdl or n <= k or n >= 16 * k
 
 

@@ -33,6 +33,8 @@ _PROGRAMS_PER_SM = 2
 _MIN_TOKENS_PER_SPLIT_UNDER_ONE_WAVE = 64
 _MIN_TOKENS_PER_SPLIT = 1024
 _MAX_SPLITS = 32
+# Splits merged per unrolled chunk by the in-kernel merge (its loads stay in registers).
+_MAX_MERGE_CHUNK = 8
 # Used when there is no CUDA device to ask (the CPU interpreter): an H200's SM count.
 _DEFAULT_NUM_SMS = 132
 
@@ -151,6 +153,8 @@ def _paged_attention_kernel(
     KV_STAGES: tl.constexpr,
     MERGE_IN_KERNEL: tl.constexpr,
     BLOCK_SPLITS: tl.constexpr,
+    GROUP_P2: tl.constexpr,
+    MERGE_CHUNK: tl.constexpr,
     PDL: tl.constexpr,
 ):
     wait_for_producer(PDL)
@@ -243,12 +247,15 @@ def _paged_attention_kernel(
             if arrived == num_splits - 1:
                 tl.store(counter, 0)  # zero again for the next launch (and graph replay)
                 tl.debug_barrier()
-                first_row = (seq * (tl.num_programs(1) * GROUP) + row_head) * num_splits
+                # A decode program's rows are its group's query heads (BLOCK_Q is 1).
+                heads = kv_head * GROUP + tl.arange(0, GROUP_P2)
                 _merge_split_partials(
-                    out_ptr + row_tok[:, None] * stride_o_tok + row_head[:, None] * stride_o_head
+                    out_ptr + tile_q_start * stride_o_tok + heads[:, None] * stride_o_head
                     + dims[None, :],
-                    part_max_ptr, part_sum_ptr, part_acc_ptr, first_row, row_valid, num_splits,
-                    BLOCK_M, HEAD_DIM, BLOCK_SPLITS,
+                    part_max_ptr, part_sum_ptr, part_acc_ptr,
+                    (seq * (tl.num_programs(1) * GROUP) + heads) * num_splits,
+                    tl.arange(0, GROUP_P2) < GROUP, num_splits,
+                    GROUP_P2, HEAD_DIM, BLOCK_SPLITS, MERGE_CHUNK,
                 )  # fmt: skip
     else:
         out = acc / l_i[:, None]
@@ -269,32 +276,38 @@ def _merge_split_partials(
     first_row,
     row_valid,
     num_splits,
-    BLOCK_M: tl.constexpr,
+    ROWS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_SPLITS: tl.constexpr,
+    CHUNK: tl.constexpr,
 ):
-    """Merge the split partials of a program's rows (query heads): rescale each split to the
-    global max. ``first_row[r]`` indexes row r's first split; ``.cg`` loads skip L1, which may
-    hold nothing of other SMs' writes but must not be trusted to."""
+    """Merge the split partials of ``ROWS`` query heads: rescale each split to the global max.
+
+    ``first_row[r]`` indexes row r's first split. Every load is independent of the others (the
+    chunks are unrolled), so the merge costs about two L2 round trips, not one per split. ``.cg``
+    loads skip L1, which must not be trusted with other SMs' writes.
+    """
     splits = tl.arange(0, BLOCK_SPLITS)
     mask = row_valid[:, None] & (splits < num_splits)[None, :]
-    part_max = tl.load(part_max_ptr + first_row[:, None] + splits[None, :], mask=mask,
-                       other=float("-inf"), cache_modifier=".cg")  # fmt: skip
-    row_max = tl.max(part_max, 1)
-    row_max = tl.where(row_valid, row_max, 0.0)  # padding rows: keep the arithmetic finite
-    weight = tl.exp2(part_max - row_max[:, None])  # empty splits have max -inf: weight 0
-    part_sum = tl.load(part_sum_ptr + first_row[:, None] + splits[None, :], mask=mask, other=0.0,
+    offsets = first_row[:, None] + splits[None, :]
+    part_max = tl.load(part_max_ptr + offsets, mask=mask, other=float("-inf"),
                        cache_modifier=".cg")  # fmt: skip
-    denominator = tl.sum(part_sum * weight, 1)
+    part_sum = tl.load(part_sum_ptr + offsets, mask=mask, other=0.0, cache_modifier=".cg")
+    row_max = tl.where(row_valid, tl.max(part_max, 1), 0.0)  # padding rows stay finite
     dims = tl.arange(0, HEAD_DIM)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    for split in range(num_splits):
-        split_weight = tl.sum(tl.where(splits[None, :] == split, weight, 0.0), 1)
-        part = tl.load(part_acc_ptr + (first_row + split)[:, None] * HEAD_DIM + dims[None, :],
-                       mask=row_valid[:, None], other=0.0, cache_modifier=".cg")  # fmt: skip
-        acc += part * split_weight[:, None]
-    denominator = tl.where(row_valid, denominator, 1.0)
-    out = acc / denominator[:, None]
+    acc = tl.zeros([ROWS, HEAD_DIM], dtype=tl.float32)
+    for chunk in tl.static_range(0, BLOCK_SPLITS, CHUNK):
+        chunk_splits = chunk + tl.arange(0, CHUNK)
+        chunk_mask = row_valid[:, None] & (chunk_splits < num_splits)[None, :]
+        chunk_rows = first_row[:, None] + chunk_splits[None, :]
+        chunk_max = tl.load(part_max_ptr + chunk_rows, mask=chunk_mask, other=float("-inf"),
+                            cache_modifier=".cg")  # fmt: skip
+        weight = tl.exp2(chunk_max - row_max[:, None])  # empty splits have max -inf: weight 0
+        part = tl.load(part_acc_ptr + chunk_rows[:, :, None] * HEAD_DIM + dims[None, None, :],
+                       mask=chunk_mask[:, :, None], other=0.0, cache_modifier=".cg")  # fmt: skip
+        acc += tl.sum(part * weight[:, :, None], 1)
+    denominator = tl.sum(part_sum * tl.exp2(part_max - row_max[:, None]), 1)
+    out = acc / tl.where(row_valid, denominator, 1.0)[:, None]
     tl.store(out_ptrs, out.to(out_ptrs.dtype.element_ty), mask=row_valid[:, None])
 
 
@@ -516,6 +529,8 @@ def paged_attention(
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         MERGE_IN_KERNEL=merge_in_kernel,
         BLOCK_SPLITS=triton.next_power_of_2(splits),
+        GROUP_P2=max(2, triton.next_power_of_2(group)),
+        MERGE_CHUNK=min(_MAX_MERGE_CHUNK, triton.next_power_of_2(splits)),
         PDL=pdl,
         launch_pdl=pdl,
         **config,
