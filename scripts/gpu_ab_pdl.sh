@@ -16,13 +16,14 @@ python3 -m pytest -q -p no:cacheprovider tests/kernels/test_paged_attention.py \
 M=/tmp/llama-3.1-8b-random
 [ -f $M/config.json ] || python3 -m ember.cli bench make-model --preset llama-3.1-8b --out $M \
   --tokenizer-dir .gpu_assets/tokenizer
+# (At 73bd977 the flag was --programmatic-launch on|off; it is a switch since.)
 for launch in on off; do
+  flag=$([ $launch = on ] && echo --programmatic-launch)
   echo "=== step, programmatic launch $launch"
   python3 -m ember.cli bench step --model $M --out "$OUT/ab/step_$launch" --sections decode \
-    --decode-batches 1 8 32 64 --decode-contexts 512 --programmatic-launch $launch 2>&1 |
-    grep '"batch"'
+    --decode-batches 1 8 32 64 --decode-contexts 512 $flag 2>&1 | grep '"batch"'
   echo "=== profile, programmatic launch $launch"
   python3 -m ember.cli bench profile --model $M --out "$OUT/ab/profile_$launch" \
-    --batches 1 8 32 64 --programmatic-launch $launch 2>&1 | grep '{'
+    --batches 1 8 32 64 $flag 2>&1 | grep '{'
   rm -f "$OUT"/ab/profile_$launch/profile_*.json  # traces: too large to bring back
 done

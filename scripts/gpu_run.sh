@@ -3,8 +3,7 @@
 # and the benchmarks, and write logs and results into OUTDIR.
 #
 #   scripts/gpu_run.sh OUTDIR [STAGE ...]     stages, run in the order given:
-#                                             tests step step_plain profile tune parity
-#                                             serve peer
+#                                             tests step profile tune parity serve peer
 #                                             (default: tests step parity serve peer)
 #
 # Needs, carried beside the tree (see scripts/prepare_gpu_assets.sh, which makes them here):
@@ -92,13 +91,6 @@ stage_step() {
   limited $PY -m ember.cli bench step --model "$MODEL" --out "$RES" ${EMBER_STEP_ARGS:-}
 }
 
-stage_step_plain() {  # the decode steps again with plain launches, to weigh PDL
-  make_model
-  stamp "bench step, programmatic launch off"
-  limited $PY -m ember.cli bench step --model "$MODEL" --out "$RES/plain" --sections decode \
-    --decode-batches 1 64 256 --decode-contexts 512 --programmatic-launch off
-}
-
 stage_profile() {
   make_model
   stamp "bench profile"
@@ -153,7 +145,7 @@ stage_peer() {
 # Stages run in the order given.
 for stage in $STAGES; do
   case $stage in
-    tests | step | step_plain | profile | tune | parity | serve | peer) "stage_$stage" ;;
+    tests | step | profile | tune | parity | serve | peer) "stage_$stage" ;;
     *) echo "unknown stage: $stage" ;;
   esac
 done

@@ -151,7 +151,8 @@ class EngineConfig:
     # "full": graphs for decode and mixed (prefill) steps; "decode": decode steps only.
     cuda_graph_mode: str = "full"
     backend: str = "auto"  # compute primitives: auto (Triton on CUDA), triton or reference
-    # Programmatic dependent launch between the Triton kernels of a step; None: where the GPU
-    # supports it (Hopper and later).
-    programmatic_launch: bool | None = None
+    # Programmatic dependent launch between the Triton kernels of a step (Hopper and later).
+    # Off by default: on an H200 it saved ~50 us per step on the small kernels but moved q/k/v
+    # and gate/up off cuBLAS, a net loss at batch 8-32 (bench/results/README.md, third round).
+    programmatic_launch: bool = False
     overlap: bool | None = None  # None: overlap CPU and GPU work when on a GPU

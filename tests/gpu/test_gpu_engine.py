@@ -98,6 +98,24 @@ def test_graphs_and_overlap_do_not_change_tokens(tmp_path):
     assert fast == plain
 
 
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+    reason="programmatic dependent launch needs a Hopper or later GPU",
+)
+def test_programmatic_launch_does_not_change_tokens(tmp_path):
+    """fp32 keeps every product on cuBLAS either way, so the kernels are the same and only their
+    launches differ: the tokens must be identical (a kernel reading before its producer finished
+    would change them)."""
+    path = make_tiny_model("LlamaForCausalLM", tmp_path)
+    prompts = random_prompts(24, seed=11)
+    kwargs = {"device": "cuda", "dtype": "float32", "max_model_len": 256,
+              "kv_cache_memory_bytes": 1 << 30}  # fmt: skip
+    plain = greedy_tokens(LLM(str(path), **kwargs), prompts)
+    chained = LLM(str(path), programmatic_launch=True, **kwargs)
+    assert chained.instance.ops.programmatic_launch
+    assert greedy_tokens(chained, prompts) == plain
+
+
 def test_seeded_sampling_same_on_both_paths(tmp_path):
     path = make_tiny_model("LlamaForCausalLM", tmp_path)
     prompts = random_prompts(12, seed=9)

@@ -14,7 +14,7 @@ from functools import partial
 import pytest
 import torch
 
-from ember.cli import add_programmatic_launch_argument, programmatic_launch_from
+from ember.cli import add_programmatic_launch_argument
 from ember.kernels.linear import use_skinny_gemm
 from ember.kernels.pdl import supports_programmatic_launch
 from ember.kernels.skinny_gemm import skinny_gemm
@@ -36,11 +36,10 @@ def test_ops_pass_pdl_to_the_step_kernels_only():
     assert not triton_ops().programmatic_launch
 
 
-def test_select_ops_uses_pdl_only_where_supported():
+def test_select_ops_launches_plainly_unless_asked_and_checks_support():
     cpu = torch.device("cpu")
     assert not supports_programmatic_launch(cpu)
     assert not select_ops(cpu, "triton").programmatic_launch
-    assert not select_ops(cpu, "triton", programmatic_launch=False).programmatic_launch
     with pytest.raises(ValueError, match="compute capability"):
         select_ops(cpu, "triton", programmatic_launch=True)
 
@@ -55,12 +54,11 @@ def test_pdl_routes_every_decode_product_to_the_chainable_kernel():
     assert not use_skinny_gemm(1, 6144, 4096, torch.float32, cuda, pdl=True)
 
 
-@pytest.mark.parametrize(("flag", "value"), [("auto", None), ("on", True), ("off", False)])
-def test_cli_flag(flag, value):
+def test_cli_flag_is_off_by_default():
     parser = argparse.ArgumentParser()
     add_programmatic_launch_argument(parser)
-    assert programmatic_launch_from(parser.parse_args(["--programmatic-launch", flag])) is value
-    assert programmatic_launch_from(parser.parse_args([])) is None
+    assert parser.parse_args(["--programmatic-launch"]).programmatic_launch is True
+    assert parser.parse_args([]).programmatic_launch is False
 
 
 class DecoderChain:

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from ember.bench.roofline import Ceilings, measure_ceilings, time_cuda
-from ember.cli import add_programmatic_launch_argument, programmatic_launch_from
+from ember.cli import add_programmatic_launch_argument
 from ember.config import CacheConfig, EngineConfig, SchedulerConfig
 from ember.engine.model_instance import ModelInstance
 from ember.sampling_params import SamplingParams
@@ -167,7 +167,7 @@ def bench_instance(
     max_model_len: int,
     max_num_batched_tokens: int = 8192,
     ceilings: Ceilings | None = None,
-    programmatic_launch: bool | None = None,
+    programmatic_launch: bool = False,
 ) -> tuple[ModelInstance, Ceilings]:
     """The GPU's measured ceilings (unless given) and a model instance sized for the step
     benchmarks."""
@@ -195,7 +195,7 @@ def run_step_bench(
     out_dir: Path,
     max_model_len: int = 8320,
     sections: tuple[str, ...] = SECTIONS,
-    programmatic_launch: bool | None = None,
+    programmatic_launch: bool = False,
     decode_batches: tuple[int, ...] = DECODE_BATCHES,
     decode_contexts: tuple[int, ...] = DECODE_CONTEXTS,
 ) -> dict:
@@ -318,7 +318,7 @@ def run(args: argparse.Namespace) -> int:
         args.out,
         args.max_model_len,
         tuple(args.sections),
-        programmatic_launch_from(args),
+        args.programmatic_launch,
         tuple(args.decode_batches),
         tuple(args.decode_contexts),
     )

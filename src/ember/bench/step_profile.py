@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from ember.bench.step_bench import StepBench, bench_instance
-from ember.cli import add_programmatic_launch_argument, programmatic_launch_from
+from ember.cli import add_programmatic_launch_argument
 from ember.sampling_params import SamplingParams
 
 # Substrings of kernel names, checked in order; the first match names the category.
@@ -144,7 +144,7 @@ def run_profile(
     batches: list[int],
     context: int,
     chunk: int,
-    programmatic_launch: bool | None = None,
+    programmatic_launch: bool = False,
 ) -> dict:
     inst, ceilings = bench_instance(
         model,
@@ -189,6 +189,6 @@ def run(args: argparse.Namespace) -> int:
         args.batches,
         args.context,
         args.prefill_chunk,
-        programmatic_launch_from(args),
+        args.programmatic_launch,
     )
     return 0

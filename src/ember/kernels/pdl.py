@@ -5,6 +5,11 @@ first memory latency and the previous kernel's tail, where only a few SMs still 
 with PDL, a kernel's programs are launched and scheduled while the kernel before it finishes, then
 wait for it at ``wait_for_producer``, which also lets the next kernel launch in turn.
 
+Opt-in (``--programmatic-launch``): on an H200 it took ~50 us per step off the small kernels, but
+a cuBLAS kernel in the chain breaks it, so q/k/v and gate/up move to the skinny GEMM, which is
+slower than cuBLAS there (+180 to +650 us of GEMM per step at batch 1-32); net, plain launches
+win below batch 64 (bench/results/README.md, third round).
+
 The rule that keeps this race-free: every kernel launched with PDL calls ``wait_for_producer``
 before it reads or writes anything another kernel touches. Completion is transitive (a kernel
 ends only after its own wait returned), so a chain of such kernels sees every earlier write.

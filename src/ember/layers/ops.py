@@ -73,12 +73,11 @@ def triton_ops(programmatic_launch: bool = False) -> Ops:
 
 
 def select_ops(
-    device: torch.device, backend: str = "auto", programmatic_launch: bool | None = None
+    device: torch.device, backend: str = "auto", programmatic_launch: bool = False
 ) -> Ops:
     """Triton on CUDA unless asked otherwise; the reference everywhere else.
 
-    ``programmatic_launch``: None uses it where the GPU supports it; True where it does not is
-    an error.
+    ``programmatic_launch`` where the GPU does not support it is an error.
     """
     if backend == "reference" or (backend == "auto" and device.type != "cuda"):
         return reference_ops()
@@ -86,7 +85,6 @@ def select_ops(
         raise ValueError(f"unknown attention backend {backend!r}; choose auto, triton or reference")
     from ember.kernels.pdl import supports_programmatic_launch
 
-    supported = supports_programmatic_launch(device)
-    if programmatic_launch and not supported:
+    if programmatic_launch and not supports_programmatic_launch(device):
         raise ValueError("programmatic dependent launch needs a CUDA GPU of compute capability 9+")
-    return triton_ops(supported if programmatic_launch is None else programmatic_launch)
+    return triton_ops(programmatic_launch)
