@@ -7,8 +7,10 @@ tiles it streams are read once for all the group's query heads. Scores go throug
 
 Decode-only steps (every ``q_len == 1``) can also take the split-KV ("flash-decoding") path:
 each sequence's KV range is cut into segments handled by separate programs that write partial
-(max, sum, acc) triples, and a small reduce kernel merges them. That is what fills the GPU when
-``num_seqs * num_kv_heads`` programs would leave SMs idle (small batch, long context).
+(max, sum, acc) triples, merged by the last program of each (sequence, KV head) to finish when
+the caller keeps arrival counters (the engine does), else by a small reduce kernel. That is what
+fills the GPU when ``num_seqs * num_kv_heads`` programs would leave SMs idle (small batch, long
+context).
 
 Layouts and metadata follow docs/CONTRACTS.md ("Paged KV cache layout", "Attention metadata").
 """
