@@ -39,7 +39,7 @@ class InputBuffers:
         max_seqs: int,
         max_blocks_per_seq: int,
         device: torch.device,
-        num_kv_heads: int = 1,
+        num_kv_heads: int,
     ) -> None:
         self.max_tokens, self.max_seqs = max_tokens, max_seqs
         self.max_blocks_per_seq = max_blocks_per_seq
