@@ -25,6 +25,9 @@ class Ops:
     silu_and_mul: Callable[..., torch.Tensor]
     rope_and_cache_write: Callable[..., None]
     paged_attention: Callable[..., None]
+    # rope_and_cache_write then paged_attention (their arguments in that order), as one op so
+    # a backend may fuse them.
+    rope_and_attention: Callable[..., torch.Tensor]
     sample: Callable[..., torch.Tensor]
     # Whether a forward pass can be captured in a CUDA graph: the reference ops pick rows with
     # boolean masks and read lengths back to the host, which capture forbids.
@@ -44,6 +47,7 @@ def reference_ops() -> Ops:
         silu_and_mul=ref.silu_and_mul_reference,
         rope_and_cache_write=ref.rope_and_cache_write_reference,
         paged_attention=ref.paged_attention_reference,
+        rope_and_attention=ref.rope_and_attention_reference,
         sample=ref.sample_reference,
         capturable=False,
     )
@@ -66,6 +70,7 @@ def triton_ops(programmatic_launch: bool = False) -> Ops:
         silu_and_mul=chained(kernels.silu_and_mul),
         rope_and_cache_write=chained(kernels.rope_and_cache_write),
         paged_attention=chained(kernels.paged_attention),
+        rope_and_attention=chained(kernels.rope_and_attention),
         sample=kernels.sample,
         capturable=True,
         programmatic_launch=programmatic_launch,

@@ -56,23 +56,14 @@ class Attention(nn.Module):
             eps = cfg.rms_norm_eps
             q = self.ops.rms_norm(q.reshape(-1, cfg.head_dim), self.q_norm, eps).view_as(q)
             k = self.ops.rms_norm(k.reshape(-1, cfg.head_dim), self.k_norm, eps).view_as(k)
-        self.ops.rope_and_cache_write(
-            q, k, v, ctx.positions, cos_sin_cache, ctx.slot_mapping, k_cache, v_cache
-        )
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        self.ops.paged_attention(
-            q,
-            k_cache,
-            v_cache,
-            ctx.query_start_loc,
-            ctx.seq_lens,
-            ctx.block_tables,
-            self.scale,
-            out,
+        self.ops.rope_and_attention(
+            q, k, v, ctx.positions, cos_sin_cache, ctx.slot_mapping, k_cache, v_cache,
+            ctx.query_start_loc, ctx.seq_lens, ctx.block_tables, self.scale, out,
             max_query_len=ctx.max_query_len,
             max_seq_len=ctx.max_seq_len,
             split_counters=ctx.split_kv_counters,
-        )
+        )  # fmt: skip
         return self.ops.linear(out.view(n, cfg.q_size), self.o_proj.weight)
 
 
