@@ -155,4 +155,6 @@ class EngineConfig:
     # Off by default: on an H200 it saved ~50 us per step on the small kernels but moved q/k/v
     # and gate/up off cuBLAS, a net loss at batch 8-32 (bench/results/README.md, third round).
     programmatic_launch: bool = False
+    # Decode steps apply RoPE and write the KV cache inside the attention kernel (Triton path).
+    decode_rope_in_attention: bool = True
     overlap: bool | None = None  # None: overlap CPU and GPU work when on a GPU

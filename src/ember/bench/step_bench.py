@@ -168,6 +168,7 @@ def bench_instance(
     max_num_batched_tokens: int = 8192,
     ceilings: Ceilings | None = None,
     programmatic_launch: bool = False,
+    decode_rope_in_attention: bool = True,
 ) -> tuple[ModelInstance, Ceilings]:
     """The GPU's measured ceilings (unless given) and a model instance sized for the step
     benchmarks."""
@@ -181,6 +182,7 @@ def bench_instance(
             max_model_len=max_model_len,
         ),
         programmatic_launch=programmatic_launch,
+        decode_rope_in_attention=decode_rope_in_attention,
     )
     inst = ModelInstance(config)
     inst.kv_cache.normal_(0, 0.5)  # never time on zeros
@@ -198,6 +200,7 @@ def run_step_bench(
     programmatic_launch: bool = False,
     decode_batches: tuple[int, ...] = DECODE_BATCHES,
     decode_contexts: tuple[int, ...] = DECODE_CONTEXTS,
+    decode_rope_in_attention: bool = True,
 ) -> dict:
     ceilings = measure_ceilings()
     result: dict = {
@@ -217,11 +220,16 @@ def run_step_bench(
     if not engine_sections:
         return result
     inst, _ = bench_instance(
-        model, max_model_len, ceilings=ceilings, programmatic_launch=programmatic_launch
+        model,
+        max_model_len,
+        ceilings=ceilings,
+        programmatic_launch=programmatic_launch,
+        decode_rope_in_attention=decode_rope_in_attention,
     )
     bench = StepBench(inst, ceilings)
     result.update(
         programmatic_launch=inst.ops.programmatic_launch,
+        decode_rope_in_attention=inst.config.decode_rope_in_attention,
         weight_gib=bench.weight_bytes / 2**30,
         kv_pool_tokens=inst.kv_manager.pool.capacity * inst.kv_manager.block_size,
         load_seconds=inst.load_report.seconds,
@@ -307,6 +315,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decode-batches", type=int, nargs="+", default=list(DECODE_BATCHES))
     parser.add_argument("--decode-contexts", type=int, nargs="+", default=list(DECODE_CONTEXTS))
     add_programmatic_launch_argument(parser)
+    parser.add_argument("--separate-decode-rope", action="store_true",
+                        help="decode steps launch the RoPE/KV-write kernel (for an A/B)")  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
@@ -321,5 +331,6 @@ def run(args: argparse.Namespace) -> int:
         args.programmatic_launch,
         tuple(args.decode_batches),
         tuple(args.decode_contexts),
+        not args.separate_decode_rope,
     )
     return 0

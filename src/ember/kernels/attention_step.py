@@ -31,18 +31,19 @@ def rope_and_attention(
     max_query_len: int,
     max_seq_len: int,
     split_counters: torch.Tensor | None = None,
+    fuse_decode: bool = True,
     pdl: bool = False,
 ) -> torch.Tensor:
     """`rope_and_cache_write` then `paged_attention` (same arguments); writes and returns
-    ``out``. On decode-only steps ``q`` and ``k`` are left unrotated (only the cache and ``out``
-    are written)."""
+    ``out``. With ``fuse_decode`` (the default), decode-only steps do both in the attention
+    kernel and leave ``q`` and ``k`` unrotated (only the cache and ``out`` are written)."""
     attention = {
         "max_query_len": max_query_len,
         "max_seq_len": max_seq_len,
         "split_counters": split_counters,
         "pdl": pdl,
     }
-    if max_query_len == 1:
+    if fuse_decode and max_query_len == 1:
         rope = DecodeRope(k, v, positions, cos_sin_cache, slot_mapping)
         return paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
                                scale, out, rope=rope, **attention)  # fmt: skip

@@ -53,14 +53,19 @@ def reference_ops() -> Ops:
     )
 
 
-def triton_ops(programmatic_launch: bool = False) -> Ops:
+def triton_ops(programmatic_launch: bool = False, decode_rope_in_attention: bool = True) -> Ops:
     """The Triton kernels; ``programmatic_launch`` launches the ones of a forward pass with PDL
     (Hopper and later; the sampler's kernels run after host-visible torch ops and keep plain
-    launches)."""
+    launches); ``decode_rope_in_attention`` lets decode steps rotate and write the cache inside
+    the attention kernel."""
     from ember import kernels
 
     def chained(op):
         return partial(op, pdl=True) if programmatic_launch else op
+
+    rope_and_attention = kernels.rope_and_attention
+    if not decode_rope_in_attention:
+        rope_and_attention = partial(rope_and_attention, fuse_decode=False)
 
     return Ops(
         name="triton",
@@ -70,7 +75,7 @@ def triton_ops(programmatic_launch: bool = False) -> Ops:
         silu_and_mul=chained(kernels.silu_and_mul),
         rope_and_cache_write=chained(kernels.rope_and_cache_write),
         paged_attention=chained(kernels.paged_attention),
-        rope_and_attention=chained(kernels.rope_and_attention),
+        rope_and_attention=chained(rope_and_attention),
         sample=kernels.sample,
         capturable=True,
         programmatic_launch=programmatic_launch,
@@ -78,7 +83,10 @@ def triton_ops(programmatic_launch: bool = False) -> Ops:
 
 
 def select_ops(
-    device: torch.device, backend: str = "auto", programmatic_launch: bool = False
+    device: torch.device,
+    backend: str = "auto",
+    programmatic_launch: bool = False,
+    decode_rope_in_attention: bool = True,
 ) -> Ops:
     """Triton on CUDA unless asked otherwise; the reference everywhere else.
 
@@ -92,4 +100,4 @@ def select_ops(
 
     if programmatic_launch and not supports_programmatic_launch(device):
         raise ValueError("programmatic dependent launch needs a CUDA GPU of compute capability 9+")
-    return triton_ops(programmatic_launch)
+    return triton_ops(programmatic_launch, decode_rope_in_attention)
