@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from ember.kernels import rope_and_attention
+from ember.layers.forward_context import ForwardContext
 from ember.layers.ops import triton_ops
 from ember.layers.reference_ops import build_cos_sin_cache, rope_and_attention_reference
 
@@ -50,10 +51,15 @@ def _run(op, step, device, **kwargs):
         k.view(n, KV_HEADS, HEAD_DIM),
         v.view(n, KV_HEADS, HEAD_DIM),
     )
+    ctx = ForwardContext(
+        positions=s["positions"], slot_mapping=s["slots"], query_start_loc=s["query_start_loc"],
+        seq_lens=s["seq_lens"], block_tables=s["block_tables"],
+        max_query_len=s["max_query_len"], max_seq_len=s["max_seq_len"],
+        split_kv_counters=torch.zeros(len(s["seq_lens"]) * KV_HEADS, dtype=torch.int32,
+                                      device=device),
+    )  # fmt: skip
     out = torch.full_like(q, float("nan"))
-    op(q, k, v, s["positions"], s["cos_sin"], s["slots"], s["k_cache"], s["v_cache"],
-       s["query_start_loc"], s["seq_lens"], s["block_tables"], HEAD_DIM**-0.5, out,
-       max_query_len=s["max_query_len"], max_seq_len=s["max_seq_len"], **kwargs)  # fmt: skip
+    op(q, k, v, ctx, s["cos_sin"], s["k_cache"], s["v_cache"], HEAD_DIM**-0.5, out, **kwargs)
     return out.cpu(), s["k_cache"].cpu(), s["v_cache"].cpu()
 
 
@@ -64,8 +70,7 @@ def _run(op, step, device, **kwargs):
 def test_matches_reference(gen, device, fuse_decode, q_lens, seq_lens):
     step = _step(gen, q_lens, seq_lens)
     expected = _run(rope_and_attention_reference, step, "cpu")
-    counters = torch.zeros(len(seq_lens) * KV_HEADS, dtype=torch.int32, device=device)
-    got = _run(rope_and_attention, step, device, fuse_decode=fuse_decode, split_counters=counters)
+    got = _run(rope_and_attention, step, device, fuse_decode=fuse_decode)
     for actual, wanted in zip(got, expected):
         torch.testing.assert_close(actual, wanted, atol=2e-4, rtol=2e-4)
 

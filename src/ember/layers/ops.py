@@ -25,8 +25,8 @@ class Ops:
     silu_and_mul: Callable[..., torch.Tensor]
     rope_and_cache_write: Callable[..., None]
     paged_attention: Callable[..., None]
-    # rope_and_cache_write then paged_attention (their arguments in that order), as one op so
-    # a backend may fuse them.
+    # (q, k, v, ctx, cos_sin_cache, k_cache, v_cache, scale, out) -> out: rope_and_cache_write
+    # then paged_attention over the step's ForwardContext, as one op so a backend may fuse them.
     rope_and_attention: Callable[..., torch.Tensor]
     sample: Callable[..., torch.Tensor]
     # Whether a forward pass can be captured in a CUDA graph: the reference ops pick rows with

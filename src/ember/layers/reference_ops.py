@@ -13,6 +13,7 @@ import math
 import torch
 
 from ember.config import RopeScaling
+from ember.layers.forward_context import ForwardContext
 
 # ---------------------------------------------------------------------------------------------
 # RoPE
@@ -133,28 +134,20 @@ def rope_and_attention_reference(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    positions: torch.Tensor,
+    ctx: ForwardContext,
     cos_sin_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    seq_lens: torch.Tensor,
-    block_tables: torch.Tensor,
     scale: float,
     out: torch.Tensor,
-    *,
-    max_query_len: int,
-    max_seq_len: int,
-    split_counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One layer's attention step: RoPE and the cache write, then paged attention."""
-    rope_and_cache_write_reference(
-        q, k, v, positions, cos_sin_cache, slot_mapping, k_cache, v_cache
-    )
+    """One layer's attention step over the metadata ``ctx``: RoPE and the cache write, then
+    paged attention."""
+    rope_and_cache_write_reference(q, k, v, ctx.positions, cos_sin_cache, ctx.slot_mapping,
+                                   k_cache, v_cache)  # fmt: skip
     return paged_attention_reference(
-        q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, out,
-        max_query_len=max_query_len, max_seq_len=max_seq_len,
+        q, k_cache, v_cache, ctx.query_start_loc, ctx.seq_lens, ctx.block_tables, scale, out,
+        max_query_len=ctx.max_query_len, max_seq_len=ctx.max_seq_len,
     )  # fmt: skip
 
 

@@ -57,13 +57,7 @@ class Attention(nn.Module):
             q = self.ops.rms_norm(q.reshape(-1, cfg.head_dim), self.q_norm, eps).view_as(q)
             k = self.ops.rms_norm(k.reshape(-1, cfg.head_dim), self.k_norm, eps).view_as(k)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        self.ops.rope_and_attention(
-            q, k, v, ctx.positions, cos_sin_cache, ctx.slot_mapping, k_cache, v_cache,
-            ctx.query_start_loc, ctx.seq_lens, ctx.block_tables, self.scale, out,
-            max_query_len=ctx.max_query_len,
-            max_seq_len=ctx.max_seq_len,
-            split_counters=ctx.split_kv_counters,
-        )  # fmt: skip
+        self.ops.rope_and_attention(q, k, v, ctx, cos_sin_cache, k_cache, v_cache, self.scale, out)
         return self.ops.linear(out.view(n, cfg.q_size), self.o_proj.weight)
 
 
