@@ -16,12 +16,13 @@ export EMBER_TEST_TOKENIZER_DIR=$PWD/.gpu_assets/tokenizer
 M=/tmp/llama-3.1-8b-random
 [ -f $M/config.json ] || python3 -m ember.cli bench make-model --preset llama-3.1-8b --out $M \
   --tokenizer-dir .gpu_assets/tokenizer > /dev/null &
-timeout 150 python3 -m pytest -q -p no:cacheprovider -x tests/kernels/test_l2_prefetch.py \
+MAKER=$!  # waited for by pid: a bare `wait` would also wait for the tee above, forever
+[ "${EMBER_AB_TESTS:-1}" = 1 ] && timeout 150 python3 -m pytest -q -p no:cacheprovider -x tests/kernels/test_l2_prefetch.py \
   tests/kernels/test_attention_step.py tests/kernels/test_paged_attention.py tests/gpu/test_gpu_engine.py \
   -k "prefetch or attention_step or rope or triton_path_matches" 2>&1 | tail -n 15
 echo "=== probe"
 python3 scripts/l2_prefetch_probe.py 2>&1 | tail -n 4
-wait
+wait $MAKER
 run_step() {  # name, flags...
   local name=$1; shift
   echo "=== step $name: $*"
@@ -32,3 +33,7 @@ run_step fused_off
 run_step fused_all --l2-prefetch all --l2-prefetch-max-batch 64
 run_step fused_attention --l2-prefetch attention --l2-prefetch-max-batch 64
 run_step separate_off --separate-decode-rope
+echo "=== profile, fused, prefetch all"
+python3 -m ember.cli bench profile --model $M --out "$OUT/ab/profile_fused_all" --batches 1 8 \
+  --l2-prefetch all --l2-prefetch-max-batch 64 2>&1 | grep '{'
+rm -f "$OUT"/ab/profile_fused_all/profile_*.json  # traces: too large to bring back

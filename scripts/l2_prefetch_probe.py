@@ -17,15 +17,49 @@ from ember.kernels.l2_prefetch import prefetch_to_l2
 def timed(fn, before, reps: int = 50) -> float:
     times = []
     for _ in range(reps):
-        before()
         torch.cuda.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        # Queued behind the flush, so the GPU is busy while the host launches: the events
+        # time the GPU work, not the launch.
+        before()
         start.record()
         fn()
         end.record()
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end) * 1e3)
     return statistics.median(times)
+
+
+def probe(w: torch.Tensor, x: torch.Tensor, flush_buf: torch.Tensor) -> dict:
+    nbytes = w.numel() * 2
+
+    def flush():
+        flush_buf.fill_(1)
+        torch.cuda._sleep(50_000)  # ~25 us, as after a prefetch
+
+    def flush_then_prefetch(cap=None):
+        flush_buf.fill_(1)
+        prefetch_to_l2(w, cap)
+        torch.cuda._sleep(50_000)  # let the prefetched lines land
+
+    cold = timed(lambda: linear(x, w), flush)
+    warm = timed(lambda: linear(x, w), flush_then_prefetch)
+    part = timed(lambda: linear(x, w), lambda: flush_then_prefetch(8 << 20))
+    # The kernel returns once its prefetches are issued; to see the bytes land, read the weight
+    # right after (a sum) and compare with the sum alone.
+    cold_sum = timed(lambda: w.sum(), flush)
+    fetched_sum = timed(lambda: (prefetch_to_l2(w), w.sum()), flush)
+    prefetch = timed(lambda: prefetch_to_l2(w), flush)
+    return {
+        "weight_mib": nbytes / 2**20,
+        "gemm_cold_us": cold,
+        "gemm_after_prefetch_us": warm,
+        "gemm_after_8mib_prefetch_us": part,
+        "prefetch_kernel_us": prefetch,
+        "sum_cold_us": cold_sum,
+        "prefetch_then_sum_us": fetched_sum,
+        "gemm_cold_tb_per_s": nbytes / cold / 1e6,
+    }
 
 
 def main() -> None:
@@ -35,28 +69,7 @@ def main() -> None:
     for name, n, k in (("o_proj", 4096, 4096), ("qkv", 6144, 4096), ("down", 4096, 14336)):
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16, generator=gen)
-        nbytes = w.numel() * 2
-
-        def flush():
-            flush_buf.fill_(1)
-
-        def flush_then_prefetch(cap=None, w=w):
-            flush_buf.fill_(1)
-            prefetch_to_l2(w, cap)
-
-        cold = timed(lambda: linear(x, w), flush)
-        warm = timed(lambda: linear(x, w), flush_then_prefetch)
-        part = timed(lambda: linear(x, w), lambda: flush_then_prefetch(8 << 20))
-        prefetch = timed(lambda: prefetch_to_l2(w), flush)
-        result[name] = {
-            "weight_mib": nbytes / 2**20,
-            "gemm_cold_us": cold,
-            "gemm_after_prefetch_us": warm,
-            "gemm_after_8mib_prefetch_us": part,
-            "prefetch_alone_us": prefetch,
-            "prefetch_tb_per_s": nbytes / prefetch / 1e6,
-            "gemm_cold_tb_per_s": nbytes / cold / 1e6,
-        }
+        result[name] = probe(w, x, flush_buf)
         print(json.dumps({name: result[name]}), flush=True)
     print(json.dumps(result))
 
