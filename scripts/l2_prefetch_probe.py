@@ -1,7 +1,8 @@
-"""One-off probe on a Hopper GPU: does the bulk L2 prefetch land, and how much does a decode GEMM
-gain from it? Times (median of 50, CUDA events) a batch-1 product with o_proj's shape (4096 x
-4096 bf16, 32 MiB) cold (L2 flushed by a 512 MiB write) and right after prefetching its weight,
-and the prefetch alone. Prints one JSON object."""
+"""One-off probe on a Hopper GPU: how fast does the bulk L2 prefetch pull a weight, and what does
+a batch-1 GEMM gain from it in a step-like setting? With L2 flushed (a 512 MiB write), the main
+stream runs ~8 us of other work (a sleep kernel, as attention would) then the GEMM, while a side
+stream prefetches the GEMM's weight from the same start; against the same without the prefetch.
+Median of 50 (CUDA events), per prefetch launch shape. Prints JSON lines."""
 
 from __future__ import annotations
 
@@ -13,65 +14,63 @@ import torch
 from ember.kernels import linear
 from ember.kernels.l2_prefetch import prefetch_to_l2
 
+SHAPES = {"o_proj": (4096, 4096), "qkv": (6144, 4096), "down": (4096, 14336)}
+LAUNCHES = [(8, 16384), (32, 16384), (64, 16384), (132, 16384), (32, 4096), (132, 4096)]
+GAP_CYCLES = 16_000  # ~8 us at the H200's clock
 
-def timed(fn, before, reps: int = 50) -> float:
+
+def timed(main_work, side_work, flush, side: torch.cuda.Stream, reps: int = 50) -> float:
     times = []
+    main = torch.cuda.current_stream()
     for _ in range(reps):
         torch.cuda.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        # Queued behind the flush, so the GPU is busy while the host launches: the events
-        # time the GPU work, not the launch.
-        before()
+        flush()  # queued first: the GPU is busy while the host launches the rest
         start.record()
-        fn()
+        if side_work is not None:
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                side_work()
+        main_work()
         end.record()
+        main.wait_stream(side)
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end) * 1e3)
     return statistics.median(times)
 
 
-def probe(w: torch.Tensor, x: torch.Tensor, flush_buf: torch.Tensor) -> dict:
-    nbytes = w.numel() * 2
-
-    def flush():
-        flush_buf.fill_(1)
-        torch.cuda._sleep(50_000)  # ~25 us, as after a prefetch
-
-    def flush_then_prefetch(cap=None):
-        flush_buf.fill_(1)
-        prefetch_to_l2(w, cap)
-        torch.cuda._sleep(50_000)  # let the prefetched lines land
-
-    cold = timed(lambda: linear(x, w), flush)
-    warm = timed(lambda: linear(x, w), flush_then_prefetch)
-    part = timed(lambda: linear(x, w), lambda: flush_then_prefetch(8 << 20))
-    # The kernel returns once its prefetches are issued; to see the bytes land, read the weight
-    # right after (a sum) and compare with the sum alone.
-    cold_sum = timed(lambda: w.sum(), flush)
-    fetched_sum = timed(lambda: (prefetch_to_l2(w), w.sum()), flush)
-    prefetch = timed(lambda: prefetch_to_l2(w), flush)
-    return {
-        "weight_mib": nbytes / 2**20,
-        "gemm_cold_us": cold,
-        "gemm_after_prefetch_us": warm,
-        "gemm_after_8mib_prefetch_us": part,
-        "prefetch_kernel_us": prefetch,
-        "sum_cold_us": cold_sum,
-        "prefetch_then_sum_us": fetched_sum,
-        "gemm_cold_tb_per_s": nbytes / cold / 1e6,
-    }
-
-
 def main() -> None:
     gen = torch.Generator(device="cuda").manual_seed(0)
     flush_buf = torch.empty(512 << 20, dtype=torch.uint8, device="cuda")
-    result = {"gpu": torch.cuda.get_device_name()}
-    for name, n, k in (("o_proj", 4096, 4096), ("qkv", 6144, 4096), ("down", 4096, 14336)):
+    side = torch.cuda.Stream()
+
+    def flush():
+        flush_buf.fill_(1)
+
+    for name, (n, k) in SHAPES.items():
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16, generator=gen)
-        result[name] = probe(w, x, flush_buf)
-        print(json.dumps({name: result[name]}), flush=True)
-    print(json.dumps(result))
+
+        def gap_then_gemm(w=w, x=x):
+            torch.cuda._sleep(GAP_CYCLES)
+            linear(x, w)
+
+        row = {
+            "weight": name,
+            "mib": w.numel() * 2 / 2**20,
+            "gemm_cold_us": timed(lambda w=w, x=x: linear(x, w), None, flush, side),
+            "gap_then_gemm_us": timed(gap_then_gemm, None, flush, side),
+            "gap_alone_us": timed(lambda: torch.cuda._sleep(GAP_CYCLES), None, flush, side),
+        }
+        for programs, chunk in LAUNCHES:
+
+            def fetch(w=w, programs=programs, chunk=chunk):
+                prefetch_to_l2(w, num_programs=programs, chunk_bytes=chunk)
+
+            key = f"p{programs}_c{chunk // 1024}k"
+            row[f"prefetch_alone_{key}_us"] = timed(fetch, None, flush, side)
+            row[f"gap_then_gemm_with_prefetch_{key}_us"] = timed(gap_then_gemm, fetch, flush, side)
+        print(json.dumps(row), flush=True)
 
 
 if __name__ == "__main__":

@@ -12,31 +12,38 @@ GUARD = 5
 
 
 @pytest.mark.parametrize(
-    ("num_elements", "max_bytes"),
+    ("num_elements", "max_bytes", "programs", "chunk_bytes"),
     [
-        (CHUNK_BYTES // 2 * 3, None),  # 3 whole chunks, one program
-        (CHUNK_BYTES // 2 * 3 + 100, None),  # a tail shorter than a chunk is left out
-        (CHUNK_BYTES // 2 * 700, None),  # several programs, a partial last block
-        (CHUNK_BYTES // 2 * 2100, None),  # more chunks than programs x block: a second round
-        (CHUNK_BYTES // 2 * 700, 5 * CHUNK_BYTES + 7),  # capped
-        (CHUNK_BYTES // 2 - 8, None),  # less than one chunk: no launch
+        (CHUNK_BYTES // 2 * 3, None, 32, CHUNK_BYTES),  # 3 whole chunks, one program
+        (CHUNK_BYTES // 2 * 3 + 100, None, 32, CHUNK_BYTES),  # a short tail is left out
+        (CHUNK_BYTES // 2 * 700, None, 32, CHUNK_BYTES),  # several programs, a partial block
+        (CHUNK_BYTES // 2 * 700, None, 2, CHUNK_BYTES),  # more chunks than programs x block
+        (CHUNK_BYTES // 2 * 700, 5 * CHUNK_BYTES + 7, 32, CHUNK_BYTES),  # capped
+        (CHUNK_BYTES // 2 - 8, None, 32, CHUNK_BYTES),  # less than one chunk: no launch
+        (5000, None, 3, 48),  # small chunks, odd program count
     ],
 )
-def test_launch_covers_every_chunk_once_and_nothing_past_the_cap(num_elements, max_bytes, device):
+def test_launch_covers_every_chunk_once_and_nothing_past_the_cap(
+    num_elements, max_bytes, programs, chunk_bytes, device
+):
     weight = torch.empty(num_elements, dtype=torch.bfloat16, device=device)
-    chunks = num_prefetch_chunks(weight, max_bytes)
-    expected = min(num_elements * 2, max_bytes or num_elements * 2) // CHUNK_BYTES
+    chunks = num_prefetch_chunks(weight, max_bytes, chunk_bytes)
+    expected = min(num_elements * 2, max_bytes or num_elements * 2) // chunk_bytes
     assert chunks == expected
     cover = torch.zeros(chunks + GUARD, dtype=torch.int32, device=device)
-    prefetch_to_l2(weight, max_bytes, coverage=cover)
+    prefetch_to_l2(
+        weight, max_bytes, num_programs=programs, chunk_bytes=chunk_bytes, coverage=cover
+    )
     assert cover[:chunks].eq(1).all()
     assert cover[chunks:].eq(0).all()
 
 
-def test_rejects_a_strided_weight(device):
+def test_rejects_a_strided_weight_and_an_unaligned_chunk(device):
     weight = torch.empty(64, CHUNK_BYTES, dtype=torch.bfloat16, device=device)
     with pytest.raises(ValueError, match="contiguous"):
         prefetch_to_l2(weight.t())
+    with pytest.raises(ValueError, match="multiple of 16"):
+        prefetch_to_l2(weight, chunk_bytes=1000)
 
 
 @pytest.mark.skipif(

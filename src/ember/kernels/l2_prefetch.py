@@ -5,9 +5,10 @@ attention, the norms, SiLU) HBM idles while a few small kernels run: ~15 us per 
 on an H200. Launched on a side stream during such a gap, this kernel brings the next GEMM's weight
 (or its first part) into L2, and the GEMM then reads those bytes at L2 speed.
 
-Each program issues Hopper bulk prefetches (``cp.async.bulk.prefetch.L2``): the copy engine
-fetches a chunk into L2 and nothing comes back to the SM, so a handful of small programs keep HBM
-busy while the step's own kernels keep their SMs. ``COVERAGE`` replaces the prefetch by a store
+Each program issues Hopper bulk prefetches (``cp.async.bulk.prefetch.L2``): the SM's copy engine
+fetches a chunk into L2 and nothing comes back to the SM. One copy engine moves ~0.2 TB/s (8
+programs prefetched 32 MiB at 1.5 TB/s on an H200), so HBM speed takes a few dozen small programs,
+which fit beside the step's own kernels. ``COVERAGE`` replaces the prefetch by a store
 of 1 per chunk into a tensor, so the interpreter can check which chunks a launch covers.
 """
 
@@ -17,11 +18,10 @@ import torch
 import triton
 import triton.language as tl
 
-# Bytes per bulk prefetch: large enough that a few programs cover a 32 MiB weight in a couple of
-# rounds, a multiple of 16 as the instruction requires.
+# Bytes per bulk prefetch (a multiple of 16, as the instruction requires).
 CHUNK_BYTES = 16384
 _BLOCK = 128
-_MAX_PROGRAMS = 8
+DEFAULT_PROGRAMS = 32
 
 
 def _prefetch_asm(chunk_bytes: int) -> str:
@@ -56,38 +56,42 @@ def _l2_prefetch_kernel(
             )
 
 
-def num_prefetch_chunks(weight: torch.Tensor, max_bytes: int | None = None) -> int:
+def num_prefetch_chunks(
+    weight: torch.Tensor, max_bytes: int | None = None, chunk_bytes: int = CHUNK_BYTES
+) -> int:
     """Whole chunks of ``weight`` (contiguous) that a prefetch of at most ``max_bytes`` covers;
     a tail shorter than a chunk is left to the GEMM."""
     nbytes = weight.numel() * weight.element_size()
     if max_bytes is not None:
         nbytes = min(nbytes, max_bytes)
-    return nbytes // CHUNK_BYTES
+    return nbytes // chunk_bytes
 
 
 def prefetch_to_l2(
     weight: torch.Tensor,
     max_bytes: int | None = None,
     *,
+    num_programs: int = DEFAULT_PROGRAMS,
+    chunk_bytes: int = CHUNK_BYTES,
     coverage: torch.Tensor | None = None,
 ) -> None:
-    """Start bringing the first ``max_bytes`` (default: all) of ``weight`` into L2; returns at
-    once and writes nothing. ``coverage`` (int32, one entry per chunk) is for tests: each chunk
-    the launch would prefetch gets a 1 instead."""
+    """Start bringing the first ``max_bytes`` (default: all) of ``weight`` into L2 with at most
+    ``num_programs`` programs; writes nothing. ``coverage`` (int32, one entry per chunk) is for
+    tests: each chunk the launch would prefetch gets a 1 instead."""
     if not weight.is_contiguous():
         raise ValueError("prefetch_to_l2 needs a contiguous weight")
-    if CHUNK_BYTES % weight.element_size():
-        raise ValueError(f"element size {weight.element_size()} does not divide a chunk")
-    num_chunks = num_prefetch_chunks(weight, max_bytes)
+    if chunk_bytes % 16 or chunk_bytes % weight.element_size():
+        raise ValueError(f"chunk of {chunk_bytes} bytes: not a multiple of 16 and the element")
+    num_chunks = num_prefetch_chunks(weight, max_bytes, chunk_bytes)
     if num_chunks == 0:
         return
-    grid = (min(_MAX_PROGRAMS, triton.cdiv(num_chunks, _BLOCK)),)
+    grid = (min(num_programs, triton.cdiv(num_chunks, _BLOCK)),)
     _l2_prefetch_kernel[grid](
         weight,
         coverage if coverage is not None else weight,
         num_chunks,
-        CHUNK_ELEMS=CHUNK_BYTES // weight.element_size(),
-        ASM=_prefetch_asm(CHUNK_BYTES),
+        CHUNK_ELEMS=chunk_bytes // weight.element_size(),
+        ASM=_prefetch_asm(chunk_bytes),
         BLOCK=_BLOCK,
         COVERAGE=coverage is not None,
         num_warps=4,

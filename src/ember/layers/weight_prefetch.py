@@ -2,9 +2,9 @@
 
 The model calls this after launching a GEMM, naming the weight that a later GEMM reads; at most
 ``max_tokens`` query tokens, the prefetch is forked onto a side stream from that point of the
-main stream, so it runs while the small kernels between the two GEMMs leave HBM idle. Every fork
-is joined back at the next fork or at ``join()`` (end of the forward pass), which CUDA graph
-capture requires and which costs nothing once the prefetch is done.
+main stream, so it runs while the small kernels between the two GEMMs leave HBM idle. The main
+stream never waits for a prefetch inside the pass: the side stream is joined back once, by
+``join()`` at the end of the forward pass (CUDA graph capture requires it).
 
 Modes: ``"attention"`` prefetches the whole o_proj weight across RoPE and attention (the longest
 gap); ``"all"`` also the first ``gap_bytes`` of gate/up, down, the next layer's q/k/v and the LM
@@ -71,7 +71,6 @@ class WeightPrefetcher:
         if not weight.is_cuda:  # the policy alone (CPU tests): no streams to fork
             self._launch(weight, max_bytes)
             return
-        self.join()
         if self._stream is None:
             self._stream = torch.cuda.Stream(device=weight.device)
         self._stream.wait_stream(torch.cuda.current_stream())
