@@ -15,6 +15,7 @@ import sys
 from collections.abc import Sequence
 from typing import NamedTuple
 
+from ember.config import L2_PREFETCH_MODES, EngineConfig
 from ember.server.config import (
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_QUEUE,
@@ -135,7 +136,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         default="full",
         help="full: CUDA graphs for decode and prefill steps; decode: decode steps only",
     )
-    add_programmatic_launch_argument(parser)
+    add_fast_path_arguments(parser)
     parser.add_argument(
         "--api-key",
         default=os.environ.get(API_KEY_ENV),
@@ -173,13 +174,43 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def add_programmatic_launch_argument(parser: argparse.ArgumentParser) -> None:
+def add_fast_path_arguments(parser: argparse.ArgumentParser) -> None:
+    """Switches between kernel schedules of the Triton path (for A/B measurements)."""
     parser.add_argument(
         "--programmatic-launch",
         action="store_true",
         help="launch a step's Triton kernels with programmatic dependent launch (Hopper+; "
         "measured slower on an H200 at batch 8-32, see bench/results/README.md)",
     )
+    parser.add_argument(
+        "--separate-decode-rope",
+        action="store_true",
+        help="decode steps apply RoPE and write the KV cache in their own kernel, not inside "
+        "the attention kernel",
+    )
+    parser.add_argument(
+        "--l2-prefetch",
+        choices=L2_PREFETCH_MODES,
+        default=EngineConfig.l2_prefetch,
+        help="in decode steps of at most --l2-prefetch-max-batch sequences, pull the next "
+        "GEMM's weight into L2 while attention (and, with 'all', the norms and SiLU) run (Hopper+)",
+    )
+    parser.add_argument(
+        "--l2-prefetch-max-batch",
+        type=int,
+        default=EngineConfig.l2_prefetch_max_batch,
+        help="largest decode batch that prefetches weights into L2",
+    )
+
+
+def fast_path_options(args: argparse.Namespace) -> dict:
+    """The EngineConfig fields set by `add_fast_path_arguments`."""
+    return {
+        "programmatic_launch": args.programmatic_launch,
+        "decode_rope_in_attention": not args.separate_decode_rope,
+        "l2_prefetch": args.l2_prefetch,
+        "l2_prefetch_max_batch": args.l2_prefetch_max_batch,
+    }
 
 
 def server_config(args: argparse.Namespace):
@@ -209,7 +240,7 @@ def server_config(args: argparse.Namespace):
         enforce_eager=args.enforce_eager,
         lazy_cuda_graphs=args.lazy_cuda_graphs,
         cuda_graph_mode=args.cuda_graph_mode,
-        programmatic_launch=args.programmatic_launch,
+        **fast_path_options(args),
     )
     return ServerConfig(
         models=(ServedModelSpec(engine, chat_template=args.chat_template),),

@@ -186,6 +186,57 @@ def test_decode_split_kv_merged_in_kernel(gen, device, group, dtype):
         assert not counters.any()
 
 
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize(("num_splits", "dtype"), [(1, torch.bfloat16), (3, torch.float32)])
+def test_decode_with_rope_and_cache_write_in_kernel(gen, device, group, num_splits, dtype):
+    """RoPE + KV write inside the decode kernel give the outputs and the caches of the RoPE
+    kernel's reference followed by attention's; a padded token (slot -1) writes nothing."""
+    from ember.kernels.paged_attention import DecodeRope
+    from ember.layers.reference_ops import build_cos_sin_cache, rope_and_cache_write_reference
+
+    seq_lens, num_kv_heads, head_dim, page = [300, 7, 65, 1], 2, 64, 16
+    step = make_step(gen, device, [1] * 4, seq_lens, num_kv_heads=num_kv_heads, group=group,
+                     head_dim=head_dim, page=page, dtype=dtype)  # fmt: skip
+    new_k = torch.randn(4, num_kv_heads, head_dim, generator=gen).to(dtype)
+    new_v = torch.randn(4, num_kv_heads, head_dim, generator=gen).to(dtype)
+    positions = torch.tensor(seq_lens) - 1
+    table = step.block_tables.cpu().long()
+    slots = table[torch.arange(4), positions // page] * page + positions % page
+    slots[2] = -1  # a padded token
+    cos_sin = build_cos_sin_cache(head_dim, 512, 10000.0, None)
+    scale = head_dim**-0.5
+    meta = {"max_query_len": 1, "max_seq_len": max(seq_lens)}
+
+    ref_q, ref_k, ref_v = step.q.cpu().clone(), new_k.clone(), new_v.clone()
+    ref_k_cache, ref_v_cache = step.k_cache.cpu().clone(), step.v_cache.cpu().clone()
+    rope_and_cache_write_reference(ref_q, ref_k, ref_v, positions, cos_sin, slots, ref_k_cache,
+                                   ref_v_cache)  # fmt: skip
+    expected = paged_attention_reference(
+        ref_q, ref_k_cache, ref_v_cache, step.query_start_loc.cpu(), step.seq_lens.cpu(),
+        table.int(), scale, torch.empty_like(ref_q), **meta,
+    )  # fmt: skip
+
+    rope = DecodeRope(new_k.to(device), new_v.to(device), positions.to(device),
+                      cos_sin.to(device), slots.to(device))  # fmt: skip
+    out = torch.full_like(step.q, float("nan"))
+    counters = torch.zeros(4 * num_kv_heads, dtype=torch.int32, device=device)
+    paged_attention(*step.args(), scale, out, num_kv_splits=num_splits, split_counters=counters,
+                    rope=rope, **meta)  # fmt: skip
+    assert_close(out.cpu(), expected, dtype)
+    torch.testing.assert_close(step.k_cache.cpu(), ref_k_cache)
+    torch.testing.assert_close(step.v_cache.cpu(), ref_v_cache)
+
+
+def test_rope_in_kernel_is_for_decode_only(gen, device):
+    from ember.kernels.paged_attention import DecodeRope
+
+    step = make_step(gen, device, [2], [5], num_kv_heads=1, group=1, head_dim=16)
+    rope = DecodeRope(step.q[:, :1], step.q[:, :1], step.seq_lens.long(),
+                      torch.zeros(8, 16, device=device), step.seq_lens.long())  # fmt: skip
+    with pytest.raises(ValueError, match="decode-only"):
+        run_both(step, rope=rope)
+
+
 def test_split_counters_are_checked(gen, device):
     step = make_step(gen, device, [1, 1], [40, 90], num_kv_heads=2, group=2, head_dim=32)
     too_few = torch.zeros(3, dtype=torch.int32, device=device)

@@ -14,7 +14,7 @@ from functools import partial
 import pytest
 import torch
 
-from ember.cli import add_programmatic_launch_argument
+from ember.cli import add_fast_path_arguments, fast_path_options
 from ember.kernels.linear import use_skinny_gemm
 from ember.kernels.pdl import supports_programmatic_launch
 from ember.kernels.skinny_gemm import skinny_gemm
@@ -56,9 +56,9 @@ def test_pdl_routes_every_decode_product_to_the_chainable_kernel():
 
 def test_cli_flag_is_off_by_default():
     parser = argparse.ArgumentParser()
-    add_programmatic_launch_argument(parser)
-    assert parser.parse_args(["--programmatic-launch"]).programmatic_launch is True
-    assert parser.parse_args([]).programmatic_launch is False
+    add_fast_path_arguments(parser)
+    assert fast_path_options(parser.parse_args(["--programmatic-launch"]))["programmatic_launch"]
+    assert not fast_path_options(parser.parse_args([]))["programmatic_launch"]
 
 
 class DecoderChain:

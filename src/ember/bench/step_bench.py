@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from ember.bench.roofline import Ceilings, measure_ceilings, time_cuda
-from ember.cli import add_programmatic_launch_argument
+from ember.cli import add_fast_path_arguments, fast_path_options
 from ember.config import CacheConfig, EngineConfig, SchedulerConfig
 from ember.engine.model_instance import ModelInstance
 from ember.sampling_params import SamplingParams
@@ -167,10 +167,10 @@ def bench_instance(
     max_model_len: int,
     max_num_batched_tokens: int = 8192,
     ceilings: Ceilings | None = None,
-    programmatic_launch: bool = False,
+    engine_options: dict | None = None,
 ) -> tuple[ModelInstance, Ceilings]:
     """The GPU's measured ceilings (unless given) and a model instance sized for the step
-    benchmarks."""
+    benchmarks; ``engine_options`` are further EngineConfig fields (the fast-path switches)."""
     ceilings = ceilings or measure_ceilings()
     config = EngineConfig(
         model=model,
@@ -180,7 +180,7 @@ def bench_instance(
             max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max_model_len,
         ),
-        programmatic_launch=programmatic_launch,
+        **(engine_options or {}),
     )
     inst = ModelInstance(config)
     inst.kv_cache.normal_(0, 0.5)  # never time on zeros
@@ -195,9 +195,9 @@ def run_step_bench(
     out_dir: Path,
     max_model_len: int = 8320,
     sections: tuple[str, ...] = SECTIONS,
-    programmatic_launch: bool = False,
     decode_batches: tuple[int, ...] = DECODE_BATCHES,
     decode_contexts: tuple[int, ...] = DECODE_CONTEXTS,
+    engine_options: dict | None = None,
 ) -> dict:
     ceilings = measure_ceilings()
     result: dict = {
@@ -217,11 +217,17 @@ def run_step_bench(
     if not engine_sections:
         return result
     inst, _ = bench_instance(
-        model, max_model_len, ceilings=ceilings, programmatic_launch=programmatic_launch
+        model,
+        max_model_len,
+        ceilings=ceilings,
+        engine_options=engine_options,
     )
     bench = StepBench(inst, ceilings)
     result.update(
         programmatic_launch=inst.ops.programmatic_launch,
+        decode_rope_in_attention=inst.config.decode_rope_in_attention,
+        l2_prefetch=inst.config.l2_prefetch,
+        l2_prefetch_max_batch=inst.config.l2_prefetch_max_batch,
         weight_gib=bench.weight_bytes / 2**30,
         kv_pool_tokens=inst.kv_manager.pool.capacity * inst.kv_manager.block_size,
         load_seconds=inst.load_report.seconds,
@@ -306,7 +312,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="what to measure (default: all)")  # fmt: skip
     parser.add_argument("--decode-batches", type=int, nargs="+", default=list(DECODE_BATCHES))
     parser.add_argument("--decode-contexts", type=int, nargs="+", default=list(DECODE_CONTEXTS))
-    add_programmatic_launch_argument(parser)
+    add_fast_path_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -318,8 +324,8 @@ def run(args: argparse.Namespace) -> int:
         args.out,
         args.max_model_len,
         tuple(args.sections),
-        args.programmatic_launch,
         tuple(args.decode_batches),
         tuple(args.decode_contexts),
+        fast_path_options(args),
     )
     return 0

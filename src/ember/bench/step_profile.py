@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from ember.bench.step_bench import StepBench, bench_instance
-from ember.cli import add_programmatic_launch_argument
+from ember.cli import add_fast_path_arguments, fast_path_options
 from ember.sampling_params import SamplingParams
 
 # Substrings of kernel names, checked in order; the first match names the category.
@@ -144,13 +144,13 @@ def run_profile(
     batches: list[int],
     context: int,
     chunk: int,
-    programmatic_launch: bool = False,
+    engine_options: dict | None = None,
 ) -> dict:
     inst, ceilings = bench_instance(
         model,
         max_model_len=4160,
         max_num_batched_tokens=4096,
-        programmatic_launch=programmatic_launch,
+        engine_options=engine_options,
     )
     bench = StepBench(inst, ceilings)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -165,6 +165,9 @@ def run_profile(
         "model": model,
         "gpu": torch.cuda.get_device_name(),
         "programmatic_launch": inst.ops.programmatic_launch,
+        "decode_rope_in_attention": inst.config.decode_rope_in_attention,
+        "l2_prefetch": inst.config.l2_prefetch,
+        "l2_prefetch_max_batch": inst.config.l2_prefetch_max_batch,
         "rows": rows,
     }
     (out_dir / "step_profile.json").write_text(json.dumps(result, indent=2))
@@ -177,7 +180,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 64, 200])
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--prefill-chunk", type=int, default=512)
-    add_programmatic_launch_argument(parser)
+    add_fast_path_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -190,6 +193,6 @@ def run(args: argparse.Namespace) -> int:
         args.batches,
         args.context,
         args.prefill_chunk,
-        args.programmatic_launch,
+        fast_path_options(args),
     )
     return 0

@@ -88,7 +88,14 @@ class ModelInstance:
             config.scheduler.max_model_len or cfg.max_position_embeddings,
             cfg.max_position_embeddings,
         )
-        self.ops = select_ops(self.device, config.backend, config.programmatic_launch)
+        self.ops = select_ops(
+            self.device,
+            config.backend,
+            config.programmatic_launch,
+            config.decode_rope_in_attention,
+            config.l2_prefetch,
+            config.l2_prefetch_max_batch,
+        )
         if config.cuda_graph_mode not in ("full", "decode"):
             raise ValueError(
                 f"cuda_graph_mode must be 'full' or 'decode', not {config.cuda_graph_mode!r}"

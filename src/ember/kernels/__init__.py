@@ -5,6 +5,7 @@ kernels are tested against those on a CPU under ``TRITON_INTERPRET=1``.
 """
 
 from ember.kernels.activation import silu_and_mul
+from ember.kernels.attention_step import rope_and_attention
 from ember.kernels.linear import linear
 from ember.kernels.paged_attention import choose_num_kv_splits, paged_attention
 from ember.kernels.rmsnorm import fused_add_rms_norm, rms_norm
@@ -17,6 +18,7 @@ __all__ = [
     "linear",
     "paged_attention",
     "rms_norm",
+    "rope_and_attention",
     "rope_and_cache_write",
     "sample",
     "silu_and_mul",

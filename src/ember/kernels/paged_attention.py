@@ -17,6 +17,8 @@ Layouts and metadata follow docs/CONTRACTS.md ("Paged KV cache layout", "Attenti
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -120,6 +122,52 @@ def _attend_kv_tile(
 
 
 @triton.jit
+def _rotate_query(q, q_rows, row_valid, positions_ptr, cos_sin_ptr, tok, HEAD_DIM: tl.constexpr):
+    """Rotate one token's query rows (neox "rotate_half" RoPE, fp32, cast back like the RoPE
+    kernel). Each dim pairs with the one half a head away; the sine's sign folds in the minus of
+    the first half. Returns the rotated rows and the (cos, signed sin, partner) of the token."""
+    half: tl.constexpr = HEAD_DIM // 2
+    dims = tl.arange(0, HEAD_DIM)
+    partner = (dims + half) % HEAD_DIM
+    table = cos_sin_ptr + tl.load(positions_ptr + tok) * HEAD_DIM
+    cos = tl.load(table + dims % half)
+    signed_sin = tl.load(table + half + dims % half) * tl.where(dims < half, -1.0, 1.0)
+    q_partner = tl.load(q_rows + partner[None, :], mask=row_valid[:, None], other=0.0)
+    rotated = q.to(tl.float32) * cos[None, :] + q_partner.to(tl.float32) * signed_sin[None, :]
+    return rotated.to(q.dtype), cos, signed_sin, partner
+
+
+@triton.jit
+def _write_new_key_value(
+    k_ptr,
+    v_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot,
+    head_offset,
+    cos,
+    signed_sin,
+    partner,
+    stride_cache_block,
+    stride_cache_slot,
+    PAGE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):
+    """Rotate one KV head of the new token's key and store it and its value at ``slot`` (-1:
+    padding, nothing stored). The barrier makes the stores visible to the whole program before it
+    reads the tile that holds them."""
+    dims = tl.arange(0, HEAD_DIM)
+    k = tl.load(k_ptr + dims).to(tl.float32)
+    rotated = k * cos + tl.load(k_ptr + partner).to(tl.float32) * signed_sin
+    cache = (slot // PAGE) * stride_cache_block + (slot % PAGE) * stride_cache_slot + head_offset
+    keep = (dims < HEAD_DIM) & (slot >= 0)
+    tl.store(k_cache_ptr + cache + dims, rotated.to(k_cache_ptr.dtype.element_ty), mask=keep)
+    v = tl.load(v_ptr + dims)
+    tl.store(v_cache_ptr + cache + dims, v.to(v_cache_ptr.dtype.element_ty), mask=keep)
+    tl.debug_barrier()
+
+
+@triton.jit
 def _paged_attention_kernel(
     q_ptr,
     k_cache_ptr,
@@ -132,6 +180,11 @@ def _paged_attention_kernel(
     part_sum_ptr,
     part_acc_ptr,
     split_counters_ptr,
+    rope_k_ptr,
+    rope_v_ptr,
+    positions_ptr,
+    cos_sin_ptr,
+    slot_mapping_ptr,
     qk_scale,
     num_seqs,
     num_splits,
@@ -143,6 +196,10 @@ def _paged_attention_kernel(
     stride_cache_slot,
     stride_cache_head,
     stride_table,
+    stride_rk_tok,
+    stride_rk_head,
+    stride_rv_tok,
+    stride_rv_head,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     PAGE: tl.constexpr,
@@ -157,6 +214,7 @@ def _paged_attention_kernel(
     BLOCK_SPLITS: tl.constexpr,
     GROUP_P2: tl.constexpr,
     MERGE_CHUNK: tl.constexpr,
+    ROPE: tl.constexpr,
     PDL: tl.constexpr,
 ):
     wait_for_producer(PDL)
@@ -190,11 +248,8 @@ def _paged_attention_kernel(
     row_pos = tl.where(row_valid, context_len + (row_tok - seq_q_start), first_pos)
 
     dims = tl.arange(0, HEAD_DIM)
-    q = tl.load(
-        q_ptr + row_tok[:, None] * stride_q_tok + row_head[:, None] * stride_q_head + dims[None, :],
-        mask=row_valid[:, None],
-        other=0.0,
-    )
+    q_rows = q_ptr + row_tok[:, None] * stride_q_tok + row_head[:, None] * stride_q_head
+    q = tl.load(q_rows + dims[None, :], mask=row_valid[:, None], other=0.0)
 
     kv_end = tl.minimum(seq_len, first_pos + BLOCK_Q)  # one past the tile's last visible key
     num_kv_tiles = tl.cdiv(kv_end, BLOCK_N)
@@ -207,6 +262,21 @@ def _paged_attention_kernel(
     else:
         tile_lo = 0
         tile_hi = num_kv_tiles
+
+    if ROPE:
+        # A decode step's RoPE and KV-cache write, done here instead of by their own kernel: the
+        # query is rotated in registers, and the program whose segment holds the new key (the
+        # last tile) rotates and stores it, with the value, before reading that tile.
+        q, cos, signed_sin, partner = _rotate_query(q, q_rows, row_valid, positions_ptr,
+                                                    cos_sin_ptr, tile_q_start, HEAD_DIM)  # fmt: skip
+        if (num_kv_tiles - 1 >= tile_lo) & (num_kv_tiles - 1 < tile_hi):
+            _write_new_key_value(
+                rope_k_ptr + tile_q_start * stride_rk_tok + kv_head * stride_rk_head,
+                rope_v_ptr + tile_q_start * stride_rv_tok + kv_head * stride_rv_head,
+                k_cache_ptr, v_cache_ptr, tl.load(slot_mapping_ptr + tile_q_start),
+                kv_head * stride_cache_head, cos, signed_sin, partner, stride_cache_block,
+                stride_cache_slot, PAGE, HEAD_DIM,
+            )  # fmt: skip
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -354,6 +424,19 @@ def _split_kv_reduce_kernel(
     )
 
 
+class DecodeRope(NamedTuple):
+    """A decode step's RoPE + KV-cache write, for the attention kernel to do itself (a launch
+    less per layer): ``k``, ``v`` are ``[T, Hkv, D]`` (views of the fused qkv output, k not yet
+    rotated), the rest as `rope_and_cache_write` takes them. ``q`` is rotated in registers only:
+    the q passed to attention is left as it was."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    positions: torch.Tensor
+    cos_sin_cache: torch.Tensor
+    slot_mapping: torch.Tensor
+
+
 def choose_num_kv_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
     """KV segments per sequence for a decode-only step.
 
@@ -421,6 +504,20 @@ def _fit_shared_memory(config: dict[str, int], head_dim: int, elem_bytes: int) -
     )  # fmt: skip
 
 
+def _check_decode_rope(rope: DecodeRope, q: torch.Tensor, k_cache: torch.Tensor, decode: bool):
+    if not decode:
+        raise ValueError("RoPE in the attention kernel serves decode-only steps (max_query_len 1)")
+    num_tokens, _, head_dim = q.shape
+    expected = (num_tokens, k_cache.shape[2], head_dim)
+    if tuple(rope.k.shape) != expected or tuple(rope.v.shape) != expected:
+        raise ValueError(f"rope k and v must be {expected}, got {tuple(rope.k.shape)}, "
+                         f"{tuple(rope.v.shape)}")  # fmt: skip
+    if rope.k.stride(2) != 1 or rope.v.stride(2) != 1:
+        raise ValueError("rope k and v must have a contiguous head_dim")
+    if rope.cos_sin_cache.dtype != torch.float32 or not rope.cos_sin_cache.is_contiguous():
+        raise ValueError("cos_sin_cache must be contiguous float32")
+
+
 def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -437,6 +534,7 @@ def paged_attention(
     num_sms: int | None = None,
     tile_config: dict[str, int] | None = None,
     split_counters: torch.Tensor | None = None,
+    rope: DecodeRope | None = None,
     pdl: bool = False,
 ) -> torch.Tensor:
     """Causal attention of this step's queries over the paged KV cache; writes and returns ``out``.
@@ -462,6 +560,8 @@ def paged_attention(
             across calls: with them the split path merges its partials in the attention kernel
             (the last program of each sequence and KV head to finish does it, and zeroes its
             counter again) instead of launching a reduce kernel.
+        rope: apply this decode step's RoPE and write its keys and values to the cache in the
+            kernel (decode-only steps; see `DecodeRope`).
         pdl: launch with programmatic dependent launch (`ember.kernels.pdl`).
 
     The split path allocates its fp32 partials (``num_seqs * num_q_heads * splits * (head_dim+2)``
@@ -483,6 +583,8 @@ def paged_attention(
         return out
 
     decode_only = max_query_len == 1
+    if rope is not None:
+        _check_decode_rope(rope, q, k_cache, decode_only)
     if num_kv_splits is None:
         sms = num_sms if num_sms is not None else _device_sm_count(q.device)
         splits = choose_num_kv_splits(num_seqs, num_kv_heads, max_seq_len, sms)
@@ -518,10 +620,13 @@ def paged_attention(
         query_start_loc, seq_lens, block_tables,
         part_max, part_sum, part_acc,
         split_counters if merge_in_kernel else seq_lens,
+        *(rope if rope is not None else (q, q, seq_lens, q, seq_lens)),
         scale * _LOG2E, num_seqs, splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0),
+        *((rope.k.stride(0), rope.k.stride(1), rope.v.stride(0), rope.v.stride(1))
+          if rope is not None else (0, 0, 0, 0)),
         GROUP=group,
         HEAD_DIM=head_dim,
         PAGE=page,
@@ -533,6 +638,7 @@ def paged_attention(
         BLOCK_SPLITS=triton.next_power_of_2(splits),
         GROUP_P2=max(2, triton.next_power_of_2(group)),
         MERGE_CHUNK=min(_MAX_MERGE_CHUNK, triton.next_power_of_2(splits)),
+        ROPE=rope is not None,
         PDL=pdl,
         launch_pdl=pdl,
         **config,

@@ -13,6 +13,8 @@ from functools import partial
 
 import torch
 
+from ember.layers.weight_prefetch import WeightPrefetcher
+
 
 @dataclass(frozen=True)
 class Ops:
@@ -25,12 +27,17 @@ class Ops:
     silu_and_mul: Callable[..., torch.Tensor]
     rope_and_cache_write: Callable[..., None]
     paged_attention: Callable[..., None]
+    # (q, k, v, ctx, cos_sin_cache, k_cache, v_cache, scale, out) -> out: rope_and_cache_write
+    # then paged_attention over the step's ForwardContext, as one op so a backend may fuse them.
+    rope_and_attention: Callable[..., torch.Tensor]
     sample: Callable[..., torch.Tensor]
     # Whether a forward pass can be captured in a CUDA graph: the reference ops pick rows with
     # boolean masks and read lengths back to the host, which capture forbids.
     capturable: bool
     # Whether the kernels launch with programmatic dependent launch (ember.kernels.pdl).
     programmatic_launch: bool = False
+    # Pulls upcoming weights into L2 during small decode steps (ember.layers.weight_prefetch).
+    weight_prefetcher: WeightPrefetcher | None = None
 
 
 def reference_ops() -> Ops:
@@ -44,19 +51,29 @@ def reference_ops() -> Ops:
         silu_and_mul=ref.silu_and_mul_reference,
         rope_and_cache_write=ref.rope_and_cache_write_reference,
         paged_attention=ref.paged_attention_reference,
+        rope_and_attention=ref.rope_and_attention_reference,
         sample=ref.sample_reference,
         capturable=False,
     )
 
 
-def triton_ops(programmatic_launch: bool = False) -> Ops:
+def triton_ops(
+    programmatic_launch: bool = False,
+    decode_rope_in_attention: bool = True,
+    weight_prefetcher: WeightPrefetcher | None = None,
+) -> Ops:
     """The Triton kernels; ``programmatic_launch`` launches the ones of a forward pass with PDL
     (Hopper and later; the sampler's kernels run after host-visible torch ops and keep plain
-    launches)."""
+    launches); ``decode_rope_in_attention`` lets decode steps rotate and write the cache inside
+    the attention kernel; ``weight_prefetcher`` pulls weights into L2 in small decode steps."""
     from ember import kernels
 
     def chained(op):
         return partial(op, pdl=True) if programmatic_launch else op
+
+    rope_and_attention = kernels.rope_and_attention
+    if not decode_rope_in_attention:
+        rope_and_attention = partial(rope_and_attention, fuse_decode=False)
 
     return Ops(
         name="triton",
@@ -66,18 +83,26 @@ def triton_ops(programmatic_launch: bool = False) -> Ops:
         silu_and_mul=chained(kernels.silu_and_mul),
         rope_and_cache_write=chained(kernels.rope_and_cache_write),
         paged_attention=chained(kernels.paged_attention),
+        rope_and_attention=chained(rope_and_attention),
         sample=kernels.sample,
         capturable=True,
         programmatic_launch=programmatic_launch,
+        weight_prefetcher=weight_prefetcher,
     )
 
 
 def select_ops(
-    device: torch.device, backend: str = "auto", programmatic_launch: bool = False
+    device: torch.device,
+    backend: str = "auto",
+    programmatic_launch: bool = False,
+    decode_rope_in_attention: bool = True,
+    l2_prefetch: str = "off",
+    l2_prefetch_max_batch: int = 0,
 ) -> Ops:
     """Triton on CUDA unless asked otherwise; the reference everywhere else.
 
-    ``programmatic_launch`` where the GPU does not support it is an error.
+    ``programmatic_launch`` where the GPU does not support it is an error, and so is an L2
+    prefetch mode other than "off" before Hopper (the kernel's bulk prefetch is sm_90).
     """
     if backend == "reference" or (backend == "auto" and device.type != "cuda"):
         return reference_ops()
@@ -85,6 +110,14 @@ def select_ops(
         raise ValueError(f"unknown attention backend {backend!r}; choose auto, triton or reference")
     from ember.kernels.pdl import supports_programmatic_launch
 
-    if programmatic_launch and not supports_programmatic_launch(device):
+    prefetcher = WeightPrefetcher(l2_prefetch, l2_prefetch_max_batch)
+    hopper = supports_programmatic_launch(device)
+    if programmatic_launch and not hopper:
         raise ValueError("programmatic dependent launch needs a CUDA GPU of compute capability 9+")
-    return triton_ops(programmatic_launch)
+    if l2_prefetch != "off" and not hopper:
+        raise ValueError("L2 weight prefetch needs a CUDA GPU of compute capability 9+")
+    return triton_ops(
+        programmatic_launch,
+        decode_rope_in_attention,
+        prefetcher if l2_prefetch != "off" else None,
+    )

@@ -13,6 +13,7 @@ import math
 import torch
 
 from ember.config import RopeScaling
+from ember.layers.forward_context import ForwardContext
 
 # ---------------------------------------------------------------------------------------------
 # RoPE
@@ -127,6 +128,27 @@ def paged_attention_reference(
         attn = torch.einsum("hgqk,khd->qhgd", scores.softmax(dim=-1), values)
         out[q_start:q_end] = attn.reshape(q_len, num_q_heads, head_dim).to(out.dtype)
     return out
+
+
+def rope_and_attention_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    ctx: ForwardContext,
+    cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """One layer's attention step over the metadata ``ctx``: RoPE and the cache write, then
+    paged attention."""
+    rope_and_cache_write_reference(q, k, v, ctx.positions, cos_sin_cache, ctx.slot_mapping,
+                                   k_cache, v_cache)  # fmt: skip
+    return paged_attention_reference(
+        q, k_cache, v_cache, ctx.query_start_loc, ctx.seq_lens, ctx.block_tables, scale, out,
+        max_query_len=ctx.max_query_len, max_seq_len=ctx.max_seq_len,
+    )  # fmt: skip
 
 
 def _decode_attention_reference(

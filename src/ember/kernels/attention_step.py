@@ -1,0 +1,48 @@
+"""One layer's attention for a step: RoPE, the KV-cache write and paged attention.
+
+Decode-only steps do all three in the attention kernel (a launch less per layer); steps with
+prefill chunks rotate and write with `rope_and_cache_write` first, since their queries span
+many tokens per program.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from ember.kernels.paged_attention import DecodeRope, paged_attention
+from ember.kernels.rope_cache_write import rope_and_cache_write
+
+if TYPE_CHECKING:
+    from ember.layers.forward_context import ForwardContext
+
+
+def rope_and_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    ctx: ForwardContext,
+    cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+    *,
+    fuse_decode: bool = True,
+    pdl: bool = False,
+) -> torch.Tensor:
+    """`rope_and_cache_write` then `paged_attention` over the step's metadata ``ctx``; writes
+    and returns ``out``. With ``fuse_decode`` (the default), decode-only steps do both in the
+    attention kernel and leave ``q`` and ``k`` unrotated (only the cache and ``out`` change)."""
+    rope = None
+    if fuse_decode and ctx.max_query_len == 1:
+        rope = DecodeRope(k, v, ctx.positions, cos_sin_cache, ctx.slot_mapping)
+    else:
+        rope_and_cache_write(q, k, v, ctx.positions, cos_sin_cache, ctx.slot_mapping, k_cache,
+                             v_cache, pdl=pdl)  # fmt: skip
+    return paged_attention(
+        q, k_cache, v_cache, ctx.query_start_loc, ctx.seq_lens, ctx.block_tables, scale, out,
+        max_query_len=ctx.max_query_len, max_seq_len=ctx.max_seq_len,
+        split_counters=ctx.split_kv_counters, rope=rope, pdl=pdl,
+    )  # fmt: skip

@@ -1,0 +1,82 @@
+"""A layer's attention step (RoPE, cache write, attention) on the kernels vs the reference, for
+decode-only steps (fused into the attention kernel, or not) and mixed steps."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ember.kernels import rope_and_attention
+from ember.layers.forward_context import ForwardContext
+from ember.layers.ops import triton_ops
+from ember.layers.reference_ops import build_cos_sin_cache, rope_and_attention_reference
+
+HEADS, KV_HEADS, HEAD_DIM, PAGE = 8, 2, 64, 16
+
+
+def _step(gen, q_lens, seq_lens):
+    """Inputs of one step over a shuffled cache: q/k/v as views of one fused buffer."""
+    tokens, batch = sum(q_lens), len(seq_lens)
+    blocks = [-(-n // PAGE) for n in seq_lens]
+    ids = (torch.randperm(sum(blocks), generator=gen) + 1).tolist()
+    table = torch.zeros(batch, max(blocks), dtype=torch.int32)
+    for seq, n in enumerate(blocks):
+        table[seq, :n] = torch.tensor([ids.pop() for _ in range(n)], dtype=torch.int32)
+    positions = torch.cat([torch.arange(n - q, n) for q, n in zip(q_lens, seq_lens)])
+    seq_of_token = torch.repeat_interleave(torch.arange(batch), torch.tensor(q_lens))
+    slots = table[seq_of_token, positions // PAGE].long() * PAGE + positions % PAGE
+    slots[-1] = -1  # the last token is padding
+    cache_shape = (sum(blocks) + 1, PAGE, KV_HEADS, HEAD_DIM)
+    return {
+        "qkv": torch.randn(tokens, (HEADS + 2 * KV_HEADS) * HEAD_DIM, generator=gen),
+        "positions": positions,
+        "cos_sin": build_cos_sin_cache(HEAD_DIM, 1024, 500000.0, None),
+        "slots": slots,
+        "k_cache": torch.randn(cache_shape, generator=gen),
+        "v_cache": torch.randn(cache_shape, generator=gen),
+        "query_start_loc": torch.tensor([0, *q_lens]).cumsum(0).to(torch.int32),
+        "seq_lens": torch.tensor(seq_lens, dtype=torch.int32),
+        "block_tables": table,
+        "max_query_len": max(q_lens),
+        "max_seq_len": max(seq_lens),
+    }
+
+
+def _run(op, step, device, **kwargs):
+    s = {k: v.clone().to(device) if torch.is_tensor(v) else v for k, v in step.items()}
+    n = s["qkv"].shape[0]
+    q, k, v = s["qkv"].split([HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], -1)
+    q, k, v = (
+        q.view(n, HEADS, HEAD_DIM),
+        k.view(n, KV_HEADS, HEAD_DIM),
+        v.view(n, KV_HEADS, HEAD_DIM),
+    )
+    ctx = ForwardContext(
+        positions=s["positions"], slot_mapping=s["slots"], query_start_loc=s["query_start_loc"],
+        seq_lens=s["seq_lens"], block_tables=s["block_tables"],
+        max_query_len=s["max_query_len"], max_seq_len=s["max_seq_len"],
+        split_kv_counters=torch.zeros(len(s["seq_lens"]) * KV_HEADS, dtype=torch.int32,
+                                      device=device),
+    )  # fmt: skip
+    out = torch.full_like(q, float("nan"))
+    op(q, k, v, ctx, s["cos_sin"], s["k_cache"], s["v_cache"], HEAD_DIM**-0.5, out, **kwargs)
+    return out.cpu(), s["k_cache"].cpu(), s["v_cache"].cpu()
+
+
+@pytest.mark.parametrize("fuse_decode", [True, False])
+@pytest.mark.parametrize(
+    ("q_lens", "seq_lens"), [([1, 1, 1, 1], [200, 9, 64, 33]), ([5, 1, 12], [5, 70, 40])]
+)
+def test_matches_reference(gen, device, fuse_decode, q_lens, seq_lens):
+    step = _step(gen, q_lens, seq_lens)
+    expected = _run(rope_and_attention_reference, step, "cpu")
+    got = _run(rope_and_attention, step, device, fuse_decode=fuse_decode)
+    for actual, wanted in zip(got, expected):
+        torch.testing.assert_close(actual, wanted, atol=2e-4, rtol=2e-4)
+
+
+def test_the_ops_switch_reaches_the_kernel():
+    assert triton_ops(decode_rope_in_attention=False).rope_and_attention.keywords == {
+        "fuse_decode": False
+    }
+    assert triton_ops().rope_and_attention is rope_and_attention
