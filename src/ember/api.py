@@ -60,8 +60,6 @@ class LLM:
         overlap: bool | None = None,
         backend: str = "auto",
         programmatic_launch: bool = False,
-        l2_prefetch: str = "off",
-        l2_prefetch_max_batch: int = 8,
     ) -> None:
         scheduler = SchedulerConfig(
             max_num_seqs=max_num_seqs,
@@ -87,8 +85,6 @@ class LLM:
             overlap=overlap,
             backend=backend,
             programmatic_launch=programmatic_launch,
-            l2_prefetch=l2_prefetch,
-            l2_prefetch_max_batch=l2_prefetch_max_batch,
         )
         self.instance = ModelInstance(config)
         self._ids = itertools.count()

@@ -15,7 +15,6 @@ import sys
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from ember.config import L2_PREFETCH_MODES, EngineConfig
 from ember.server.config import (
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_QUEUE,
@@ -188,19 +187,6 @@ def add_fast_path_arguments(parser: argparse.ArgumentParser) -> None:
         help="decode steps apply RoPE and write the KV cache in their own kernel, not inside "
         "the attention kernel",
     )
-    parser.add_argument(
-        "--l2-prefetch",
-        choices=L2_PREFETCH_MODES,
-        default=EngineConfig.l2_prefetch,
-        help="in decode steps of at most --l2-prefetch-max-batch sequences, pull the next "
-        "GEMM's weight into L2 while attention (and, with 'all', the norms and SiLU) run (Hopper+)",
-    )
-    parser.add_argument(
-        "--l2-prefetch-max-batch",
-        type=int,
-        default=EngineConfig.l2_prefetch_max_batch,
-        help="largest decode batch that prefetches weights into L2",
-    )
 
 
 def fast_path_options(args: argparse.Namespace) -> dict:
@@ -208,8 +194,6 @@ def fast_path_options(args: argparse.Namespace) -> dict:
     return {
         "programmatic_launch": args.programmatic_launch,
         "decode_rope_in_attention": not args.separate_decode_rope,
-        "l2_prefetch": args.l2_prefetch,
-        "l2_prefetch_max_batch": args.l2_prefetch_max_batch,
     }
 
 

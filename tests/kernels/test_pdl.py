@@ -61,6 +61,17 @@ def test_cli_flag_is_off_by_default():
     assert not fast_path_options(parser.parse_args([]))["programmatic_launch"]
 
 
+def test_fast_path_flags_reach_the_engine_config_and_default_to_its_defaults():
+    from ember.config import EngineConfig
+
+    parser = argparse.ArgumentParser()
+    add_fast_path_arguments(parser)
+    args = parser.parse_args(["--separate-decode-rope", "--programmatic-launch"])
+    config = EngineConfig(model="m", **fast_path_options(args))
+    assert config.decode_rope_in_attention is False and config.programmatic_launch is True
+    assert EngineConfig(model="m", **fast_path_options(parser.parse_args([]))) == EngineConfig("m")
+
+
 class DecoderChain:
     """Two Llama-shaped decoder layers at decode through an `Ops`: norm, q/k/v, RoPE + cache
     write, split-KV attention (3 sequences, 2 KV heads: the heuristic splits; partials merged in

@@ -226,8 +226,6 @@ def run_step_bench(
     result.update(
         programmatic_launch=inst.ops.programmatic_launch,
         decode_rope_in_attention=inst.config.decode_rope_in_attention,
-        l2_prefetch=inst.config.l2_prefetch,
-        l2_prefetch_max_batch=inst.config.l2_prefetch_max_batch,
         weight_gib=bench.weight_bytes / 2**30,
         kv_pool_tokens=inst.kv_manager.pool.capacity * inst.kv_manager.block_size,
         load_seconds=inst.load_report.seconds,

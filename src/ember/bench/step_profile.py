@@ -166,8 +166,6 @@ def run_profile(
         "gpu": torch.cuda.get_device_name(),
         "programmatic_launch": inst.ops.programmatic_launch,
         "decode_rope_in_attention": inst.config.decode_rope_in_attention,
-        "l2_prefetch": inst.config.l2_prefetch,
-        "l2_prefetch_max_batch": inst.config.l2_prefetch_max_batch,
         "rows": rows,
     }
     (out_dir / "step_profile.json").write_text(json.dumps(result, indent=2))

@@ -93,8 +93,6 @@ class ModelInstance:
             config.backend,
             config.programmatic_launch,
             config.decode_rope_in_attention,
-            config.l2_prefetch,
-            config.l2_prefetch_max_batch,
         )
         if config.cuda_graph_mode not in ("full", "decode"):
             raise ValueError(

@@ -13,8 +13,6 @@ from functools import partial
 
 import torch
 
-from ember.layers.weight_prefetch import WeightPrefetcher
-
 
 @dataclass(frozen=True)
 class Ops:
@@ -36,8 +34,6 @@ class Ops:
     capturable: bool
     # Whether the kernels launch with programmatic dependent launch (ember.kernels.pdl).
     programmatic_launch: bool = False
-    # Pulls upcoming weights into L2 during small decode steps (ember.layers.weight_prefetch).
-    weight_prefetcher: WeightPrefetcher | None = None
 
 
 def reference_ops() -> Ops:
@@ -57,15 +53,11 @@ def reference_ops() -> Ops:
     )
 
 
-def triton_ops(
-    programmatic_launch: bool = False,
-    decode_rope_in_attention: bool = True,
-    weight_prefetcher: WeightPrefetcher | None = None,
-) -> Ops:
+def triton_ops(programmatic_launch: bool = False, decode_rope_in_attention: bool = True) -> Ops:
     """The Triton kernels; ``programmatic_launch`` launches the ones of a forward pass with PDL
     (Hopper and later; the sampler's kernels run after host-visible torch ops and keep plain
     launches); ``decode_rope_in_attention`` lets decode steps rotate and write the cache inside
-    the attention kernel; ``weight_prefetcher`` pulls weights into L2 in small decode steps."""
+    the attention kernel."""
     from ember import kernels
 
     def chained(op):
@@ -87,7 +79,6 @@ def triton_ops(
         sample=kernels.sample,
         capturable=True,
         programmatic_launch=programmatic_launch,
-        weight_prefetcher=weight_prefetcher,
     )
 
 
@@ -96,13 +87,10 @@ def select_ops(
     backend: str = "auto",
     programmatic_launch: bool = False,
     decode_rope_in_attention: bool = True,
-    l2_prefetch: str = "off",
-    l2_prefetch_max_batch: int = 0,
 ) -> Ops:
     """Triton on CUDA unless asked otherwise; the reference everywhere else.
 
-    ``programmatic_launch`` where the GPU does not support it is an error, and so is an L2
-    prefetch mode other than "off" before Hopper (the kernel's bulk prefetch is sm_90).
+    ``programmatic_launch`` where the GPU does not support it is an error.
     """
     if backend == "reference" or (backend == "auto" and device.type != "cuda"):
         return reference_ops()
@@ -110,14 +98,6 @@ def select_ops(
         raise ValueError(f"unknown attention backend {backend!r}; choose auto, triton or reference")
     from ember.kernels.pdl import supports_programmatic_launch
 
-    prefetcher = WeightPrefetcher(l2_prefetch, l2_prefetch_max_batch)
-    hopper = supports_programmatic_launch(device)
-    if programmatic_launch and not hopper:
+    if programmatic_launch and not supports_programmatic_launch(device):
         raise ValueError("programmatic dependent launch needs a CUDA GPU of compute capability 9+")
-    if l2_prefetch != "off" and not hopper:
-        raise ValueError("L2 weight prefetch needs a CUDA GPU of compute capability 9+")
-    return triton_ops(
-        programmatic_launch,
-        decode_rope_in_attention,
-        prefetcher if l2_prefetch != "off" else None,
-    )
+    return triton_ops(programmatic_launch, decode_rope_in_attention)

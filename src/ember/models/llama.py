@@ -48,8 +48,6 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         cfg, n = self.cfg, x.shape[0]
         qkv = self.ops.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
-        if self.ops.weight_prefetcher is not None:
-            self.ops.weight_prefetcher.across_attention(self.o_proj.weight, n)
         q, k, v = qkv.split(self.shard_sizes, dim=-1)
         q = q.reshape(n, cfg.num_heads, cfg.head_dim)
         k = k.reshape(n, cfg.num_kv_heads, cfg.head_dim)
@@ -72,8 +70,6 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.ops.linear(x, self.gate_up_proj.weight)
-        if self.ops.weight_prefetcher is not None:
-            self.ops.weight_prefetcher.across_gap(self.down_proj.weight, x.shape[0])
         return self.ops.linear(self.ops.silu_and_mul(gate_up), self.down_proj.weight)
 
 
@@ -101,8 +97,6 @@ class DecoderLayer(nn.Module):
         else:
             self.ops.fused_add_rms_norm(x, residual, self.input_layernorm, self.eps)
         x = self.self_attn(x, ctx, cos_sin_cache, k_cache, v_cache)
-        if self.ops.weight_prefetcher is not None:
-            self.ops.weight_prefetcher.across_gap(self.mlp.gate_up_proj.weight, x.shape[0])
         self.ops.fused_add_rms_norm(x, residual, self.post_attention_layernorm, self.eps)
         return self.mlp(x), residual
 
@@ -128,21 +122,10 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         residual = None
-        prefetcher = self.ops.weight_prefetcher
         for i, layer in enumerate(self.layers):
             x, residual = layer(x, residual, ctx, cos_sin_cache, kv_cache[i, 0], kv_cache[i, 1])
-            if prefetcher is not None:
-                prefetcher.across_gap(self._weight_after_layer(i), x.shape[0])
         self.ops.fused_add_rms_norm(x, residual, self.norm, self.cfg.rms_norm_eps)
-        if prefetcher is not None:
-            prefetcher.join()
         return x
-
-    def _weight_after_layer(self, i: int) -> torch.Tensor:
-        """The first weight read after layer ``i``: the next q/k/v, or the LM head."""
-        if i + 1 < len(self.layers):
-            return self.layers[i + 1].self_attn.qkv_proj.weight
-        return self.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head
