@@ -5,6 +5,7 @@ kernels are tested against those on a CPU under ``TRITON_INTERPRET=1``.
 """
 
 from ember.kernels.activation import silu_and_mul
+from ember.kernels.argmax import greedy_argmax
 from ember.kernels.attention_step import rope_and_attention
 from ember.kernels.linear import linear
 from ember.kernels.paged_attention import choose_num_kv_splits, paged_attention
@@ -15,6 +16,7 @@ from ember.kernels.sampling import sample
 __all__ = [
     "choose_num_kv_splits",
     "fused_add_rms_norm",
+    "greedy_argmax",
     "linear",
     "paged_attention",
     "rms_norm",

@@ -29,6 +29,8 @@ class Ops:
     # then paged_attention over the step's ForwardContext, as one op so a backend may fuse them.
     rope_and_attention: Callable[..., torch.Tensor]
     sample: Callable[..., torch.Tensor]
+    # float32 [B, V] -> int64 [B]: the first maximum of each row (all-greedy batches).
+    greedy_argmax: Callable[[torch.Tensor], torch.Tensor]
     # Whether a forward pass can be captured in a CUDA graph: the reference ops pick rows with
     # boolean masks and read lengths back to the host, which capture forbids.
     capturable: bool
@@ -49,6 +51,7 @@ def reference_ops() -> Ops:
         paged_attention=ref.paged_attention_reference,
         rope_and_attention=ref.rope_and_attention_reference,
         sample=ref.sample_reference,
+        greedy_argmax=partial(torch.argmax, dim=-1),
         capturable=False,
     )
 
@@ -77,6 +80,7 @@ def triton_ops(programmatic_launch: bool = False, decode_rope_in_attention: bool
         paged_attention=chained(kernels.paged_attention),
         rope_and_attention=chained(rope_and_attention),
         sample=kernels.sample,
+        greedy_argmax=kernels.greedy_argmax,
         capturable=True,
         programmatic_launch=programmatic_launch,
     )

@@ -62,7 +62,7 @@ class Sampler:
         logits = self._process(logits, rows)
         params = [r.params for r in rows]
         if all(p.greedy for p in params):
-            tokens = logits.argmax(dim=-1)  # the common benchmark case: one cheap reduction
+            tokens = self.ops.greedy_argmax(logits)  # the common benchmark case: one reduction
             return tokens, _gather_logprobs(raw_logits, tokens, params) if any(
                 p.logprobs is not None for p in params
             ) else None
