@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ember.kernels.sampling import _first_argmax
+
 _BLOCK_V = 1024
 # A chunk is at least this many logits (4 loop steps), and a batch gets ~this many programs.
 _MIN_CHUNK = 4096
@@ -55,12 +57,11 @@ def _chunk_argmax_kernel(
         better = x > best  # strict: each lane keeps its earliest maximum
         best = tl.where(better, x, best)
         best_idx = tl.where(better, idx, best_idx)
-    top = tl.max(best, 0)
-    first = tl.min(tl.where(best == top, best_idx, vocab), 0)
+    first = _first_argmax(best, best_idx, vocab)
     if SPLITS == 1:
         tl.store(tokens_ptr + row, first.to(tl.int64))
     else:
-        tl.store(best_val_ptr + row * SPLITS + split, top)
+        tl.store(best_val_ptr + row * SPLITS + split, tl.max(best, 0))
         tl.store(best_idx_ptr + row * SPLITS + split, first)
 
 
@@ -68,10 +69,8 @@ def _chunk_argmax_kernel(
 def _merge_chunks_kernel(best_val_ptr, best_idx_ptr, tokens_ptr, vocab, SPLITS: tl.constexpr):
     row = tl.program_id(0)
     offsets = row * SPLITS + tl.arange(0, SPLITS)
-    vals = tl.load(best_val_ptr + offsets)
-    idx = tl.load(best_idx_ptr + offsets)
-    top = tl.max(vals, 0)
-    tl.store(tokens_ptr + row, tl.min(tl.where(vals == top, idx, vocab), 0).to(tl.int64))
+    first = _first_argmax(tl.load(best_val_ptr + offsets), tl.load(best_idx_ptr + offsets), vocab)
+    tl.store(tokens_ptr + row, first.to(tl.int64))
 
 
 def num_argmax_splits(batch: int, vocab: int) -> int:
@@ -86,13 +85,13 @@ def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
     if logits.dtype != torch.float32 or logits.dim() != 2 or logits.stride(-1) != 1:
         raise ValueError("logits must be 2-D float32 with a contiguous last dim")
     batch, vocab = logits.shape
+    if batch > MAX_SPLIT_BATCH:
+        return logits.argmax(dim=-1)
     tokens = torch.empty(batch, dtype=torch.int64, device=logits.device)
     if batch == 0:
         return tokens
     if vocab == 0:
         raise ValueError("argmax over an empty vocabulary")
-    if batch > MAX_SPLIT_BATCH:
-        return logits.argmax(dim=-1)
     splits = num_argmax_splits(batch, vocab)
     # Whole loop steps per chunk; rounding up can leave the last chunks empty (they lose).
     chunk = triton.cdiv(triton.cdiv(vocab, splits), _BLOCK_V) * _BLOCK_V
