@@ -83,3 +83,85 @@ def test_default_configs_fit_in_shared_memory(m, elem_bytes):
         config = default_config(m, n, k, elem_bytes)
         assert config["BLOCK_M"] >= m
         assert shared_memory_estimate(config, elem_bytes) <= SHARED_MEMORY_BUDGET
+
+
+def _composed(x, residual, norm_weight, weight, bias, gated):
+    """The reference ops' add + RMSNorm + linear (+ SiLU gate), on copies."""
+    from ember.layers.ops import reference_ops
+
+    residual = None if residual is None else residual.clone()
+    return reference_ops().add_norm_linear(
+        x.clone(), residual, norm_weight, 1e-5, weight, bias, gated=gated
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("m", "n", "k", "with_residual", "gated", "use_bias"),
+    [
+        (1, 96, 512, True, False, False),  # decode of one sequence, K a multiple of BLOCK_K
+        (3, 100, 300, True, True, False),  # gated, partial column tile, ragged K
+        (33, 70, 200, False, False, True),  # the first layer (no residual yet), q/k/v bias
+        (64, 40, 256, True, True, False),  # the largest batch the kernel takes
+        (2, 24, 48, False, True, False),  # K shorter than one tile
+    ],
+)
+def test_norm_gemm_matches_the_composed_reference(
+    gen, device, dtype, m, n, k, with_residual, gated, use_bias
+):
+    from ember.kernels.skinny_gemm import skinny_norm_gemm
+
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    residual = (4 * torch.randn(m, k, generator=gen)).to(dtype) if with_residual else None
+    norm_weight = (1 + 0.5 * torch.randn(k, generator=gen)).to(dtype)
+    weight = (torch.randn(2 * n if gated else n, k, generator=gen) / k**0.5).to(dtype)
+    bias = torch.randn(n, generator=gen).to(dtype) if use_bias else None
+    expected_out, expected_h = _composed(x, residual, norm_weight, weight, bias, gated)
+
+    on = (lambda t: None if t is None else t.to(device))  # fmt: skip
+    x_dev, residual_dev = on(x), on(residual)
+    out, h = skinny_norm_gemm(
+        x_dev, residual_dev, on(norm_weight), 1e-5, on(weight), on(bias), gated=gated
+    )
+    assert out.shape == (m, n) and h.shape == (m, k)
+    # The residual add rounds as HF's does, so the new residual stream is exact.
+    torch.testing.assert_close(h.cpu(), expected_h, atol=0, rtol=0)
+    if residual is None:
+        assert h.data_ptr() == x_dev.data_ptr()
+    else:
+        torch.testing.assert_close(residual_dev.cpu(), residual, atol=0, rtol=0)  # untouched
+    if dtype == torch.float32:
+        torch.testing.assert_close(out.cpu(), expected_out, atol=1e-4, rtol=1e-4)
+    else:  # the norm is applied after the dot instead of before it: a few bf16 roundings apart
+        torch.testing.assert_close(out.cpu().float(), expected_out.float(), atol=4e-2, rtol=3e-2)
+
+
+def test_norm_gemm_rejects_bad_input(device):
+    from ember.kernels.skinny_gemm import skinny_norm_gemm
+
+    x, g, w = (torch.zeros(2, 32, device=device), torch.ones(32, device=device),
+               torch.zeros(8, 32, device=device))  # fmt: skip
+    with pytest.raises(ValueError, match="norm weight"):
+        skinny_norm_gemm(x, None, torch.ones(16, device=device), 1e-5, w)
+    with pytest.raises(ValueError, match="residual"):
+        skinny_norm_gemm(x, torch.zeros(3, 32, device=device), g, 1e-5, w)
+    with pytest.raises(ValueError, match="no bias"):
+        skinny_norm_gemm(x, None, g, 1e-5, w, torch.zeros(4, device=device), gated=True)
+    with pytest.raises(ValueError, match="rows"):
+        skinny_norm_gemm(x, None, g, 1e-5, torch.zeros(7, 32, device=device), gated=True)
+    with pytest.raises(ValueError, match="at most"):
+        skinny_norm_gemm(torch.zeros(MAX_M + 1, 32, device=device), None, g, 1e-5, w)
+
+
+def test_fused_norm_routing():
+    from ember.kernels.linear import use_fused_norm_gemm
+    from ember.layers.ops import triton_ops
+
+    cuda, cpu, bf16 = torch.device("cuda"), torch.device("cpu"), torch.bfloat16
+    assert use_fused_norm_gemm(1, bf16, cuda) and use_fused_norm_gemm(MAX_M, bf16, cuda)
+    assert not use_fused_norm_gemm(MAX_M + 1, bf16, cuda)  # prefill chunks: norm + cuBLAS
+    assert not use_fused_norm_gemm(0, bf16, cuda)
+    assert not use_fused_norm_gemm(1, torch.float32, cuda)  # fp32 stays exact on cuBLAS
+    assert not use_fused_norm_gemm(1, bf16, cpu)
+    assert triton_ops(fused_norm_linear=False).fused_norm_linear is None
+    assert triton_ops().fuses_norm_linear is use_fused_norm_gemm

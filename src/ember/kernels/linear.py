@@ -8,6 +8,10 @@ vocabulary projection took 1,723 us per step against cuBLAS's 1,805 (reduces inc
 gate/up the two tied in `ember bench tune`, so those stay on cuBLAS, except under programmatic
 dependent launch (`ember.kernels.pdl`): a cuBLAS kernel in the chain neither starts early nor
 lets the next kernel start early, so there every decode-sized product takes the skinny kernel.
+
+At decode sizes (`use_fused_norm_gemm`) the decoder layer's residual add, RMSNorm and q/k/v (or
+gate/up, with the SiLU gate) product run as one skinny launch (`skinny_norm_gemm`), so no norm
+or activation launch remains; `Ops.add_norm_linear` picks it.
 """
 
 from __future__ import annotations
@@ -38,3 +42,9 @@ def linear(
     if x.stride(1) == 1 and use_skinny_gemm(m, weight.shape[0], k, weight.dtype, x.device, pdl):
         return skinny_gemm(x, weight, bias, pdl=pdl)
     return F.linear(x, weight, bias)
+
+
+def use_fused_norm_gemm(m: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether a decoder layer's add + RMSNorm + q/k/v or gate/up product of ``m`` rows runs as
+    one skinny launch (`skinny_norm_gemm`) instead of a norm kernel and cuBLAS."""
+    return device.type == "cuda" and dtype in _HALF_DTYPES and 0 < m <= MAX_M

@@ -24,6 +24,9 @@ from ember.kernels.tiles import shrink_to_fit
 @triton.jit(do_not_specialize=["M"])
 def _skinny_gemm_kernel(
     x_ptr,
+    residual_ptr,
+    new_residual_ptr,
+    norm_ptr,
     w_ptr,
     bias_ptr,
     out_ptr,
@@ -31,9 +34,15 @@ def _skinny_gemm_kernel(
     N,
     K,
     stride_xm,
+    stride_rm,
+    stride_nrm,
     stride_wn,
     stride_om,
+    eps,
     HAS_BIAS: tl.constexpr,
+    ADD_RESIDUAL: tl.constexpr,
+    NORM: tl.constexpr,
+    GATED: tl.constexpr,
     EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -42,6 +51,15 @@ def _skinny_gemm_kernel(
     DOT_PRECISION: tl.constexpr,
     PDL: tl.constexpr,
 ):
+    """``out = x @ w.T``, optionally with the decoder layer's prologue and MLP epilogue folded in.
+
+    ``ADD_RESIDUAL``: the input row is ``h = x + residual`` (rounded to the dtype, as HF adds);
+    program 0 stores it to ``new_residual``. ``NORM``: the row is RMS-normalised with the weight
+    at ``norm_ptr``; every program walks all of K anyway, so it sums the squares of its rows on
+    the way and scales the dot products by ``1/rms`` at the end (``(h * g) @ w.T / rms``).
+    ``GATED``: ``w`` holds gate rows ``[0, N)`` then up rows ``[N, 2N)``, and the program writes
+    ``silu(gate) * up`` for its columns, rounded as `ember.kernels.activation` does.
+    """
     pid_n = tl.program_id(0)
     rows = tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -50,26 +68,65 @@ def _skinny_gemm_kernel(
     # along N and only the store is masked.
     w_rows = cols % N
     w_row_offsets = w_rows[:, None].to(tl.int64) * stride_wn
+    up_row_offsets = (w_rows + N)[:, None].to(tl.int64) * stride_wn
+    # Only program 0 writes the summed residual; the others' stores are masked off.
+    keeps_residual = row_valid[:, None] & (pid_n == 0)
     # Loading the first weight tile before this wait (it needs nothing from the previous kernel)
     # was measured on the H200: no gain at batch 1 and +1.1 ms of GEMM per step at batch 64.
     wait_for_producer(PDL)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    sum_sq = tl.zeros([BLOCK_M], dtype=tl.float32)
     for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
         ks = k0 + tl.arange(0, BLOCK_K)
         x_offsets = rows[:, None] * stride_xm + ks[None, :]
         if EVEN_K:
-            x = tl.load(x_ptr + x_offsets, mask=row_valid[:, None], other=0.0)
+            x_mask = row_valid[:, None]
             w = tl.load(w_ptr + w_row_offsets + ks[None, :])
+            if GATED:
+                w_up = tl.load(w_ptr + up_row_offsets + ks[None, :])
         else:
             k_valid = ks[None, :] < K
-            x = tl.load(x_ptr + x_offsets, mask=row_valid[:, None] & k_valid, other=0.0)
+            x_mask = row_valid[:, None] & k_valid
             w = tl.load(w_ptr + w_row_offsets + ks[None, :], mask=k_valid, other=0.0)
+            if GATED:
+                w_up = tl.load(w_ptr + up_row_offsets + ks[None, :], mask=k_valid, other=0.0)
+        x = tl.load(x_ptr + x_offsets, mask=x_mask, other=0.0)
+        if ADD_RESIDUAL:
+            r_offsets = rows[:, None] * stride_rm + ks[None, :]
+            residual = tl.load(residual_ptr + r_offsets, mask=x_mask, other=0.0)
+            x = (x.to(tl.float32) + residual.to(tl.float32)).to(x_ptr.dtype.element_ty)
+            h_offsets = rows[:, None] * stride_nrm + ks[None, :]
+            tl.store(new_residual_ptr + h_offsets, x, mask=x_mask & keeps_residual)
+        if NORM:
+            xf = x.to(tl.float32)
+            sum_sq += tl.sum(xf * xf, 1)
+            if EVEN_K:
+                g = tl.load(norm_ptr + ks).to(tl.float32)
+            else:
+                g = tl.load(norm_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)
+            x = (xf * g[None, :]).to(w_ptr.dtype.element_ty)
         acc += tl.dot(x, tl.trans(w), input_precision=DOT_PRECISION)
+        if GATED:
+            acc_up += tl.dot(x, tl.trans(w_up), input_precision=DOT_PRECISION)
+    if NORM:
+        # As the RMSNorm kernel: correctly rounded division and square root.
+        mean_sq = tl.math.div_rn(sum_sq, K * 1.0)  # div_rn takes fp32 operands only
+        inv_rms = tl.math.div_rn(1.0, tl.math.sqrt_rn(mean_sq + eps))
+        acc = acc * inv_rms[:, None]
+        acc_up = acc_up * inv_rms[:, None]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + w_rows).to(tl.float32)[None, :]
+    result = acc
+    if GATED:
+        # The gate/up product rounded to the dtype, SiLU rounded again, then the product.
+        gate = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
+        up = acc_up.to(out_ptr.dtype.element_ty).to(tl.float32)
+        silu = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty).to(tl.float32)
+        result = silu * up
     tl.store(
         out_ptr + rows[:, None] * stride_om + cols[None, :],
-        acc.to(out_ptr.dtype.element_ty),
+        result.to(out_ptr.dtype.element_ty),
         mask=row_valid[:, None] & (cols[None, :] < N),
     )
 
@@ -84,15 +141,21 @@ def block_m_for(m: int) -> int:
     return max(16, triton.next_power_of_2(m))
 
 
-def default_config(m: int, n: int, k: int, elem_bytes: int = 2) -> dict[str, int]:
+def default_config(
+    m: int, n: int, k: int, elem_bytes: int = 2, gated: bool = False
+) -> dict[str, int]:
     """Tiles for an ``[m, k] x [n, k]^T`` product, from `ember bench tune` on an H200 (8B shapes).
 
     Output projections (N >= 16 K) are long weight streams that want wide column tiles as M
     grows; so do the fused gate/up (N = 7 K: 128 x 128 on 8 warps, 8% over 32 x 256) and q/k/v
     (N = 1.5 K: 64-column tiles), which take this kernel under programmatic launch. The square
-    and K-major shapes (o, down) ran best on 32 x 256 tiles with 4 stages.
+    and K-major shapes (o, down) ran best on 32 x 256 tiles with 4 stages. ``gated``: ``n`` is
+    the output width and each program streams two weight tiles (gate and up) of ``BLOCK_N`` rows;
+    32-row tiles give the 8B MLP (n = 3.5 K) 448 programs, ~3.4 per SM.
     """
-    if n >= 16 * k:
+    if gated:
+        block_n, block_k, stages, warps = 32, 128, 4, 4
+    elif n >= 16 * k:
         block_n, block_k, stages, warps = (
             (32, 128, 6, 4) if m <= 8 else (64, 128, 4, 4) if m <= 16 else (128, 128, 4, 8)
         )
@@ -106,22 +169,71 @@ def default_config(m: int, n: int, k: int, elem_bytes: int = 2) -> dict[str, int
         block_n, block_k, stages, warps = 32, 128, 6, 4
     config = {"BLOCK_M": block_m_for(m), "BLOCK_N": block_n, "BLOCK_K": block_k, "STAGES": stages,
               "num_warps": warps}  # fmt: skip
-    return fit_shared_memory(config, elem_bytes)
+    return fit_shared_memory(config, elem_bytes, gated)
 
 
-def shared_memory_estimate(config: dict[str, int], elem_bytes: int) -> int:
-    """Bytes of the pipelined x and w tiles, what Triton stages in shared memory."""
-    rows = config["BLOCK_M"] + config["BLOCK_N"]
+def shared_memory_estimate(config: dict[str, int], elem_bytes: int, gated: bool = False) -> int:
+    """Bytes of the pipelined x and w tiles (two w tiles when gated), what Triton stages in
+    shared memory."""
+    rows = config["BLOCK_M"] + config["BLOCK_N"] * (2 if gated else 1)
     return rows * config["BLOCK_K"] * elem_bytes * config["STAGES"]
 
 
-def fit_shared_memory(config: dict[str, int], elem_bytes: int) -> dict[str, int]:
+def fit_shared_memory(
+    config: dict[str, int], elem_bytes: int, gated: bool = False
+) -> dict[str, int]:
     """Halve BLOCK_K, then drop stages, until the tiles fit (fp32 at BLOCK_M 64 asked 544 KiB)."""
     return shrink_to_fit(
         config,
-        lambda c: shared_memory_estimate(c, elem_bytes),
+        lambda c: shared_memory_estimate(c, elem_bytes, gated),
         [("BLOCK_K", 64, True), ("STAGES", 2, False)],
     )
+
+
+def _check_operands(x: torch.Tensor, weight: torch.Tensor, weight_rows: int) -> None:
+    m, k = x.shape
+    if weight.shape[1] != k:
+        raise ValueError(f"x has {k} columns; weight {tuple(weight.shape)} wants {weight.shape[1]}")
+    if weight.shape[0] != weight_rows:
+        raise ValueError(f"weight has {weight.shape[0]} rows, expected {weight_rows}")
+    if m > MAX_M:
+        raise ValueError(f"skinny_gemm takes at most {MAX_M} rows, got {m}")
+    if x.stride(1) != 1 or weight.stride(1) != 1:
+        raise ValueError("the reduction dim must be contiguous in x and weight")
+
+
+def _launch(x, weight, bias, out, config, pdl, *, residual=None, new_residual=None,
+            norm_weight=None, eps=0.0, gated=False) -> None:  # fmt: skip
+    m, k = x.shape
+    n = out.shape[1]
+    if m == 0:
+        return
+    config = dict(config or default_config(m, n, k, weight.element_size(), gated))
+    if config["BLOCK_M"] < m:
+        raise ValueError(f"BLOCK_M {config['BLOCK_M']} is smaller than M {m}")
+    block_n = config.pop("BLOCK_N")
+    _skinny_gemm_kernel[(triton.cdiv(n, block_n),)](
+        x,
+        residual if residual is not None else x,
+        new_residual if new_residual is not None else x,
+        norm_weight if norm_weight is not None else weight,
+        weight, bias if bias is not None else weight, out,
+        m, n, k, x.stride(0),
+        residual.stride(0) if residual is not None else 0,
+        new_residual.stride(0) if new_residual is not None else 0,
+        weight.stride(0), out.stride(0), eps,
+        HAS_BIAS=bias is not None,
+        ADD_RESIDUAL=residual is not None,
+        NORM=norm_weight is not None,
+        GATED=gated,
+        EVEN_K=k % config["BLOCK_K"] == 0,
+        BLOCK_N=block_n,
+        # fp32 weights must not silently drop to tf32 on the tensor cores.
+        DOT_PRECISION="ieee" if weight.dtype == torch.float32 else "tf32",
+        PDL=pdl,
+        launch_pdl=pdl,
+        **config,
+    )  # fmt: skip
 
 
 def skinny_gemm(
@@ -139,32 +251,44 @@ def skinny_gemm(
     strided. Returns ``out [M, N]`` in ``x``'s dtype. ``pdl``: launch with programmatic
     dependent launch (`ember.kernels.pdl`).
     """
-    m, k = x.shape
-    n = weight.shape[0]
-    if weight.shape[1] != k:
-        raise ValueError(f"x has {k} columns; weight {tuple(weight.shape)} wants {weight.shape[1]}")
-    if m > MAX_M:
-        raise ValueError(f"skinny_gemm takes at most {MAX_M} rows, got {m}")
-    if x.stride(1) != 1 or weight.stride(1) != 1:
-        raise ValueError("the reduction dim must be contiguous in x and weight")
+    _check_operands(x, weight, weight.shape[0])
     if out is None:
-        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    if m == 0:
-        return out
-    config = dict(config or default_config(m, n, k, weight.element_size()))
-    if config["BLOCK_M"] < m:
-        raise ValueError(f"BLOCK_M {config['BLOCK_M']} is smaller than M {m}")
-    block_n = config.pop("BLOCK_N")
-    _skinny_gemm_kernel[(triton.cdiv(n, block_n),)](
-        x, weight, bias if bias is not None else weight, out,
-        m, n, k, x.stride(0), weight.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None,
-        EVEN_K=k % config["BLOCK_K"] == 0,
-        BLOCK_N=block_n,
-        # fp32 weights must not silently drop to tf32 on the tensor cores.
-        DOT_PRECISION="ieee" if weight.dtype == torch.float32 else "tf32",
-        PDL=pdl,
-        launch_pdl=pdl,
-        **config,
-    )  # fmt: skip
+        out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
+    _launch(x, weight, bias, out, config, pdl)
     return out
+
+
+def skinny_norm_gemm(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    gated: bool = False,
+    config: dict[str, int] | None = None,
+    pdl: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decoder layer's ``h = x + residual``, ``RMSNorm(h)`` and linear product in one launch.
+
+    Returns ``(out, h)``: ``out = rms_norm(h, norm_weight, eps) @ weight.T (+ bias)``, or with
+    ``gated`` (``weight`` = gate rows then up rows, ``[2I, K]``) ``out = silu(gate) * up``,
+    ``[M, I]``. With ``residual`` None, ``h`` is ``x`` itself (the first layer's embeddings);
+    else ``h`` is a new tensor (``residual`` is left as it was). M <= ``MAX_M``.
+    """
+    m, k = x.shape
+    n = weight.shape[0] // 2 if gated else weight.shape[0]
+    _check_operands(x, weight, 2 * n if gated else n)
+    if norm_weight.shape != (k,):
+        raise ValueError(f"norm weight has shape {tuple(norm_weight.shape)}, expected ({k},)")
+    if residual is not None and (residual.shape != x.shape or residual.stride(1) != 1):
+        raise ValueError("residual must have x's shape and a contiguous last dim")
+    if bias is not None and gated:
+        raise ValueError("the gated product takes no bias")
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    h = x if residual is None else torch.empty(m, k, dtype=x.dtype, device=x.device)
+    _launch(x, weight, bias, out, config, pdl, residual=residual,
+            new_residual=None if residual is None else h, norm_weight=norm_weight, eps=eps,
+            gated=gated)  # fmt: skip
+    return out, h

@@ -36,6 +36,34 @@ class Ops:
     capturable: bool
     # Whether the kernels launch with programmatic dependent launch (ember.kernels.pdl).
     programmatic_launch: bool = False
+    # One launch for a decoder layer's add + RMSNorm + projection (`skinny_norm_gemm`'s
+    # contract), and whether it takes a product of (rows, dtype, device); None: always composed.
+    fused_norm_linear: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
+    fuses_norm_linear: Callable[[int, torch.dtype, torch.device], bool] | None = None
+
+    def add_norm_linear(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        norm_weight: torch.Tensor,
+        eps: float,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        *,
+        gated: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A pre-norm block's entry: ``h = residual + x`` (``x`` itself when ``residual`` is
+        None), then ``linear(rms_norm(h), weight, bias)``, or with ``gated`` ``silu_and_mul`` of
+        it. Returns ``(out, h)``; ``x`` and ``residual`` may be overwritten."""
+        fused = self.fused_norm_linear is not None and self.fuses_norm_linear is not None
+        if fused and self.fuses_norm_linear(x.shape[0], weight.dtype, x.device):
+            return self.fused_norm_linear(x, residual, norm_weight, eps, weight, bias, gated=gated)
+        if residual is None:
+            residual, x = x, self.rms_norm(x, norm_weight, eps)
+        else:
+            self.fused_add_rms_norm(x, residual, norm_weight, eps)
+        out = self.linear(x, weight, bias)
+        return (self.silu_and_mul(out) if gated else out), residual
 
 
 def reference_ops() -> Ops:
@@ -56,12 +84,19 @@ def reference_ops() -> Ops:
     )
 
 
-def triton_ops(programmatic_launch: bool = False, decode_rope_in_attention: bool = True) -> Ops:
+def triton_ops(
+    programmatic_launch: bool = False,
+    decode_rope_in_attention: bool = True,
+    fused_norm_linear: bool = True,
+) -> Ops:
     """The Triton kernels; ``programmatic_launch`` launches the ones of a forward pass with PDL
     (Hopper and later; the sampler's kernels run after host-visible torch ops and keep plain
     launches); ``decode_rope_in_attention`` lets decode steps rotate and write the cache inside
-    the attention kernel."""
+    the attention kernel; ``fused_norm_linear`` lets decode-sized steps fold each RMSNorm (and
+    the SiLU gate) into the projection after it."""
     from ember import kernels
+    from ember.kernels.linear import use_fused_norm_gemm
+    from ember.kernels.skinny_gemm import skinny_norm_gemm
 
     def chained(op):
         return partial(op, pdl=True) if programmatic_launch else op
@@ -83,6 +118,8 @@ def triton_ops(programmatic_launch: bool = False, decode_rope_in_attention: bool
         greedy_argmax=kernels.greedy_argmax,
         capturable=True,
         programmatic_launch=programmatic_launch,
+        fused_norm_linear=chained(skinny_norm_gemm) if fused_norm_linear else None,
+        fuses_norm_linear=use_fused_norm_gemm if fused_norm_linear else None,
     )
 
 
@@ -91,6 +128,7 @@ def select_ops(
     backend: str = "auto",
     programmatic_launch: bool = False,
     decode_rope_in_attention: bool = True,
+    fused_norm_linear: bool = True,
 ) -> Ops:
     """Triton on CUDA unless asked otherwise; the reference everywhere else.
 
@@ -104,4 +142,4 @@ def select_ops(
 
     if programmatic_launch and not supports_programmatic_launch(device):
         raise ValueError("programmatic dependent launch needs a CUDA GPU of compute capability 9+")
-    return triton_ops(programmatic_launch, decode_rope_in_attention)
+    return triton_ops(programmatic_launch, decode_rope_in_attention, fused_norm_linear)

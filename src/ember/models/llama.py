@@ -41,13 +41,17 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
+        residual: torch.Tensor | None,
+        norm_weight: torch.Tensor,
         ctx: ForwardContext,
         cos_sin_cache: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         cfg, n = self.cfg, x.shape[0]
-        qkv = self.ops.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
+        qkv, residual = self.ops.add_norm_linear(
+            x, residual, norm_weight, cfg.rms_norm_eps, self.qkv_proj.weight, self.qkv_proj.bias
+        )
         q, k, v = qkv.split(self.shard_sizes, dim=-1)
         q = q.reshape(n, cfg.num_heads, cfg.head_dim)
         k = k.reshape(n, cfg.num_kv_heads, cfg.head_dim)
@@ -58,7 +62,7 @@ class Attention(nn.Module):
             k = self.ops.rms_norm(k.reshape(-1, cfg.head_dim), self.k_norm, eps).view_as(k)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         self.ops.rope_and_attention(q, k, v, ctx, cos_sin_cache, k_cache, v_cache, self.scale, out)
-        return self.ops.linear(out.view(n, cfg.q_size), self.o_proj.weight)
+        return self.ops.linear(out.view(n, cfg.q_size), self.o_proj.weight), residual
 
 
 class MLP(nn.Module):
@@ -68,9 +72,13 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.ops.linear(x, self.gate_up_proj.weight)
-        return self.ops.linear(self.ops.silu_and_mul(gate_up), self.down_proj.weight)
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        act, residual = self.ops.add_norm_linear(
+            x, residual, norm_weight, eps, self.gate_up_proj.weight, gated=True
+        )
+        return self.ops.linear(act, self.down_proj.weight), residual
 
 
 class DecoderLayer(nn.Module):
@@ -91,14 +99,12 @@ class DecoderLayer(nn.Module):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = x
-            x = self.ops.rms_norm(x, self.input_layernorm, self.eps)
-        else:
-            self.ops.fused_add_rms_norm(x, residual, self.input_layernorm, self.eps)
-        x = self.self_attn(x, ctx, cos_sin_cache, k_cache, v_cache)
-        self.ops.fused_add_rms_norm(x, residual, self.post_attention_layernorm, self.eps)
-        return self.mlp(x), residual
+        # Each sub-block takes the previous one's output and the residual stream, and adds them
+        # inside its first op (`Ops.add_norm_linear`): one launch at decode sizes.
+        x, residual = self.self_attn(
+            x, residual, self.input_layernorm, ctx, cos_sin_cache, k_cache, v_cache
+        )
+        return self.mlp(x, residual, self.post_attention_layernorm, self.eps)
 
 
 class LlamaForCausalLM(nn.Module):
