@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One-off on the H200 (2026-12-01): RMSNorm (and the SiLU gate) folded into the skinny GEMM of
-# the next projection (`skinny_norm_gemm`) against the separate kernels (--separate-norm-kernels).
-# Compiled tests of the kernel and the engine's Triton-vs-reference tokens; decode steps at batch
+# the skinny GEMMs' epilogues (`skinny_gemm_add`, `skinny_norm_gemm`) against the separate kernels
+# (--separate-norm-kernels). Compiled tests of the kernels and the engine's Triton-vs-reference tokens; decode steps at batch
 # 1-64 (context 512) for both, interleaved; profiles at batch 1 and 64 for both; the fused
 # kernel's tile sweep; bf16 parity on the 8B shape. Results into $OUT/ab.tar.gz.
 set -uo pipefail

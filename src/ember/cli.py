@@ -190,8 +190,8 @@ def add_fast_path_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--separate-norm-kernels",
         action="store_true",
-        help="decode steps run each RMSNorm and the SiLU gate as their own kernels (q/k/v and "
-        "gate/up on cuBLAS) instead of inside the skinny GEMM of the next projection",
+        help="decode steps run the residual add, each RMSNorm and the SiLU gate as their own "
+        "kernels (q/k/v and gate/up on cuBLAS) instead of in the skinny GEMMs' epilogues",
     )
 
 

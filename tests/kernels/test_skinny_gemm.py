@@ -85,77 +85,102 @@ def test_default_configs_fit_in_shared_memory(m, elem_bytes):
         assert shared_memory_estimate(config, elem_bytes) <= SHARED_MEMORY_BUDGET
 
 
-def _composed(x, residual, norm_weight, weight, bias, gated):
-    """The reference ops' add + RMSNorm + linear (+ SiLU gate), on copies."""
-    from ember.layers.ops import reference_ops
+def _rms_normed_linear(hidden, norm_weight, weight, bias, gated):
+    """The reference: HF's RMSNorm, then the projection (and SiLU gate)."""
+    from ember.layers.reference_ops import rms_norm_reference, silu_and_mul_reference
 
-    residual = None if residual is None else residual.clone()
-    return reference_ops().add_norm_linear(
-        x.clone(), residual, norm_weight, 1e-5, weight, bias, gated=gated
-    )
+    out = torch.nn.functional.linear(rms_norm_reference(hidden, norm_weight, 1e-5), weight, bias)
+    return silu_and_mul_reference(out) if gated else out
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
-    ("m", "n", "k", "with_residual", "gated", "use_bias"),
-    [
-        (1, 96, 512, True, False, False),  # decode of one sequence, K a multiple of BLOCK_K
-        (3, 100, 300, True, True, False),  # gated, partial column tile, ragged K
-        (33, 70, 200, False, False, True),  # the first layer (no residual yet), q/k/v bias
-        (64, 40, 256, True, True, False),  # the largest batch the kernel takes
-        (2, 24, 48, False, True, False),  # K shorter than one tile
-    ],
+    ("m", "n", "k"),
+    [(1, 96, 512), (3, 100, 300), (33, 70, 200), (64, 40, 256), (2, 24, 48)],
 )
-def test_norm_gemm_matches_the_composed_reference(
-    gen, device, dtype, m, n, k, with_residual, gated, use_bias
-):
-    from ember.kernels.skinny_gemm import skinny_norm_gemm
+def test_gemm_add_updates_the_residual_and_sums_its_squares(gen, device, dtype, m, n, k):
+    from ember.kernels.skinny_gemm import skinny_gemm_add
 
     x = torch.randn(m, k, generator=gen).to(dtype)
-    residual = (4 * torch.randn(m, k, generator=gen)).to(dtype) if with_residual else None
+    weight = (torch.randn(n, k, generator=gen) / k**0.5).to(dtype)
+    residual = (4 * torch.randn(m, n, generator=gen)).to(dtype)
+    hidden = residual.clone().to(device)  # (.to on the same device would alias)
+    parts = skinny_gemm_add(x.to(device), weight.to(device), hidden)
+    # HF adds the projection rounded to the dtype: bf16(residual + bf16(x @ W.T)).
+    product = (x.double() @ weight.double().t()).to(dtype)
+    expected = (residual.float() + product.float()).to(dtype)
+    tol = {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 8e-2, "rtol": 2e-2}
+    torch.testing.assert_close(hidden.cpu(), expected, **tol)
+    assert parts.dtype == torch.float32 and parts.shape[1] == m and parts.shape[0] >= 1
+    squares = hidden.cpu().double().pow(2).sum(1)
+    torch.testing.assert_close(parts.cpu().double().sum(0), squares, atol=1e-3, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("from_parts", [False, True])
+@pytest.mark.parametrize(
+    ("m", "n", "k", "gated", "use_bias"),
+    [
+        (1, 96, 512, False, False),  # decode of one sequence, K a multiple of BLOCK_K
+        (3, 100, 300, True, False),  # gated, partial column tile, ragged K
+        (33, 70, 200, False, True),  # q/k/v bias
+        (64, 40, 256, True, False),  # the largest batch the kernel takes
+        (2, 24, 48, True, False),  # K shorter than one tile
+    ],
+)
+def test_norm_gemm_matches_norm_then_linear(
+    gen, device, dtype, from_parts, m, n, k, gated, use_bias
+):
+    from ember.kernels.skinny_gemm import fold_norm_weight, skinny_norm_gemm
+
+    hidden = (4 * torch.randn(m, k, generator=gen)).to(dtype)
     norm_weight = (1 + 0.5 * torch.randn(k, generator=gen)).to(dtype)
     weight = (torch.randn(2 * n if gated else n, k, generator=gen) / k**0.5).to(dtype)
     bias = torch.randn(n, generator=gen).to(dtype) if use_bias else None
-    expected_out, expected_h = _composed(x, residual, norm_weight, weight, bias, gated)
+    expected = _rms_normed_linear(hidden, norm_weight, weight, bias, gated)
 
+    folded = weight.clone()
+    fold_norm_weight(folded, norm_weight)
+    parts = None
+    if from_parts:  # three programs' worth of partial sums, as skinny_gemm_add leaves them
+        squares = hidden.float().pow(2)
+        parts = torch.stack([c.sum(1) for c in squares.tensor_split(3, dim=1)]).to(device)
     on = (lambda t: None if t is None else t.to(device))  # fmt: skip
-    x_dev, residual_dev = on(x), on(residual)
-    out, h = skinny_norm_gemm(
-        x_dev, residual_dev, on(norm_weight), 1e-5, on(weight), on(bias), gated=gated
-    )
-    assert out.shape == (m, n) and h.shape == (m, k)
-    # The residual add rounds as HF's does, so the new residual stream is exact.
-    torch.testing.assert_close(h.cpu(), expected_h, atol=0, rtol=0)
-    if residual is None:
-        assert h.data_ptr() == x_dev.data_ptr()
-    else:
-        torch.testing.assert_close(residual_dev.cpu(), residual, atol=0, rtol=0)  # untouched
+    out = skinny_norm_gemm(on(hidden), on(folded), 1e-5, on(bias), sum_sq_parts=parts, gated=gated)
+    assert out.shape == (m, n)
     if dtype == torch.float32:
-        torch.testing.assert_close(out.cpu(), expected_out, atol=1e-4, rtol=1e-4)
-    else:  # the norm is applied after the dot instead of before it: a few bf16 roundings apart
-        torch.testing.assert_close(out.cpu().float(), expected_out.float(), atol=4e-2, rtol=3e-2)
+        torch.testing.assert_close(out.cpu(), expected, atol=1e-4, rtol=1e-4)
+    else:  # the norm is applied after the dot, the weight before it: a few roundings apart
+        torch.testing.assert_close(out.cpu().float(), expected.float(), atol=4e-2, rtol=3e-2)
 
 
-def test_norm_gemm_rejects_bad_input(device):
-    from ember.kernels.skinny_gemm import skinny_norm_gemm
+def test_fused_gemms_reject_bad_input(device):
+    from ember.kernels.skinny_gemm import skinny_gemm_add, skinny_norm_gemm
 
-    x, g, w = (torch.zeros(2, 32, device=device), torch.ones(32, device=device),
-               torch.zeros(8, 32, device=device))  # fmt: skip
-    with pytest.raises(ValueError, match="norm weight"):
-        skinny_norm_gemm(x, None, torch.ones(16, device=device), 1e-5, w)
+    x, w = torch.zeros(2, 32, device=device), torch.zeros(8, 32, device=device)
     with pytest.raises(ValueError, match="residual"):
-        skinny_norm_gemm(x, torch.zeros(3, 32, device=device), g, 1e-5, w)
+        skinny_gemm_add(x, w, torch.zeros(2, 9, device=device))
     with pytest.raises(ValueError, match="no bias"):
-        skinny_norm_gemm(x, None, g, 1e-5, w, torch.zeros(4, device=device), gated=True)
+        skinny_norm_gemm(x, w, 1e-5, torch.zeros(4, device=device), gated=True)
     with pytest.raises(ValueError, match="rows"):
-        skinny_norm_gemm(x, None, g, 1e-5, torch.zeros(7, 32, device=device), gated=True)
+        skinny_norm_gemm(x, torch.zeros(7, 32, device=device), 1e-5, gated=True)
+    with pytest.raises(ValueError, match="sum_sq_parts"):
+        skinny_norm_gemm(x, w, 1e-5, sum_sq_parts=torch.zeros(3, 5, device=device))
     with pytest.raises(ValueError, match="at most"):
-        skinny_norm_gemm(torch.zeros(MAX_M + 1, 32, device=device), None, g, 1e-5, w)
+        skinny_norm_gemm(torch.zeros(MAX_M + 1, 32, device=device), w, 1e-5)
+
+
+def test_fold_norm_weight_scales_the_input_columns():
+    from ember.kernels.skinny_gemm import fold_norm_weight
+
+    weight = torch.arange(6, dtype=torch.float32).view(2, 3)
+    fold_norm_weight(weight, torch.tensor([1.0, 2.0, 0.5]))
+    assert weight.tolist() == [[0.0, 2.0, 1.0], [3.0, 8.0, 2.5]]
 
 
 def test_fused_norm_routing():
     from ember.kernels.linear import use_fused_norm_gemm
-    from ember.layers.ops import triton_ops
+    from ember.layers.ops import reference_ops, triton_ops
 
     cuda, cpu, bf16 = torch.device("cuda"), torch.device("cpu"), torch.bfloat16
     assert use_fused_norm_gemm(1, bf16, cuda) and use_fused_norm_gemm(MAX_M, bf16, cuda)
@@ -163,5 +188,7 @@ def test_fused_norm_routing():
     assert not use_fused_norm_gemm(0, bf16, cuda)
     assert not use_fused_norm_gemm(1, torch.float32, cuda)  # fp32 stays exact on cuBLAS
     assert not use_fused_norm_gemm(1, bf16, cpu)
-    assert triton_ops(fused_norm_linear=False).fused_norm_linear is None
-    assert triton_ops().fuses_norm_linear is use_fused_norm_gemm
+    assert triton_ops().folds_norm_weights(bf16, cuda)
+    assert not triton_ops().folds_norm_weights(torch.float32, cuda)
+    assert not triton_ops(fused_norm_linear=False).folds_norm_weights(bf16, cuda)
+    assert not reference_ops().folds_norm_weights(bf16, cuda)

@@ -7,9 +7,10 @@ engine runs its decode steps):
   gate/up, down, the output projection) and each batch M: cuBLAS (``torch.matmul``) against
   ``ember.kernels.skinny_gemm`` over a grid of tile configurations, each as bandwidth over the
   bytes the product must move.
-- **RMSNorm folded into q/k/v and gate/up.** ``skinny_norm_gemm`` (add + RMSNorm + product,
-  SiLU-gated for gate/up, one launch) over the same tiles, against the separate kernels it
-  replaces (add + norm kernel, cuBLAS, SiLU-and-mul).
+- **The residual stream through the skinny GEMMs.** ``skinny_norm_gemm`` (RMSNorm + q/k/v,
+  or + gate/up + SiLU gate, one launch) over tiles, against the separate kernels it replaces
+  (add + norm kernel, cuBLAS, SiLU-and-mul); ``skinny_gemm_add`` (o, down with the residual
+  add in the epilogue) against the plain skinny GEMM.
 - **Decode attention tiles.** ``paged_attention`` over (batch, context) points for a grid of
   (key tile, pipeline depth, warps) and KV split counts, so the decode tile and the split
   heuristic are checked against the best measured.
@@ -51,8 +52,8 @@ GEMM_CONFIGS = (
     (128, 128, 4, 8),
     (16, 128, 8, 2),
 )
-# The fused norm GEMMs stage a residual tile too, and the gated one two weight tiles: shallower
-# K tiles that let more programs share an SM are worth a look.
+# The gated GEMM stages two weight tiles: shallower K tiles that let more programs share an SM
+# are worth a look.
 FUSED_NORM_CONFIGS = GEMM_CONFIGS + ((32, 64, 4, 4), (64, 64, 4, 4), (16, 128, 4, 4),
                                      (32, 128, 4, 4), (64, 128, 3, 4))  # fmt: skip
 ATTENTION_POINTS = ((1, 512), (8, 512), (32, 512), (64, 512), (128, 512), (256, 512),
@@ -137,39 +138,47 @@ def _separate_norm_gemm(x, residual, norm_weight, weight, gated: bool) -> torch.
 def bench_fused_norm_gemms(
     preset: str, hbm_bytes_per_s: float, batches=GEMM_BATCHES, configs=FUSED_NORM_CONFIGS
 ) -> list[dict]:
-    from ember.kernels.skinny_gemm import block_m_for, skinny_norm_gemm
+    """q/k/v and gate/up as `skinny_norm_gemm` (1/rms from partial sums) over tiles, against
+    the norm kernel + GEMM (+ SiLU) they replace; o and down as `skinny_gemm_add` against the
+    plain skinny GEMM (the cost of the residual epilogue)."""
+    from ember.kernels.skinny_gemm import (
+        block_m_for,
+        skinny_gemm,
+        skinny_gemm_add,
+        skinny_norm_gemm,
+    )
 
     shapes = {name: (n, k) for name, n, k in linear_shapes(preset)}
     rows = []
-    for name, gated in (("qkv", False), ("gate_up", True)):
+    for name in ("qkv", "gate_up", "o", "down"):
         n, k = shapes[name]
+        gated = name == "gate_up"
         weight = torch.randn(n, k, dtype=torch.bfloat16, device="cuda") / k**0.5
-        norm_weight = torch.ones(k, dtype=torch.bfloat16, device="cuda")
         for m in batches:
             x, residual = (torch.randn(m, k, dtype=torch.bfloat16, device="cuda") for _ in "xr")
-            moved = 2 * (n * k + 3 * x.numel() + m * (n // 2 if gated else n))
-
-            fused_us = {}
-            for block_n, block_k, stages, warps in configs:
-                config = {"BLOCK_M": block_m_for(m), "BLOCK_N": block_n, "BLOCK_K": block_k,
-                          "STAGES": stages, "num_warps": warps}  # fmt: skip
-                fused_us[f"n{block_n}_k{block_k}_s{stages}_w{warps}"] = _timed_us(
-                    partial(skinny_norm_gemm, x, residual, norm_weight, 1e-5, weight,
-                            gated=gated, config=config)
-                )  # fmt: skip
-            timed = {key: us for key, us in fused_us.items() if isinstance(us, float)}
-            best = min(timed, key=timed.get) if timed else None
-            row = {
-                "shape": f"norm_{name}", "n": n, "k": k, "m": m, "bytes": moved,
-                "roofline_us": moved / hbm_bytes_per_s * 1e6,
-                "separate_kernels_us": _timed_us(
-                    partial(_separate_norm_gemm, x, residual, norm_weight, weight, gated)),
-                "default_config_us": _timed_us(partial(
-                    skinny_norm_gemm, x, residual, norm_weight, 1e-5, weight, gated=gated)),
-                "best_config": best,
-                "best_us": timed.get(best),
-                "fused_us": fused_us,
-            }  # fmt: skip
+            row = {"shape": name, "n": n, "k": k, "m": m}
+            if name in ("o", "down"):
+                stream = torch.randn(m, n, dtype=torch.bfloat16, device="cuda")
+                row["plain_us"] = _timed_us(partial(skinny_gemm, x, weight))
+                row["add_us"] = _timed_us(partial(skinny_gemm_add, x, weight, stream))
+            else:
+                parts = torch.rand(128, m, dtype=torch.float32, device="cuda")
+                norm_weight = torch.ones(k, dtype=torch.bfloat16, device="cuda")
+                row["separate_kernels_us"] = _timed_us(
+                    partial(_separate_norm_gemm, x, residual, norm_weight, weight, gated)
+                )
+                fused = partial(skinny_norm_gemm, x, weight, 1e-5, sum_sq_parts=parts, gated=gated)
+                row["default_config_us"] = _timed_us(fused)
+                fused_us = {}
+                for block_n, block_k, stages, warps in configs:
+                    config = {"BLOCK_M": block_m_for(m), "BLOCK_N": block_n, "BLOCK_K": block_k,
+                              "STAGES": stages, "num_warps": warps}  # fmt: skip
+                    key = f"n{block_n}_k{block_k}_s{stages}_w{warps}"
+                    fused_us[key] = _timed_us(partial(fused, config=config))
+                timed = {key: us for key, us in fused_us.items() if isinstance(us, float)}
+                row["best_config"] = min(timed, key=timed.get) if timed else None
+                row["best_us"] = timed.get(row["best_config"])
+                row["fused_us"] = fused_us
             rows.append(row)
             print(json.dumps({k_: v for k_, v in row.items() if k_ != "fused_us"}), flush=True)
         del weight

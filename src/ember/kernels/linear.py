@@ -9,9 +9,10 @@ gate/up the two tied in `ember bench tune`, so those stay on cuBLAS, except unde
 dependent launch (`ember.kernels.pdl`): a cuBLAS kernel in the chain neither starts early nor
 lets the next kernel start early, so there every decode-sized product takes the skinny kernel.
 
-At decode sizes (`use_fused_norm_gemm`) the decoder layer's residual add, RMSNorm and q/k/v (or
-gate/up, with the SiLU gate) product run as one skinny launch (`skinny_norm_gemm`), so no norm
-or activation launch remains; `Ops.add_norm_linear` picks it.
+At decode sizes (`use_fused_norm_gemm`) the residual stream goes through the skinny kernel
+alone: o and down add into it in their epilogue (`skinny_gemm_add`), and q/k/v and gate/up
+normalise it in theirs (`skinny_norm_gemm`, the SiLU gate included), so no norm or activation
+launch remains; `Ops.norm_linear` and `Ops.linear_add` pick them.
 """
 
 from __future__ import annotations
@@ -45,6 +46,6 @@ def linear(
 
 
 def use_fused_norm_gemm(m: int, dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether a decoder layer's add + RMSNorm + q/k/v or gate/up product of ``m`` rows runs as
-    one skinny launch (`skinny_norm_gemm`) instead of a norm kernel and cuBLAS."""
+    """Whether a step of ``m`` rows keeps its residual stream in the skinny GEMMs' epilogues
+    (`skinny_gemm_add`, `skinny_norm_gemm`) instead of norm kernels and cuBLAS."""
     return device.type == "cuda" and dtype in _HALF_DTYPES and 0 < m <= MAX_M

@@ -24,24 +24,21 @@ from ember.kernels.tiles import shrink_to_fit
 @triton.jit(do_not_specialize=["M"])
 def _skinny_gemm_kernel(
     x_ptr,
-    residual_ptr,
-    new_residual_ptr,
-    norm_ptr,
     w_ptr,
     bias_ptr,
     out_ptr,
+    parts_ptr,
     M,
     N,
     K,
     stride_xm,
-    stride_rm,
-    stride_nrm,
     stride_wn,
     stride_om,
+    num_parts,
     eps,
     HAS_BIAS: tl.constexpr,
-    ADD_RESIDUAL: tl.constexpr,
-    NORM: tl.constexpr,
+    ADD_TO_OUT: tl.constexpr,
+    NORM_ROWS: tl.constexpr,
     GATED: tl.constexpr,
     EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -51,14 +48,17 @@ def _skinny_gemm_kernel(
     DOT_PRECISION: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """``out = x @ w.T``, optionally with the decoder layer's prologue and MLP epilogue folded in.
+    """``out = x @ w.T``, with a decoder layer's residual add, RMSNorm and SiLU gate optionally
+    folded into the epilogue. The main loop is the same in every variant: work on the x tile
+    before the dot (adding the residual or the norm's weight there) cost 2-4x on the H200.
 
-    ``ADD_RESIDUAL``: the input row is ``h = x + residual`` (rounded to the dtype, as HF adds);
-    program 0 stores it to ``new_residual``. ``NORM``: the row is RMS-normalised with the weight
-    at ``norm_ptr``; every program walks all of K anyway, so it sums the squares of its rows on
-    the way and scales the dot products by ``1/rms`` at the end (``(h * g) @ w.T / rms``).
-    ``GATED``: ``w`` holds gate rows ``[0, N)`` then up rows ``[N, 2N)``, and the program writes
-    ``silu(gate) * up`` for its columns, rounded as `ember.kernels.activation` does.
+    ``ADD_TO_OUT``: ``out`` holds the residual stream; the program writes ``out + x @ w.T``
+    (the product rounded to the dtype first, as HF adds) and the sum of squares of its columns
+    of each new row to ``parts[pid_n, row]``. ``NORM_ROWS`` (the RMSNorm's weight folded into
+    ``w``): the dot products are scaled by ``1/rms`` of the input row, its mean square summed from
+    ``parts`` (1) or from the rows themselves (2). ``GATED``: ``w`` holds gate rows ``[0, N)``
+    then up rows ``[N, 2N)``, and the program writes ``silu(gate) * up`` for its columns, rounded
+    as `ember.kernels.activation` does.
     """
     pid_n = tl.program_id(0)
     rows = tl.arange(0, BLOCK_M)
@@ -69,47 +69,44 @@ def _skinny_gemm_kernel(
     w_rows = cols % N
     w_row_offsets = w_rows[:, None].to(tl.int64) * stride_wn
     up_row_offsets = (w_rows + N)[:, None].to(tl.int64) * stride_wn
-    # Only program 0 writes the summed residual; the others' stores are masked off.
-    keeps_residual = row_valid[:, None] & (pid_n == 0)
     # Loading the first weight tile before this wait (it needs nothing from the previous kernel)
     # was measured on the H200: no gain at batch 1 and +1.1 ms of GEMM per step at batch 64.
     wait_for_producer(PDL)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    sum_sq = tl.zeros([BLOCK_M], dtype=tl.float32)
     for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
         ks = k0 + tl.arange(0, BLOCK_K)
         x_offsets = rows[:, None] * stride_xm + ks[None, :]
         if EVEN_K:
-            x_mask = row_valid[:, None]
+            x = tl.load(x_ptr + x_offsets, mask=row_valid[:, None], other=0.0)
             w = tl.load(w_ptr + w_row_offsets + ks[None, :])
             if GATED:
                 w_up = tl.load(w_ptr + up_row_offsets + ks[None, :])
         else:
             k_valid = ks[None, :] < K
-            x_mask = row_valid[:, None] & k_valid
+            x = tl.load(x_ptr + x_offsets, mask=row_valid[:, None] & k_valid, other=0.0)
             w = tl.load(w_ptr + w_row_offsets + ks[None, :], mask=k_valid, other=0.0)
             if GATED:
                 w_up = tl.load(w_ptr + up_row_offsets + ks[None, :], mask=k_valid, other=0.0)
-        x = tl.load(x_ptr + x_offsets, mask=x_mask, other=0.0)
-        if ADD_RESIDUAL:
-            r_offsets = rows[:, None] * stride_rm + ks[None, :]
-            residual = tl.load(residual_ptr + r_offsets, mask=x_mask, other=0.0)
-            x = (x.to(tl.float32) + residual.to(tl.float32)).to(x_ptr.dtype.element_ty)
-            h_offsets = rows[:, None] * stride_nrm + ks[None, :]
-            tl.store(new_residual_ptr + h_offsets, x, mask=x_mask & keeps_residual)
-        if NORM:
-            xf = x.to(tl.float32)
-            sum_sq += tl.sum(xf * xf, 1)
-            if EVEN_K:
-                g = tl.load(norm_ptr + ks).to(tl.float32)
-            else:
-                g = tl.load(norm_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)
-            x = (xf * g[None, :]).to(w_ptr.dtype.element_ty)
         acc += tl.dot(x, tl.trans(w), input_precision=DOT_PRECISION)
         if GATED:
             acc_up += tl.dot(x, tl.trans(w_up), input_precision=DOT_PRECISION)
-    if NORM:
+    if NORM_ROWS != 0:
+        sum_sq = tl.zeros([BLOCK_M], dtype=tl.float32)
+        if NORM_ROWS == 1:
+            for p0 in range(0, num_parts, BLOCK_N):
+                parts = p0 + tl.arange(0, BLOCK_N)
+                part_mask = (parts[:, None] < num_parts) & row_valid[None, :]
+                part = tl.load(parts_ptr + parts[:, None] * M + rows[None, :], mask=part_mask,
+                               other=0.0)  # fmt: skip
+                sum_sq += tl.sum(part, 0)
+        else:
+            for k0 in range(0, K, BLOCK_K):
+                ks = k0 + tl.arange(0, BLOCK_K)
+                x_mask = row_valid[:, None] & (ks[None, :] < K)
+                xf = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=x_mask,
+                             other=0.0).to(tl.float32)  # fmt: skip
+                sum_sq += tl.sum(xf * xf, 1)
         # As the RMSNorm kernel: correctly rounded division and square root.
         mean_sq = tl.math.div_rn(sum_sq, K * 1.0)  # div_rn takes fp32 operands only
         inv_rms = tl.math.div_rn(1.0, tl.math.sqrt_rn(mean_sq + eps))
@@ -124,11 +121,19 @@ def _skinny_gemm_kernel(
         up = acc_up.to(out_ptr.dtype.element_ty).to(tl.float32)
         silu = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty).to(tl.float32)
         result = silu * up
-    tl.store(
-        out_ptr + rows[:, None] * stride_om + cols[None, :],
-        result.to(out_ptr.dtype.element_ty),
-        mask=row_valid[:, None] & (cols[None, :] < N),
-    )
+    col_valid = cols < N
+    out_offsets = rows[:, None] * stride_om + cols[None, :]
+    out_mask = row_valid[:, None] & col_valid[None, :]
+    if ADD_TO_OUT:
+        residual = tl.load(out_ptr + out_offsets, mask=out_mask, other=0.0).to(tl.float32)
+        hidden = (acc.to(out_ptr.dtype.element_ty).to(tl.float32) + residual).to(
+            out_ptr.dtype.element_ty
+        )
+        hf = hidden.to(tl.float32)
+        part = tl.sum(tl.where(col_valid[None, :], hf * hf, 0.0), 1)
+        tl.store(parts_ptr + pid_n * M + rows, part, mask=row_valid)
+        result = hf
+    tl.store(out_ptr + out_offsets, result.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
 # Largest M the kernel takes: past it the tensor-core tiles of cuBLAS re-use each weight tile
@@ -202,8 +207,8 @@ def _check_operands(x: torch.Tensor, weight: torch.Tensor, weight_rows: int) -> 
         raise ValueError("the reduction dim must be contiguous in x and weight")
 
 
-def _launch(x, weight, bias, out, config, pdl, *, residual=None, new_residual=None,
-            norm_weight=None, eps=0.0, gated=False) -> None:  # fmt: skip
+def _launch(x, weight, bias, out, config, pdl, *, parts=None, num_parts=0, add_to_out=False,
+            norm_rows=0, eps=0.0, gated=False) -> None:  # fmt: skip
     m, k = x.shape
     n = out.shape[1]
     if m == 0:
@@ -213,18 +218,12 @@ def _launch(x, weight, bias, out, config, pdl, *, residual=None, new_residual=No
         raise ValueError(f"BLOCK_M {config['BLOCK_M']} is smaller than M {m}")
     block_n = config.pop("BLOCK_N")
     _skinny_gemm_kernel[(triton.cdiv(n, block_n),)](
-        x,
-        residual if residual is not None else x,
-        new_residual if new_residual is not None else x,
-        norm_weight if norm_weight is not None else weight,
-        weight, bias if bias is not None else weight, out,
-        m, n, k, x.stride(0),
-        residual.stride(0) if residual is not None else 0,
-        new_residual.stride(0) if new_residual is not None else 0,
-        weight.stride(0), out.stride(0), eps,
+        x, weight, bias if bias is not None else weight, out,
+        parts if parts is not None else weight,
+        m, n, k, x.stride(0), weight.stride(0), out.stride(0), num_parts, eps,
         HAS_BIAS=bias is not None,
-        ADD_RESIDUAL=residual is not None,
-        NORM=norm_weight is not None,
+        ADD_TO_OUT=add_to_out,
+        NORM_ROWS=norm_rows,
         GATED=gated,
         EVEN_K=k % config["BLOCK_K"] == 0,
         BLOCK_N=block_n,
@@ -258,37 +257,66 @@ def skinny_gemm(
     return out
 
 
-def skinny_norm_gemm(
+def skinny_gemm_add(
     x: torch.Tensor,
-    residual: torch.Tensor | None,
-    norm_weight: torch.Tensor,
-    eps: float,
     weight: torch.Tensor,
+    residual: torch.Tensor,
+    *,
+    config: dict[str, int] | None = None,
+    pdl: bool = False,
+) -> torch.Tensor:
+    """``residual += x @ weight.T`` in place (the product rounded to the dtype, then added, as
+    HF's decoder layer does), for ``x [M, K]`` with M <= ``MAX_M``.
+
+    Returns float32 ``[P, M]``: each program's sum of squares of the new residual rows over its
+    columns, which `skinny_norm_gemm` adds up for the next RMSNorm instead of re-reading the rows.
+    """
+    _check_operands(x, weight, weight.shape[0])
+    m, n = x.shape[0], weight.shape[0]
+    if residual.shape != (m, n) or residual.stride(1) != 1:
+        raise ValueError(f"residual must be [{m}, {n}] with a contiguous last dim")
+    config = dict(config or default_config(m, n, x.shape[1], weight.element_size()))
+    parts = torch.empty(triton.cdiv(n, config["BLOCK_N"]), m, dtype=torch.float32,
+                        device=x.device)  # fmt: skip
+    _launch(x, weight, None, residual, config, pdl, parts=parts, add_to_out=True)
+    return parts
+
+
+def skinny_norm_gemm(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
     bias: torch.Tensor | None = None,
     *,
+    sum_sq_parts: torch.Tensor | None = None,
     gated: bool = False,
     config: dict[str, int] | None = None,
     pdl: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """A decoder layer's ``h = x + residual``, ``RMSNorm(h)`` and linear product in one launch.
+) -> torch.Tensor:
+    """``rms_norm(hidden) @ weight.T (+ bias)`` with the norm's weight already folded into
+    ``weight`` (``W diag(g)``, see `fold_norm_weight`), for M <= ``MAX_M`` rows.
 
-    Returns ``(out, h)``: ``out = rms_norm(h, norm_weight, eps) @ weight.T (+ bias)``, or with
-    ``gated`` (``weight`` = gate rows then up rows, ``[2I, K]``) ``out = silu(gate) * up``,
-    ``[M, I]``. With ``residual`` None, ``h`` is ``x`` itself (the first layer's embeddings);
-    else ``h`` is a new tensor (``residual`` is left as it was). M <= ``MAX_M``.
+    ``sum_sq_parts``: `skinny_gemm_add`'s partial sums of squares of these rows (else the program
+    sums them from the rows). ``gated``: ``weight`` is gate rows then up rows, ``[2I, K]``, and
+    the result is ``silu(gate) * up``, ``[M, I]``.
     """
-    m, k = x.shape
+    m = hidden.shape[0]
     n = weight.shape[0] // 2 if gated else weight.shape[0]
-    _check_operands(x, weight, 2 * n if gated else n)
-    if norm_weight.shape != (k,):
-        raise ValueError(f"norm weight has shape {tuple(norm_weight.shape)}, expected ({k},)")
-    if residual is not None and (residual.shape != x.shape or residual.stride(1) != 1):
-        raise ValueError("residual must have x's shape and a contiguous last dim")
+    _check_operands(hidden, weight, 2 * n if gated else n)
     if bias is not None and gated:
         raise ValueError("the gated product takes no bias")
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    h = x if residual is None else torch.empty(m, k, dtype=x.dtype, device=x.device)
-    _launch(x, weight, bias, out, config, pdl, residual=residual,
-            new_residual=None if residual is None else h, norm_weight=norm_weight, eps=eps,
-            gated=gated)  # fmt: skip
-    return out, h
+    if sum_sq_parts is not None and (sum_sq_parts.dim() != 2 or sum_sq_parts.shape[1] != m
+                                     or sum_sq_parts.dtype != torch.float32
+                                     or not sum_sq_parts.is_contiguous()):  # fmt: skip
+        raise ValueError(f"sum_sq_parts must be contiguous float32 [P, {m}]")
+    out = torch.empty(m, n, dtype=hidden.dtype, device=hidden.device)
+    _launch(hidden, weight, bias, out, config, pdl, parts=sum_sq_parts,
+            num_parts=0 if sum_sq_parts is None else sum_sq_parts.shape[0],
+            norm_rows=2 if sum_sq_parts is None else 1, eps=eps, gated=gated)  # fmt: skip
+    return out
+
+
+def fold_norm_weight(weight: torch.Tensor, norm_weight: torch.Tensor) -> None:
+    """``weight <- weight diag(norm_weight)`` in place (in float32, rounded once): the RMSNorm's
+    scale moved into the projection after it, as `skinny_norm_gemm` expects."""
+    weight.copy_(weight.float() * norm_weight.float()[None, :])
