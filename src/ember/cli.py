@@ -187,12 +187,6 @@ def add_fast_path_arguments(parser: argparse.ArgumentParser) -> None:
         help="decode steps apply RoPE and write the KV cache in their own kernel, not inside "
         "the attention kernel",
     )
-    parser.add_argument(
-        "--separate-norm-kernels",
-        action="store_true",
-        help="decode steps run the residual add, each RMSNorm and the SiLU gate as their own "
-        "kernels (q/k/v and gate/up on cuBLAS) instead of in the skinny GEMMs' epilogues",
-    )
 
 
 def fast_path_options(args: argparse.Namespace) -> dict:
@@ -200,7 +194,6 @@ def fast_path_options(args: argparse.Namespace) -> dict:
     return {
         "programmatic_launch": args.programmatic_launch,
         "decode_rope_in_attention": not args.separate_decode_rope,
-        "fused_norm_linear": not args.separate_norm_kernels,
     }
 
 

@@ -158,7 +158,4 @@ class EngineConfig:
     # Decode steps apply RoPE and write the KV cache inside the attention kernel (Triton path):
     # 61-88 us less per step than a separate kernel at batch 1-64 on an H200.
     decode_rope_in_attention: bool = True
-    # Decode-sized steps (Triton path, <= 64 tokens) keep the residual add, each RMSNorm and the
-    # SiLU gate in the skinny GEMMs' epilogues (norm weights folded into the projections at load).
-    fused_norm_linear: bool = True
     overlap: bool | None = None  # None: overlap CPU and GPU work when on a GPU

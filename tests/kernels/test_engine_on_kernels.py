@@ -77,36 +77,3 @@ def test_padded_graph_inputs_on_the_kernels_give_the_reference_tokens(tmp_path, 
     assert outputs["triton"] == outputs["reference"]
     kinds = {key.decode for key, _ in graphs.replayed}
     assert kinds == {True, False}
-
-
-def test_fused_norm_linear_path_gives_the_reference_tokens(tmp_path, device, monkeypatch):
-    """Every step of <= 64 tokens through `skinny_norm_gemm` (its routing forced on for the
-    CPU and fp32), chunked prompts included: the reference backend's tokens."""
-    import importlib
-
-    from ember.kernels.skinny_gemm import MAX_M
-
-    # (`ember.kernels.linear` the attribute is the function; the module is what triton_ops reads.)
-    linear_module = importlib.import_module("ember.kernels.linear")
-
-    calls = []
-
-    def always_for_small_batches(m, dtype, device):
-        calls.append(m)
-        return 0 < m <= MAX_M
-
-    monkeypatch.setattr(linear_module, "use_fused_norm_gemm", always_for_small_batches)
-    path = make_tiny_model("LlamaForCausalLM", tmp_path)
-    gen = torch.Generator().manual_seed(11)
-    prompts = [torch.randint(3, 4000, (n,), generator=gen).tolist() for n in (4, 19, 33)]
-    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
-    outputs = {}
-    for backend in ("reference", "triton"):
-        llm = LLM(
-            str(path), device=str(device), max_model_len=64, backend=backend, dtype="float32",
-            max_num_batched_tokens=16, kv_cache_memory_bytes=16 << 20,
-        )  # fmt: skip
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-        outputs[backend] = [o.outputs[0].token_ids for o in outs]
-    assert calls, "the Triton backend never asked to fuse"
-    assert outputs["triton"] == outputs["reference"]

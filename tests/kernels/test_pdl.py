@@ -66,12 +66,9 @@ def test_fast_path_flags_reach_the_engine_config_and_default_to_its_defaults():
 
     parser = argparse.ArgumentParser()
     add_fast_path_arguments(parser)
-    args = parser.parse_args(
-        ["--separate-decode-rope", "--programmatic-launch", "--separate-norm-kernels"]
-    )
+    args = parser.parse_args(["--separate-decode-rope", "--programmatic-launch"])
     config = EngineConfig(model="m", **fast_path_options(args))
     assert config.decode_rope_in_attention is False and config.programmatic_launch is True
-    assert config.fused_norm_linear is False
     assert EngineConfig(model="m", **fast_path_options(parser.parse_args([]))) == EngineConfig("m")
 
 

@@ -166,7 +166,6 @@ def run_profile(
         "gpu": torch.cuda.get_device_name(),
         "programmatic_launch": inst.ops.programmatic_launch,
         "decode_rope_in_attention": inst.config.decode_rope_in_attention,
-        "fused_norm_linear": inst.config.fused_norm_linear,
         "rows": rows,
     }
     (out_dir / "step_profile.json").write_text(json.dumps(result, indent=2))

@@ -7,10 +7,6 @@ engine runs its decode steps):
   gate/up, down, the output projection) and each batch M: cuBLAS (``torch.matmul``) against
   ``ember.kernels.skinny_gemm`` over a grid of tile configurations, each as bandwidth over the
   bytes the product must move.
-- **The residual stream through the skinny GEMMs.** ``skinny_norm_gemm`` (RMSNorm + q/k/v,
-  or + gate/up + SiLU gate, one launch) over tiles, against the separate kernels it replaces
-  (add + norm kernel, cuBLAS, SiLU-and-mul); ``skinny_gemm_add`` (o, down with the residual
-  add in the epilogue) against the plain skinny GEMM.
 - **Decode attention tiles.** ``paged_attention`` over (batch, context) points for a grid of
   (key tile, pipeline depth, warps) and KV split counts, so the decode tile and the split
   heuristic are checked against the best measured.
@@ -52,10 +48,6 @@ GEMM_CONFIGS = (
     (128, 128, 4, 8),
     (16, 128, 8, 2),
 )
-# The gated GEMM stages two weight tiles: shallower K tiles that let more programs share an SM
-# are worth a look.
-FUSED_NORM_CONFIGS = GEMM_CONFIGS + ((32, 64, 4, 4), (64, 64, 4, 4), (16, 128, 4, 4),
-                                     (32, 128, 4, 4), (64, 128, 3, 4))  # fmt: skip
 ATTENTION_POINTS = ((1, 512), (8, 512), (32, 512), (64, 512), (128, 512), (256, 512),
                     (1, 4096), (8, 4096), (32, 4096))  # fmt: skip
 # (BLOCK_N, KV_STAGES, num_warps)
@@ -126,66 +118,6 @@ def bench_gemms(preset: str, hbm_bytes_per_s: float, batches=GEMM_BATCHES) -> li
     return rows
 
 
-def _separate_norm_gemm(x, residual, norm_weight, weight, gated: bool) -> torch.Tensor:
-    """What `skinny_norm_gemm` replaces: add + norm kernel, the routed GEMM, SiLU-and-mul."""
-    from ember import kernels
-
-    kernels.fused_add_rms_norm(x, residual, norm_weight, 1e-5)
-    out = kernels.linear(x, weight)
-    return kernels.silu_and_mul(out) if gated else out
-
-
-def bench_fused_norm_gemms(
-    preset: str, hbm_bytes_per_s: float, batches=GEMM_BATCHES, configs=FUSED_NORM_CONFIGS
-) -> list[dict]:
-    """q/k/v and gate/up as `skinny_norm_gemm` (1/rms from partial sums) over tiles, against
-    the norm kernel + GEMM (+ SiLU) they replace; o and down as `skinny_gemm_add` against the
-    plain skinny GEMM (the cost of the residual epilogue)."""
-    from ember.kernels.skinny_gemm import (
-        block_m_for,
-        skinny_gemm,
-        skinny_gemm_add,
-        skinny_norm_gemm,
-    )
-
-    shapes = {name: (n, k) for name, n, k in linear_shapes(preset)}
-    rows = []
-    for name in ("qkv", "gate_up", "o", "down"):
-        n, k = shapes[name]
-        gated = name == "gate_up"
-        weight = torch.randn(n, k, dtype=torch.bfloat16, device="cuda") / k**0.5
-        for m in batches:
-            x, residual = (torch.randn(m, k, dtype=torch.bfloat16, device="cuda") for _ in "xr")
-            row = {"shape": name, "n": n, "k": k, "m": m}
-            if name in ("o", "down"):
-                stream = torch.randn(m, n, dtype=torch.bfloat16, device="cuda")
-                row["plain_us"] = _timed_us(partial(skinny_gemm, x, weight))
-                row["add_us"] = _timed_us(partial(skinny_gemm_add, x, weight, stream))
-            else:
-                parts = torch.rand(128, m, dtype=torch.float32, device="cuda")
-                norm_weight = torch.ones(k, dtype=torch.bfloat16, device="cuda")
-                row["separate_kernels_us"] = _timed_us(
-                    partial(_separate_norm_gemm, x, residual, norm_weight, weight, gated)
-                )
-                fused = partial(skinny_norm_gemm, x, weight, 1e-5, sum_sq_parts=parts, gated=gated)
-                row["default_config_us"] = _timed_us(fused)
-                fused_us = {}
-                for block_n, block_k, stages, warps in configs:
-                    config = {"BLOCK_M": block_m_for(m), "BLOCK_N": block_n, "BLOCK_K": block_k,
-                              "STAGES": stages, "num_warps": warps}  # fmt: skip
-                    key = f"n{block_n}_k{block_k}_s{stages}_w{warps}"
-                    fused_us[key] = _timed_us(partial(fused, config=config))
-                timed = {key: us for key, us in fused_us.items() if isinstance(us, float)}
-                row["best_config"] = min(timed, key=timed.get) if timed else None
-                row["best_us"] = timed.get(row["best_config"])
-                row["fused_us"] = fused_us
-            rows.append(row)
-            print(json.dumps({k_: v for k_, v in row.items() if k_ != "fused_us"}), flush=True)
-        del weight
-    torch.cuda.empty_cache()
-    return rows
-
-
 def bench_attention_tiles(hbm_bytes_per_s: float, points=ATTENTION_POINTS) -> list[dict]:
     from ember.kernels import paged_attention
 
@@ -232,9 +164,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     parser.add_argument("--skip-gemm", action="store_true")
     parser.add_argument("--skip-attention", action="store_true")
-    parser.add_argument("--skip-fused-norm", action="store_true")
-    parser.add_argument("--batches", type=int, nargs="+", default=list(GEMM_BATCHES),
-                        help="decode batch sizes of the GEMM sweeps")  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
@@ -249,10 +178,7 @@ def run(args: argparse.Namespace) -> int:
     if not args.skip_attention:
         result["attention"] = bench_attention_tiles(hbm)
         path.write_text(json.dumps(result, indent=1))
-    if not args.skip_fused_norm:
-        result["fused_norm_gemm"] = bench_fused_norm_gemms(args.preset, hbm, args.batches)
-        path.write_text(json.dumps(result, indent=1))
     if not args.skip_gemm:
-        result["gemm"] = bench_gemms(args.preset, hbm, args.batches)
+        result["gemm"] = bench_gemms(args.preset, hbm)
         path.write_text(json.dumps(result, indent=1))
     return 0

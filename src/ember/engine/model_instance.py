@@ -93,7 +93,6 @@ class ModelInstance:
             config.backend,
             config.programmatic_launch,
             config.decode_rope_in_attention,
-            config.fused_norm_linear,
         )
         if config.cuda_graph_mode not in ("full", "decode"):
             raise ValueError(

@@ -8,11 +8,6 @@ vocabulary projection took 1,723 us per step against cuBLAS's 1,805 (reduces inc
 gate/up the two tied in `ember bench tune`, so those stay on cuBLAS, except under programmatic
 dependent launch (`ember.kernels.pdl`): a cuBLAS kernel in the chain neither starts early nor
 lets the next kernel start early, so there every decode-sized product takes the skinny kernel.
-
-At decode sizes (`use_fused_norm_gemm`) the residual stream goes through the skinny kernel
-alone: o and down add into it in their epilogue (`skinny_gemm_add`), and q/k/v and gate/up
-normalise it in theirs (`skinny_norm_gemm`, the SiLU gate included), so no norm or activation
-launch remains; `Ops.norm_linear` and `Ops.linear_add` pick them.
 """
 
 from __future__ import annotations
@@ -43,9 +38,3 @@ def linear(
     if x.stride(1) == 1 and use_skinny_gemm(m, weight.shape[0], k, weight.dtype, x.device, pdl):
         return skinny_gemm(x, weight, bias, pdl=pdl)
     return F.linear(x, weight, bias)
-
-
-def use_fused_norm_gemm(m: int, dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether a step of ``m`` rows keeps its residual stream in the skinny GEMMs' epilogues
-    (`skinny_gemm_add`, `skinny_norm_gemm`) instead of norm kernels and cuBLAS."""
-    return device.type == "cuda" and dtype in _HALF_DTYPES and 0 < m <= MAX_M

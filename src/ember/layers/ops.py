@@ -36,85 +36,6 @@ class Ops:
     capturable: bool
     # Whether the kernels launch with programmatic dependent launch (ember.kernels.pdl).
     programmatic_launch: bool = False
-    # Decode-sized steps (`fuses_norm_linear(rows, dtype, device)`) run the residual stream
-    # through the skinny GEMMs: `fused_linear_add` (`skinny_gemm_add`'s contract) adds a
-    # projection into the stream, `fused_norm_linear` (`skinny_norm_gemm`'s) normalises it into
-    # the next one, with the norms' weights folded into the projections at load. None: always
-    # the separate kernels.
-    fused_linear_add: Callable[..., torch.Tensor] | None = None
-    fused_norm_linear: Callable[..., torch.Tensor] | None = None
-    fuses_norm_linear: Callable[[int, torch.dtype, torch.device], bool] | None = None
-
-    def folds_norm_weights(self, dtype: torch.dtype, device: torch.device) -> bool:
-        """Whether a model on these ops multiplies each decoder RMSNorm's weight into the
-        projection after it at load (the fused kernels expect it; the separate ones then
-        normalise with a weight of ones)."""
-        return self.fuses_norm_linear is not None and self.fuses_norm_linear(1, dtype, device)
-
-    def _fuses(self, stream: ResidualStream, weight: torch.Tensor) -> bool:
-        rows = stream.hidden.shape[0]
-        return (
-            stream.pending is None
-            and self.fuses_norm_linear is not None
-            and self.fuses_norm_linear(rows, weight.dtype, stream.hidden.device)
-        )
-
-    def norm_linear(
-        self,
-        stream: ResidualStream,
-        norm_weight: torch.Tensor,
-        eps: float,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None = None,
-        *,
-        gated: bool = False,
-    ) -> tuple[torch.Tensor, ResidualStream]:
-        """A pre-norm sub-block's entry: ``linear(rms_norm(h), weight, bias)`` of the stream's
-        rows ``h`` (``silu_and_mul`` of it with ``gated``), and the stream with nothing
-        pending."""
-        if self._fuses(stream, weight):
-            out = self.fused_norm_linear(stream.hidden, weight, eps, bias, gated=gated,
-                                         sum_sq_parts=stream.sum_sq_parts)  # fmt: skip
-            return out, stream
-        hidden, pending = stream.hidden, stream.pending
-        if pending is None:
-            normed = self.rms_norm(hidden, norm_weight, eps)
-        else:
-            self.fused_add_rms_norm(pending, hidden, norm_weight, eps)
-            normed = pending
-        out = self.linear(normed, weight, bias)
-        return (self.silu_and_mul(out) if gated else out), ResidualStream(hidden)
-
-    def linear_add(
-        self, x: torch.Tensor, weight: torch.Tensor, stream: ResidualStream
-    ) -> ResidualStream:
-        """A sub-block's exit: the stream plus ``x @ weight.T``, added in the GEMM's epilogue at
-        decode sizes and left pending for the next norm kernel otherwise."""
-        if self._fuses(stream, weight):
-            parts = self.fused_linear_add(x, weight, stream.hidden)
-            return ResidualStream(stream.hidden, sum_sq_parts=parts)
-        return ResidualStream(stream.hidden, pending=self.linear(x, weight))
-
-    def final_norm(
-        self, stream: ResidualStream, norm_weight: torch.Tensor, eps: float
-    ) -> torch.Tensor:
-        """``rms_norm`` of the stream's rows, anything pending added first."""
-        if stream.pending is None:
-            return self.rms_norm(stream.hidden, norm_weight, eps)
-        self.fused_add_rms_norm(stream.pending, stream.hidden, norm_weight, eps)
-        return stream.pending
-
-
-@dataclass(frozen=True)
-class ResidualStream:
-    """A decoder's residual stream between sub-blocks: ``hidden`` rows, plus the last
-    sub-block's output when it is not added yet (``pending``; the separate kernels add it in the
-    next norm), or the partial sums of squares of ``hidden``'s rows from the GEMM that added it
-    (``sum_sq_parts``; the fused kernels)."""
-
-    hidden: torch.Tensor
-    pending: torch.Tensor | None = None
-    sum_sq_parts: torch.Tensor | None = None
 
 
 def reference_ops() -> Ops:
@@ -135,19 +56,12 @@ def reference_ops() -> Ops:
     )
 
 
-def triton_ops(
-    programmatic_launch: bool = False,
-    decode_rope_in_attention: bool = True,
-    fused_norm_linear: bool = True,
-) -> Ops:
+def triton_ops(programmatic_launch: bool = False, decode_rope_in_attention: bool = True) -> Ops:
     """The Triton kernels; ``programmatic_launch`` launches the ones of a forward pass with PDL
     (Hopper and later; the sampler's kernels run after host-visible torch ops and keep plain
     launches); ``decode_rope_in_attention`` lets decode steps rotate and write the cache inside
-    the attention kernel; ``fused_norm_linear`` lets decode-sized steps fold each RMSNorm (and
-    the SiLU gate) into the projection after it."""
+    the attention kernel."""
     from ember import kernels
-    from ember.kernels.linear import use_fused_norm_gemm
-    from ember.kernels.skinny_gemm import skinny_gemm_add, skinny_norm_gemm
 
     def chained(op):
         return partial(op, pdl=True) if programmatic_launch else op
@@ -169,9 +83,6 @@ def triton_ops(
         greedy_argmax=kernels.greedy_argmax,
         capturable=True,
         programmatic_launch=programmatic_launch,
-        fused_linear_add=chained(skinny_gemm_add) if fused_norm_linear else None,
-        fused_norm_linear=chained(skinny_norm_gemm) if fused_norm_linear else None,
-        fuses_norm_linear=use_fused_norm_gemm if fused_norm_linear else None,
     )
 
 
@@ -180,7 +91,6 @@ def select_ops(
     backend: str = "auto",
     programmatic_launch: bool = False,
     decode_rope_in_attention: bool = True,
-    fused_norm_linear: bool = True,
 ) -> Ops:
     """Triton on CUDA unless asked otherwise; the reference everywhere else.
 
@@ -194,4 +104,4 @@ def select_ops(
 
     if programmatic_launch and not supports_programmatic_launch(device):
         raise ValueError("programmatic dependent launch needs a CUDA GPU of compute capability 9+")
-    return triton_ops(programmatic_launch, decode_rope_in_attention, fused_norm_linear)
+    return triton_ops(programmatic_launch, decode_rope_in_attention)

@@ -14,7 +14,7 @@ from torch import nn
 
 from ember.config import ModelConfig
 from ember.layers.forward_context import ForwardContext
-from ember.layers.ops import Ops, ResidualStream
+from ember.layers.ops import Ops
 
 # Checkpoint name fragment -> (fused parameter fragment, shard index).
 _FUSED_SHARDS = {
@@ -40,17 +40,14 @@ class Attention(nn.Module):
 
     def forward(
         self,
-        stream: ResidualStream,
-        norm_weight: torch.Tensor,
+        x: torch.Tensor,
         ctx: ForwardContext,
         cos_sin_cache: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
-    ) -> ResidualStream:
-        cfg, n = self.cfg, stream.hidden.shape[0]
-        qkv, stream = self.ops.norm_linear(
-            stream, norm_weight, cfg.rms_norm_eps, self.qkv_proj.weight, self.qkv_proj.bias
-        )
+    ) -> torch.Tensor:
+        cfg, n = self.cfg, x.shape[0]
+        qkv = self.ops.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
         q, k, v = qkv.split(self.shard_sizes, dim=-1)
         q = q.reshape(n, cfg.num_heads, cfg.head_dim)
         k = k.reshape(n, cfg.num_kv_heads, cfg.head_dim)
@@ -61,7 +58,7 @@ class Attention(nn.Module):
             k = self.ops.rms_norm(k.reshape(-1, cfg.head_dim), self.k_norm, eps).view_as(k)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         self.ops.rope_and_attention(q, k, v, ctx, cos_sin_cache, k_cache, v_cache, self.scale, out)
-        return self.ops.linear_add(out.view(n, cfg.q_size), self.o_proj.weight, stream)
+        return self.ops.linear(out.view(n, cfg.q_size), self.o_proj.weight)
 
 
 class MLP(nn.Module):
@@ -71,13 +68,9 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(
-        self, stream: ResidualStream, norm_weight: torch.Tensor, eps: float
-    ) -> ResidualStream:
-        act, stream = self.ops.norm_linear(
-            stream, norm_weight, eps, self.gate_up_proj.weight, gated=True
-        )
-        return self.ops.linear_add(act, self.down_proj.weight, stream)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.ops.linear(x, self.gate_up_proj.weight)
+        return self.ops.linear(self.ops.silu_and_mul(gate_up), self.down_proj.weight)
 
 
 class DecoderLayer(nn.Module):
@@ -91,16 +84,21 @@ class DecoderLayer(nn.Module):
 
     def forward(
         self,
-        stream: ResidualStream,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
         ctx: ForwardContext,
         cos_sin_cache: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
-    ) -> ResidualStream:
-        # Each sub-block normalises the stream into its first projection and adds its last one
-        # back (`Ops.norm_linear`, `Ops.linear_add`): at decode sizes no other launch remains.
-        stream = self.self_attn(stream, self.input_layernorm, ctx, cos_sin_cache, k_cache, v_cache)
-        return self.mlp(stream, self.post_attention_layernorm, self.eps)
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = x
+            x = self.ops.rms_norm(x, self.input_layernorm, self.eps)
+        else:
+            self.ops.fused_add_rms_norm(x, residual, self.input_layernorm, self.eps)
+        x = self.self_attn(x, ctx, cos_sin_cache, k_cache, v_cache)
+        self.ops.fused_add_rms_norm(x, residual, self.post_attention_layernorm, self.eps)
+        return self.mlp(x), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -122,10 +120,12 @@ class LlamaForCausalLM(nn.Module):
         cos_sin_cache: torch.Tensor,
         kv_cache: torch.Tensor,
     ) -> torch.Tensor:
-        stream = ResidualStream(self.embed_tokens(input_ids))
+        x = self.embed_tokens(input_ids)
+        residual = None
         for i, layer in enumerate(self.layers):
-            stream = layer(stream, ctx, cos_sin_cache, kv_cache[i, 0], kv_cache[i, 1])
-        return self.ops.final_norm(stream, self.norm, self.cfg.rms_norm_eps)
+            x, residual = layer(x, residual, ctx, cos_sin_cache, kv_cache[i, 0], kv_cache[i, 1])
+        self.ops.fused_add_rms_norm(x, residual, self.norm, self.cfg.rms_norm_eps)
+        return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head
@@ -155,25 +155,6 @@ class LlamaForCausalLM(nn.Module):
             target.copy_(tensor)
             loaded.add(name if shard is None else f"{name}#{shard}")
         self._check_all_loaded(params, loaded)
-        weight = self.embed_tokens.weight
-        if self.ops.folds_norm_weights(weight.dtype, weight.device):
-            self._fold_norm_weights()
-
-    @torch.no_grad()
-    def _fold_norm_weights(self) -> None:
-        """Move each decoder RMSNorm's weight into the projection it feeds (``W diag(g)``), as
-        the fused decode kernels expect; the norms keep a weight of ones for the separate kernels
-        of larger steps. The final norm keeps its weight (the output projection may be tied to the
-        embeddings)."""
-        from ember.kernels.skinny_gemm import fold_norm_weight
-
-        for layer in self.layers:
-            for norm, linear in (
-                (layer.input_layernorm, layer.self_attn.qkv_proj),
-                (layer.post_attention_layernorm, layer.mlp.gate_up_proj),
-            ):
-                fold_norm_weight(linear.weight, norm)
-                norm.fill_(1.0)
 
     def _param_name(self, hf_name: str) -> tuple[str | None, int | None]:
         if "rotary_emb" in hf_name:
