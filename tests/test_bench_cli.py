@@ -169,7 +169,6 @@ def test_profile_groups_kernels_by_category():
     from ember.bench.step_profile import categorize, summarize_kernels
 
     assert categorize("_paged_attention_kernel") == "attention"
-    assert categorize("_split_kv_reduce_kernel") == "attention"
     assert categorize("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize64x64x64") == "gemm"
     assert categorize("nvjet_tst_128x64_64x8_1x1_v_bz_TNT") == "gemm"
     assert categorize("_fused_add_rms_norm_kernel") == "norm"

@@ -174,9 +174,10 @@ def test_decode_with_empty_sequence_split(gen, device):
 @pytest.mark.parametrize("group", [1, 4, 8])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_split_kv_merged_in_kernel(gen, device, group, dtype):
-    """With arrival counters the last split program of each (sequence, KV head) merges: the
-    same answers as the reduce kernel, an empty (padding) sequence untouched, and the counters
-    zero again after each launch, so they serve the next (as across layers and graph replays)."""
+    """The last split program of each (sequence, KV head) merges, counting arrivals in the
+    caller's counters: the reference's answers, an empty (padding) sequence untouched, and the
+    counters zero again after each launch, so they serve the next (as across layers and graph
+    replays)."""
     q_lens, seq_lens = [1, 1, 0, 1], [300, 7, 2, 130]
     step = make_step(gen, device, q_lens, seq_lens, num_kv_heads=2, group=group, head_dim=64,
                      dtype=dtype)  # fmt: skip

@@ -23,7 +23,7 @@ from ember.sampling_params import SamplingParams
 
 # Substrings of kernel names, checked in order; the first match names the category.
 CATEGORIES = (
-    ("attention", ("paged_attention", "split_kv_reduce")),
+    ("attention", ("paged_attention",)),
     ("norm", ("rms_norm", "rmsnorm")),
     ("rope_kv_write", ("rope",)),
     ("activation", ("silu",)),

@@ -7,9 +7,9 @@ tiles it streams are read once for all the group's query heads. Scores go throug
 
 Decode-only steps (every ``q_len == 1``) can also take the split-KV ("flash-decoding") path:
 each sequence's KV range is cut into segments handled by separate programs that write partial
-(max, sum, acc) triples, merged by the last program of each (sequence, KV head) to finish when
-the caller keeps arrival counters (the engine does), else by a small reduce kernel. That is what
-fills the GPU when ``num_seqs * num_kv_heads`` programs would leave SMs idle (small batch, long
+(max, sum, acc) triples, merged by the last program of each (sequence, KV head) to finish (it
+counts arrivals in the caller's counters, or in zeros allocated per call). That is what fills
+the GPU when ``num_seqs * num_kv_heads`` programs would leave SMs idle (small batch, long
 context).
 
 Layouts and metadata follow docs/CONTRACTS.md ("Paged KV cache layout", "Attention metadata").
@@ -210,7 +210,6 @@ def _paged_attention_kernel(
     SPLIT_KV: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     KV_STAGES: tl.constexpr,
-    MERGE_IN_KERNEL: tl.constexpr,
     BLOCK_SPLITS: tl.constexpr,
     GROUP_P2: tl.constexpr,
     MERGE_CHUNK: tl.constexpr,
@@ -308,27 +307,26 @@ def _paged_attention_kernel(
             acc,
             mask=row_valid[:, None],
         )
-        if MERGE_IN_KERNEL:
-            # The last of this (sequence, KV head)'s split programs to finish merges them all,
-            # instead of a reduce kernel: a launch less per layer. The barrier puts every
-            # thread's partials before the counter's release; the acquire makes the others'
-            # partials visible to the merging program.
+        # The last of this (sequence, KV head)'s split programs to finish merges them all
+        # (a reduce kernel would cost a launch per layer). The barrier puts every
+        # thread's partials before the counter's release; the acquire makes the others'
+        # partials visible to the merging program.
+        tl.debug_barrier()
+        counter = split_counters_ptr + seq * tl.num_programs(1) + kv_head
+        arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+        if arrived == num_splits - 1:
+            tl.store(counter, 0)  # zero again for the next launch (and graph replay)
             tl.debug_barrier()
-            counter = split_counters_ptr + seq * tl.num_programs(1) + kv_head
-            arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-            if arrived == num_splits - 1:
-                tl.store(counter, 0)  # zero again for the next launch (and graph replay)
-                tl.debug_barrier()
-                # A decode program's rows are its group's query heads (BLOCK_Q is 1).
-                heads = kv_head * GROUP + tl.arange(0, GROUP_P2)
-                _merge_split_partials(
-                    out_ptr + tile_q_start * stride_o_tok + heads[:, None] * stride_o_head
-                    + dims[None, :],
-                    part_max_ptr, part_sum_ptr, part_acc_ptr,
-                    (seq * (tl.num_programs(1) * GROUP) + heads) * num_splits,
-                    tl.arange(0, GROUP_P2) < GROUP, num_splits,
-                    GROUP_P2, HEAD_DIM, BLOCK_SPLITS, MERGE_CHUNK,
-                )  # fmt: skip
+            # A decode program's rows are its group's query heads (BLOCK_Q is 1).
+            heads = kv_head * GROUP + tl.arange(0, GROUP_P2)
+            _merge_split_partials(
+                out_ptr + tile_q_start * stride_o_tok + heads[:, None] * stride_o_head
+                + dims[None, :],
+                part_max_ptr, part_sum_ptr, part_acc_ptr,
+                (seq * (tl.num_programs(1) * GROUP) + heads) * num_splits,
+                tl.arange(0, GROUP_P2) < GROUP, num_splits,
+                GROUP_P2, HEAD_DIM, BLOCK_SPLITS, MERGE_CHUNK,
+            )  # fmt: skip
     else:
         out = acc / l_i[:, None]
         tl.store(
@@ -381,47 +379,6 @@ def _merge_split_partials(
     denominator = tl.sum(part_sum * tl.exp2(part_max - row_max[:, None]), 1)
     out = acc / tl.where(row_valid, denominator, 1.0)[:, None]
     tl.store(out_ptrs, out.to(out_ptrs.dtype.element_ty), mask=row_valid[:, None])
-
-
-@triton.jit
-def _split_kv_reduce_kernel(
-    out_ptr,
-    part_max_ptr,
-    part_sum_ptr,
-    part_acc_ptr,
-    query_start_loc_ptr,
-    num_splits,
-    stride_o_tok,
-    stride_o_head,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_SPLITS: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    """Merge one (sequence, query head)'s split partials: rescale each to the global max."""
-    wait_for_producer(PDL)
-    seq = tl.program_id(0)
-    head = tl.program_id(1)
-    tok = tl.load(query_start_loc_ptr + seq)
-    if tl.load(query_start_loc_ptr + seq + 1) == tok:
-        return  # empty (padding) sequence: the attention kernel wrote no partials
-
-    splits = tl.arange(0, BLOCK_SPLITS)
-    split_valid = splits < num_splits
-    part_row = (seq * tl.num_programs(1) + head) * num_splits + splits
-    part_max = tl.load(part_max_ptr + part_row, mask=split_valid, other=float("-inf"))
-    part_sum = tl.load(part_sum_ptr + part_row, mask=split_valid, other=0.0)
-    weight = tl.exp2(part_max - tl.max(part_max, 0))  # empty splits have max -inf: weight 0
-    dims = tl.arange(0, HEAD_DIM)
-    part_acc = tl.load(
-        part_acc_ptr + part_row[:, None] * HEAD_DIM + dims[None, :],
-        mask=split_valid[:, None],
-        other=0.0,
-    )
-    out = tl.sum(part_acc * weight[:, None], 0) / tl.sum(part_sum * weight, 0)
-    tl.store(
-        out_ptr + tok * stride_o_tok + head * stride_o_head + dims,
-        out.to(out_ptr.dtype.element_ty),
-    )
 
 
 class DecodeRope(NamedTuple):
@@ -557,9 +514,9 @@ def paged_attention(
         tile_config: override the tile sizes (``BLOCK_M``, ``BLOCK_Q``, ``BLOCK_N``,
             ``num_warps``, ``KV_STAGES``); for ``ember bench tune``'s sweep.
         split_counters: int32 zeros, at least ``num_seqs * num_kv_heads``, kept by the caller
-            across calls: with them the split path merges its partials in the attention kernel
-            (the last program of each sequence and KV head to finish does it, and zeroes its
-            counter again) instead of launching a reduce kernel.
+            across calls: the split path's arrival counters (the last program of each sequence
+            and KV head to finish merges the partials and zeroes its counter again). None: zeros
+            allocated per call (a memset launch more).
         rope: apply this decode step's RoPE and write its keys and values to the cache in the
             kernel (decode-only steps; see `DecodeRope`).
         pdl: launch with programmatic dependent launch (`ember.kernels.pdl`).
@@ -599,12 +556,14 @@ def paged_attention(
         group, decode_only, head_dim, k_cache.element_size(), split_kv
     )
 
-    merge_in_kernel = split_kv and split_counters is not None
-    if merge_in_kernel and (
+    if split_counters is not None and (
         split_counters.dtype != torch.int32 or split_counters.numel() < num_seqs * num_kv_heads
     ):
         raise ValueError(f"split_counters must be int32 with >= {num_seqs * num_kv_heads} entries")
     if split_kv:
+        if split_counters is None:
+            split_counters = torch.zeros(num_seqs * num_kv_heads, dtype=torch.int32,
+                                         device=q.device)  # fmt: skip
         part_max = torch.empty(num_seqs * num_q_heads * splits, device=q.device)
         part_sum = torch.empty_like(part_max)
         part_acc = torch.empty(num_seqs * num_q_heads * splits * head_dim, device=q.device)
@@ -619,7 +578,7 @@ def paged_attention(
         q, k_cache, v_cache, out,
         query_start_loc, seq_lens, block_tables,
         part_max, part_sum, part_acc,
-        split_counters if merge_in_kernel else seq_lens,
+        split_counters if split_kv else seq_lens,
         *(rope if rope is not None else (q, q, seq_lens, q, seq_lens)),
         scale * _LOG2E, num_seqs, splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
@@ -634,7 +593,6 @@ def paged_attention(
         SPLIT_KV=split_kv,
         # fp32 inputs must not silently drop to tf32 on the tensor cores.
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        MERGE_IN_KERNEL=merge_in_kernel,
         BLOCK_SPLITS=triton.next_power_of_2(splits),
         GROUP_P2=max(2, triton.next_power_of_2(group)),
         MERGE_CHUNK=min(_MAX_MERGE_CHUNK, triton.next_power_of_2(splits)),
@@ -643,14 +601,4 @@ def paged_attention(
         launch_pdl=pdl,
         **config,
     )  # fmt: skip
-    if split_kv and not merge_in_kernel:
-        _split_kv_reduce_kernel[(num_seqs, num_q_heads)](
-            out, part_max, part_sum, part_acc, query_start_loc, splits,
-            out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim,
-            BLOCK_SPLITS=triton.next_power_of_2(splits),
-            PDL=pdl,
-            num_warps=4,
-            launch_pdl=pdl,
-        )  # fmt: skip
     return out

@@ -18,6 +18,6 @@ class ForwardContext:
     block_tables: torch.Tensor  # int32 [S, M]
     max_query_len: int
     max_seq_len: int
-    # Persistent int32 zeros (>= sequences x KV heads) that let split-KV attention merge its
-    # partials inside the kernel; None: a separate reduce kernel merges them.
+    # Persistent int32 zeros (>= sequences x KV heads): split-KV attention's arrival counters
+    # (the kernel re-zeroes them); None: zeros allocated per call.
     split_kv_counters: torch.Tensor | None = None
