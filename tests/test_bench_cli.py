@@ -165,6 +165,25 @@ def test_targets_compare_says_what_is_missed_and_by_how_much(tmp_path, capsys):
     assert "**no**" in capsys.readouterr().out
 
 
+def test_profile_splits_kernels_by_what_they_follow():
+    from ember.bench.step_profile import by_predecessor
+
+    # Two steps of: norm, gemm (q/k/v), attention, gemm (o); times in us.
+    one_step = [("norm", 0, 2), ("gemm", 3, 13), ("attn", 14, 20), ("gemm", 22, 30)]
+    spans = one_step + [(name, start + 100, end + 100) for name, start, end in one_step]
+    rows = {(r["after"], r["kernel"]): r for r in by_predecessor(spans, num_steps=2)}
+    after_norm, after_attention = rows[("norm", "gemm")], rows[("attn", "gemm")]
+    assert after_norm["launches_per_step"] == 1 and after_norm["us_each"] == 10
+    assert after_norm["gap_us_each"] == 1
+    assert after_attention["us_each"] == 8 and after_attention["gap_us_each"] == 2
+    # The second step's first kernel follows the first step's last: 70 us of gap.
+    assert rows[("gemm", "norm")]["launches_per_step"] == 0.5
+    assert rows[("gemm", "norm")]["gap_us_each"] == 70
+    assert [r["us_per_step"] for r in by_predecessor(spans, 2)] == sorted(
+        (r["us_per_step"] for r in rows.values()), reverse=True
+    )
+
+
 def test_profile_groups_kernels_by_category():
     from ember.bench.step_profile import categorize, summarize_kernels
 

@@ -81,6 +81,29 @@ def critical_path_us(spans: list[tuple[str, float, float]], num_steps: int) -> d
     return {k: v / num_steps for k, v in sorted(added.items(), key=lambda kv: -kv[1])}
 
 
+def by_predecessor(spans: list[tuple[str, float, float]], num_steps: int, top: int = 20) -> list:
+    """Kernels keyed by the kernel before them on the stream: one name serves several roles in
+    a step (the skinny GEMM is o, down and the LM head; cuBLAS is q/k/v and gate/up), and what a
+    kernel costs depends on what it follows. Per (predecessor, kernel): launches per step, mean
+    span, and mean gap from the predecessor's end to its start (launch latency; negative when it
+    started early, under programmatic launch)."""
+    stats: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0, 0.0, 0.0])
+    previous = None
+    for name, start, end in sorted(spans, key=lambda span: span[1]):
+        if previous is not None:
+            entry = stats[(previous[0][:60], name[:60])]
+            entry[0] += 1
+            entry[1] += end - start
+            entry[2] += start - previous[2]
+        previous = (name, start, end)
+    rows = [
+        {"after": after, "kernel": kernel, "launches_per_step": n / num_steps,
+         "us_each": span / n, "gap_us_each": gap / n, "us_per_step": span / num_steps}
+        for (after, kernel), (n, span, gap) in stats.items()
+    ]  # fmt: skip
+    return sorted(rows, key=lambda row: -row["us_per_step"])[:top]
+
+
 def _kernel_events(prof) -> list[tuple[str, float, float]]:
     """(name, start us, end us) of every CUDA kernel and copy the profiler saw."""
     events = []
@@ -109,6 +132,7 @@ def profile_steps(bench: StepBench, steps: int, trace_path: Path | None) -> dict
     spans = _kernel_events(prof)
     summary = summarize_kernels([(name, end - start) for name, start, end in spans], steps)
     summary["critical_path_us_per_step"] = critical_path_us(spans, steps)
+    summary["by_predecessor"] = by_predecessor(spans, steps)
     summary["wall_us_per_step"] = wall / steps * 1e6
     summary["gpu_busy_fraction"] = summary["gpu_us_per_step"] / summary["wall_us_per_step"]
     inst.scheduler.check_invariants()
