@@ -93,6 +93,34 @@ def gpu_seconds(fn, *, iters: int = 20, flush_bytes: int = 256 << 20) -> float:
     return max(0.0, replay_seconds(with_fn) - replay_seconds(flush_only)) / iters
 
 
+def sequence_seconds(layer_fn, num_layers: int, *, replays: int = 5) -> float:
+    """GPU time per layer of ``layer_fn(0) ... layer_fn(num_layers - 1)`` replayed from one CUDA
+    graph, as a decode step runs its layers: each layer's kernels meet their real neighbours and
+    each reads its own weights (so nothing stays in L2 across layers), with no flush between.
+    `gpu_seconds`' flushed, one-kernel timing ranked the skinny GEMM level with cuBLAS where
+    the engine's step showed it slower."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for layer in range(num_layers):
+            layer_fn(layer)  # compile and warm up outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for layer in range(num_layers):
+            layer_fn(layer)
+    graph.replay()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e-3)
+    return sorted(times)[len(times) // 2] / num_layers
+
+
 def measure_hbm_bytes_per_s(num_bytes: int = 2 << 30) -> float:
     """Device-to-device copy bandwidth, bytes read + bytes written per second."""
     from triton.testing import do_bench

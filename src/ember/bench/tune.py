@@ -30,6 +30,7 @@ from ember.bench.kernel_bench import (
     decode_inputs,
     gpu_seconds,
     measure_hbm_bytes_per_s,
+    sequence_seconds,
 )
 from ember.bench.make_model import PRESETS
 
@@ -118,6 +119,90 @@ def bench_gemms(preset: str, hbm_bytes_per_s: float, batches=GEMM_BATCHES) -> li
     return rows
 
 
+# Layers of distinct weights in a sequence timing: the 8B model's 32, so the weights of one
+# shape (1.6-7.5 GB) dwarf L2 as in the engine's step.
+SEQUENCE_LAYERS = 32
+
+
+def _norm_then(norm_in, norm_weight, normed, gemm, layer: int) -> None:
+    """One layer of a sequence timing: the RMSNorm kernel that precedes q/k/v and gate/up in a
+    decode step, then ``gemm(layer)``; ``gemm`` None times the norm alone."""
+    from ember import kernels
+
+    kernels.rms_norm(norm_in, norm_weight, 1e-5, out=normed)
+    if gemm is not None:
+        gemm(layer)
+
+
+def _sequence_us(layer_fn) -> float | str:
+    try:
+        return sequence_seconds(layer_fn, SEQUENCE_LAYERS) * 1e6
+    except Exception as exc:  # noqa: BLE001 - a tile that does not fit is a result, not a crash
+        return f"{type(exc).__name__}: {str(exc)[:120]}"
+
+
+def bench_gemms_in_sequence(
+    preset: str, batches=GEMM_BATCHES, shapes=("qkv", "gate_up")
+) -> list[dict]:
+    """q/k/v and gate/up as a decode step runs them: after an RMSNorm launch, one layer after
+    another with distinct weights, replayed from one graph (`sequence_seconds`). cuBLAS against
+    the skinny GEMM's default and swept tiles; ``gemm_us`` is each layer's time less the norm's
+    alone, ``layer_us`` the two together."""
+    from ember.kernels.skinny_gemm import block_m_for
+
+    dims = {name: (n, k) for name, n, k in linear_shapes(preset)}
+    rows = []
+    for name in shapes:
+        n, k = dims[name]
+        weights = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") / k**0.5
+                   for _ in range(SEQUENCE_LAYERS)]  # fmt: skip
+        norm_weight = torch.ones(k, dtype=torch.bfloat16, device="cuda")
+        for m in batches:
+            x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+            normed = torch.empty_like(x)
+            out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+            layer = partial(_norm_then, x, norm_weight, normed)
+            variants = {
+                "cublas": partial(_cublas_layer, normed, weights, out),
+                "skinny_default": partial(_skinny_layer, normed, weights, out, None),
+            }
+            for block_n, block_k, stages, warps in GEMM_CONFIGS:
+                config = {"BLOCK_M": block_m_for(m), "BLOCK_N": block_n, "BLOCK_K": block_k,
+                          "STAGES": stages, "num_warps": warps}  # fmt: skip
+                variants[f"n{block_n}_k{block_k}_s{stages}_w{warps}"] = partial(
+                    _skinny_layer, normed, weights, out, config
+                )
+            norm_only = _sequence_us(partial(layer, None))
+            layer_us = {key: _sequence_us(partial(layer, gemm)) for key, gemm in variants.items()}
+            gemm_us = {
+                key: us - norm_only
+                for key, us in layer_us.items()
+                if isinstance(us, float) and isinstance(norm_only, float)
+            }
+            skinny = {key: us for key, us in gemm_us.items() if key != "cublas"}
+            best = min(skinny, key=skinny.get) if skinny else None
+            row = {"shape": name, "n": n, "k": k, "m": m, "norm_us": norm_only,
+                   "cublas_gemm_us": gemm_us.get("cublas"), "best_skinny": best,
+                   "best_skinny_gemm_us": skinny.get(best), "gemm_us": gemm_us,
+                   "layer_us": layer_us}  # fmt: skip
+            rows.append(row)
+            print(json.dumps({k_: v for k_, v in row.items() if k_ not in ("gemm_us", "layer_us")}),
+                  flush=True)  # fmt: skip
+        del weights
+    torch.cuda.empty_cache()
+    return rows
+
+
+def _cublas_layer(x, weights, out, layer: int) -> None:
+    torch.matmul(x, weights[layer].t(), out=out)
+
+
+def _skinny_layer(x, weights, out, config, layer: int) -> None:
+    from ember.kernels.skinny_gemm import skinny_gemm
+
+    skinny_gemm(x, weights[layer], out=out, config=config)
+
+
 def bench_attention_tiles(hbm_bytes_per_s: float, points=ATTENTION_POINTS) -> list[dict]:
     from ember.kernels import paged_attention
 
@@ -164,6 +249,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     parser.add_argument("--skip-gemm", action="store_true")
     parser.add_argument("--skip-attention", action="store_true")
+    parser.add_argument("--in-sequence", action="store_true",
+                        help="also time q/k/v and gate/up as a step runs them: after a norm, "
+                        "32 layers of distinct weights in one graph")  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
@@ -177,6 +265,9 @@ def run(args: argparse.Namespace) -> int:
     path = args.out / "tune.json"
     if not args.skip_attention:
         result["attention"] = bench_attention_tiles(hbm)
+        path.write_text(json.dumps(result, indent=1))
+    if args.in_sequence:
+        result["gemm_in_sequence"] = bench_gemms_in_sequence(args.preset)
         path.write_text(json.dumps(result, indent=1))
     if not args.skip_gemm:
         result["gemm"] = bench_gemms(args.preset, hbm)
