@@ -59,15 +59,32 @@ def decode_inputs(shape: AttentionShape, batch: int, context: int, dtype: torch.
     }
 
 
+def _warm_up(fn) -> None:
+    """Run ``fn`` once on a side stream (compiles kernels) before a capture."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+
+
+def _median_replay_seconds(graph: torch.cuda.CUDAGraph, replays: int = 5) -> float:
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e-3)
+    return sorted(times)[len(times) // 2]
+
+
 def gpu_seconds(fn, *, iters: int = 20, flush_bytes: int = 256 << 20) -> float:
     """GPU time of ``fn`` as the engine runs it: replayed from a CUDA graph (no launch or Python
     overhead), with L2 flushed before each call; the flush's own time is subtracted."""
     flush = torch.empty(flush_bytes, dtype=torch.int8, device="cuda")
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()  # compile and warm up outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
+    _warm_up(fn)
 
     def capture(with_fn: bool) -> torch.cuda.CUDAGraph:
         graph = torch.cuda.CUDAGraph()
@@ -78,47 +95,28 @@ def gpu_seconds(fn, *, iters: int = 20, flush_bytes: int = 256 << 20) -> float:
                     fn()
         return graph
 
-    def replay_seconds(graph: torch.cuda.CUDAGraph) -> float:
-        times = []
-        for _ in range(5):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) * 1e-3)
-        return sorted(times)[len(times) // 2]
-
     with_fn, flush_only = capture(True), capture(False)
-    return max(0.0, replay_seconds(with_fn) - replay_seconds(flush_only)) / iters
+    elapsed = _median_replay_seconds(with_fn) - _median_replay_seconds(flush_only)
+    return max(0.0, elapsed) / iters
 
 
-def sequence_seconds(layer_fn, num_layers: int, *, replays: int = 5) -> float:
+def sequence_seconds(layer_fn, num_layers: int) -> float:
     """GPU time per layer of ``layer_fn(0) ... layer_fn(num_layers - 1)`` replayed from one CUDA
     graph, as a decode step runs its layers: each layer's kernels meet their real neighbours and
     each reads its own weights (so nothing stays in L2 across layers), with no flush between.
     `gpu_seconds`' flushed, one-kernel timing ranked the skinny GEMM level with cuBLAS where
     the engine's step showed it slower."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for layer in range(num_layers):
-            layer_fn(layer)  # compile and warm up outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+
+    def all_layers() -> None:
         for layer in range(num_layers):
             layer_fn(layer)
+
+    _warm_up(all_layers)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        all_layers()
     graph.replay()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e-3)
-    return sorted(times)[len(times) // 2] / num_layers
+    return _median_replay_seconds(graph) / num_layers
 
 
 def measure_hbm_bytes_per_s(num_bytes: int = 2 << 30) -> float:
