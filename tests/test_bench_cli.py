@@ -56,6 +56,17 @@ def test_tune_sweeps_every_linear_layer_of_the_preset():
     assert shapes["lm_head"] == (128256, 4096)
 
 
+def test_tune_names_each_skinny_tile_once_with_m_padded():
+    from ember.bench.tune import GEMM_CONFIGS, skinny_configs
+
+    configs = skinny_configs(3)
+    assert len(configs) == len(GEMM_CONFIGS)
+    assert configs["n32_k256_s4_w4"] == {
+        "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 256, "STAGES": 4, "num_warps": 4
+    }  # fmt: skip
+    assert {c["BLOCK_M"] for c in skinny_configs(33).values()} == {64}
+
+
 @pytest.fixture
 def tiny_bench(tmp_path):
     """A StepBench over the tiny preset on the CPU, with made-up ceilings."""

@@ -80,9 +80,22 @@ def _timed_us(fn) -> float | str:
         return f"{type(exc).__name__}: {str(exc)[:120]}"
 
 
+def skinny_configs(m: int) -> dict[str, dict[str, int]]:
+    """The skinny GEMM's swept tile configurations for ``m`` rows, by name."""
+    from ember.kernels.skinny_gemm import block_m_for
+
+    return {
+        f"n{block_n}_k{block_k}_s{stages}_w{warps}": {
+            "BLOCK_M": block_m_for(m), "BLOCK_N": block_n, "BLOCK_K": block_k, "STAGES": stages,
+            "num_warps": warps,
+        }
+        for block_n, block_k, stages, warps in GEMM_CONFIGS
+    }  # fmt: skip
+
+
 def bench_gemms(preset: str, hbm_bytes_per_s: float, batches=GEMM_BATCHES) -> list[dict]:
     from ember.kernels.linear import use_skinny_gemm
-    from ember.kernels.skinny_gemm import block_m_for, skinny_gemm
+    from ember.kernels.skinny_gemm import skinny_gemm
 
     rows = []
     for name, n, k in linear_shapes(preset):
@@ -92,12 +105,10 @@ def bench_gemms(preset: str, hbm_bytes_per_s: float, batches=GEMM_BATCHES) -> li
             out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
             moved = 2 * (n * k + x.numel() + m * n)
             cublas = _timed_us(partial(torch.matmul, x, weight.t(), out=out))
-            triton_us = {}
-            for block_n, block_k, stages, warps in GEMM_CONFIGS:
-                config = {"BLOCK_M": block_m_for(m), "BLOCK_N": block_n, "BLOCK_K": block_k,
-                          "STAGES": stages, "num_warps": warps}  # fmt: skip
-                key = f"n{block_n}_k{block_k}_s{stages}_w{warps}"
-                triton_us[key] = _timed_us(partial(skinny_gemm, x, weight, out=out, config=config))
+            triton_us = {
+                key: _timed_us(partial(skinny_gemm, x, weight, out=out, config=config))
+                for key, config in skinny_configs(m).items()
+            }
             timed = {key: us for key, us in triton_us.items() if isinstance(us, float)}
             best = min(timed, key=timed.get) if timed else None
             row = {
@@ -148,8 +159,6 @@ def bench_gemms_in_sequence(
     another with distinct weights, replayed from one graph (`sequence_seconds`). cuBLAS against
     the skinny GEMM's default and swept tiles; ``gemm_us`` is each layer's time less the norm's
     alone, ``layer_us`` the two together."""
-    from ember.kernels.skinny_gemm import block_m_for
-
     dims = {name: (n, k) for name, n, k in linear_shapes(preset)}
     rows = []
     for name in shapes:
@@ -166,12 +175,8 @@ def bench_gemms_in_sequence(
                 "cublas": partial(_cublas_layer, normed, weights, out),
                 "skinny_default": partial(_skinny_layer, normed, weights, out, None),
             }
-            for block_n, block_k, stages, warps in GEMM_CONFIGS:
-                config = {"BLOCK_M": block_m_for(m), "BLOCK_N": block_n, "BLOCK_K": block_k,
-                          "STAGES": stages, "num_warps": warps}  # fmt: skip
-                variants[f"n{block_n}_k{block_k}_s{stages}_w{warps}"] = partial(
-                    _skinny_layer, normed, weights, out, config
-                )
+            for key, config in skinny_configs(m).items():
+                variants[key] = partial(_skinny_layer, normed, weights, out, config)
             norm_only = _sequence_us(partial(layer, None))
             layer_us = {key: _sequence_us(partial(layer, gemm)) for key, gemm in variants.items()}
             gemm_us = {
