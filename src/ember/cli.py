@@ -187,6 +187,12 @@ def add_fast_path_arguments(parser: argparse.ArgumentParser) -> None:
         help="decode steps apply RoPE and write the KV cache in their own kernel, not inside "
         "the attention kernel",
     )
+    parser.add_argument(
+        "--separate-norms",
+        action="store_true",
+        help="run each decoder RMSNorm as its own kernel instead of folding its weight into the "
+        "next projection and deferring 1/rms to the kernel that reads it",
+    )
 
 
 def fast_path_options(args: argparse.Namespace) -> dict:
@@ -194,6 +200,7 @@ def fast_path_options(args: argparse.Namespace) -> dict:
     return {
         "programmatic_launch": args.programmatic_launch,
         "decode_rope_in_attention": not args.separate_decode_rope,
+        "defer_norms": not args.separate_norms,
     }
 
 

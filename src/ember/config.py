@@ -158,4 +158,8 @@ class EngineConfig:
     # Decode steps apply RoPE and write the KV cache inside the attention kernel (Triton path):
     # 61-88 us less per step than a separate kernel at batch 1-64 on an H200.
     decode_rope_in_attention: bool = True
+    # Deferred RMSNorm (Triton path, ember.layers.row_norm): decoder norm weights folded into the
+    # projections they feed; the residual add and the norm's statistics ride in the GEMM that
+    # adds to the stream, 1/rms in the kernel that reads the next projection.
+    defer_norms: bool = True
     overlap: bool | None = None  # None: overlap CPU and GPU work when on a GPU

@@ -10,6 +10,7 @@ from ember.kernels import rope_and_attention
 from ember.layers.forward_context import ForwardContext
 from ember.layers.ops import triton_ops
 from ember.layers.reference_ops import build_cos_sin_cache, rope_and_attention_reference
+from ember.layers.row_norm import RowNorm
 
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 8, 2, 64, 16
 
@@ -42,8 +43,10 @@ def _step(gen, q_lens, seq_lens):
     }
 
 
-def _run(op, step, device, **kwargs):
+def _run(op, step, device, deferred_norm=False, **kwargs):
     s = {k: v.clone().to(device) if torch.is_tensor(v) else v for k, v in step.items()}
+    if deferred_norm:  # q/k/v as products of un-normalised rows: 1/rms applied in the kernels
+        kwargs["row_norm"] = RowNorm(s["parts"], 512, 1e-5)
     n = s["qkv"].shape[0]
     q, k, v = s["qkv"].split([HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], -1)
     q, k, v = (
@@ -63,14 +66,17 @@ def _run(op, step, device, **kwargs):
     return out.cpu(), s["k_cache"].cpu(), s["v_cache"].cpu()
 
 
+@pytest.mark.parametrize("deferred_norm", [False, True])
 @pytest.mark.parametrize("fuse_decode", [True, False])
 @pytest.mark.parametrize(
     ("q_lens", "seq_lens"), [([1, 1, 1, 1], [200, 9, 64, 33]), ([5, 1, 12], [5, 70, 40])]
 )
-def test_matches_reference(gen, device, fuse_decode, q_lens, seq_lens):
+def test_matches_reference(gen, device, fuse_decode, q_lens, seq_lens, deferred_norm):
     step = _step(gen, q_lens, seq_lens)
-    expected = _run(rope_and_attention_reference, step, "cpu")
-    got = _run(rope_and_attention, step, device, fuse_decode=fuse_decode)
+    # Sums of squares of rows 512 wide, mean square 4-64, over 3 parts: 1/rms of 0.125-0.5.
+    step["parts"] = 512 * (4 + 60 * torch.rand(sum(q_lens), 3, generator=gen)) / 3
+    expected = _run(rope_and_attention_reference, step, "cpu", deferred_norm)
+    got = _run(rope_and_attention, step, device, deferred_norm, fuse_decode=fuse_decode)
     for actual, wanted in zip(got, expected):
         torch.testing.assert_close(actual, wanted, atol=2e-4, rtol=2e-4)
 

@@ -66,9 +66,12 @@ def test_fast_path_flags_reach_the_engine_config_and_default_to_its_defaults():
 
     parser = argparse.ArgumentParser()
     add_fast_path_arguments(parser)
-    args = parser.parse_args(["--separate-decode-rope", "--programmatic-launch"])
+    args = parser.parse_args(
+        ["--separate-decode-rope", "--programmatic-launch", "--separate-norms"]
+    )
     config = EngineConfig(model="m", **fast_path_options(args))
     assert config.decode_rope_in_attention is False and config.programmatic_launch is True
+    assert config.defer_norms is False
     assert EngineConfig(model="m", **fast_path_options(parser.parse_args([]))) == EngineConfig("m")
 
 

@@ -226,6 +226,7 @@ def run_step_bench(
     result.update(
         programmatic_launch=inst.ops.programmatic_launch,
         decode_rope_in_attention=inst.config.decode_rope_in_attention,
+        defer_norms=inst.model.defers_norms,
         weight_gib=bench.weight_bytes / 2**30,
         kv_pool_tokens=inst.kv_manager.pool.capacity * inst.kv_manager.block_size,
         load_seconds=inst.load_report.seconds,

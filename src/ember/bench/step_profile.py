@@ -190,6 +190,7 @@ def run_profile(
         "gpu": torch.cuda.get_device_name(),
         "programmatic_launch": inst.ops.programmatic_launch,
         "decode_rope_in_attention": inst.config.decode_rope_in_attention,
+        "defer_norms": inst.model.defers_norms,
         "rows": rows,
     }
     (out_dir / "step_profile.json").write_text(json.dumps(result, indent=2))

@@ -93,6 +93,7 @@ class ModelInstance:
             config.backend,
             config.programmatic_launch,
             config.decode_rope_in_attention,
+            config.defer_norms,
         )
         if config.cuda_graph_mode not in ("full", "decode"):
             raise ValueError(

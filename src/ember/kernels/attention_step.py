@@ -13,6 +13,7 @@ import torch
 
 from ember.kernels.paged_attention import DecodeRope, paged_attention
 from ember.kernels.rope_cache_write import rope_and_cache_write
+from ember.layers.row_norm import RowNorm
 
 if TYPE_CHECKING:
     from ember.layers.forward_context import ForwardContext
@@ -30,17 +31,20 @@ def rope_and_attention(
     out: torch.Tensor,
     *,
     fuse_decode: bool = True,
+    row_norm: RowNorm | None = None,
     pdl: bool = False,
 ) -> torch.Tensor:
     """`rope_and_cache_write` then `paged_attention` over the step's metadata ``ctx``; writes
     and returns ``out``. With ``fuse_decode`` (the default), decode-only steps do both in the
-    attention kernel and leave ``q`` and ``k`` unrotated (only the cache and ``out`` change)."""
+    attention kernel and leave ``q`` and ``k`` unrotated (only the cache and ``out`` change).
+    ``row_norm``: q, k and v are products of the un-normalised rows, to scale by each token's
+    ``1/rms`` first (`ember.layers.row_norm`)."""
     rope = None
     if fuse_decode and ctx.max_query_len == 1:
-        rope = DecodeRope(k, v, ctx.positions, cos_sin_cache, ctx.slot_mapping)
+        rope = DecodeRope(k, v, ctx.positions, cos_sin_cache, ctx.slot_mapping, row_norm)
     else:
         rope_and_cache_write(q, k, v, ctx.positions, cos_sin_cache, ctx.slot_mapping, k_cache,
-                             v_cache, pdl=pdl)  # fmt: skip
+                             v_cache, row_norm=row_norm, pdl=pdl)  # fmt: skip
     return paged_attention(
         q, k_cache, v_cache, ctx.query_start_loc, ctx.seq_lens, ctx.block_tables, scale, out,
         max_query_len=ctx.max_query_len, max_seq_len=ctx.max_seq_len,

@@ -8,6 +8,10 @@ vocabulary projection took 1,723 us per step against cuBLAS's 1,805 (reduces inc
 gate/up the two tied in `ember bench tune`, so those stay on cuBLAS, except under programmatic
 dependent launch (`ember.kernels.pdl`): a cuBLAS kernel in the chain neither starts early nor
 lets the next kernel start early, so there every decode-sized product takes the skinny kernel.
+
+`linear_add` is a sub-block's exit into the residual stream under a deferred RMSNorm
+(`ember.layers.row_norm`): where the skinny kernel takes the product, its epilogue adds it to the
+stream and sums the squares (no launch of its own); elsewhere cuBLAS and `add_and_sum_squares`.
 """
 
 from __future__ import annotations
@@ -15,7 +19,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ember.kernels.skinny_gemm import MAX_M, skinny_gemm
+from ember.kernels.rmsnorm import add_and_sum_squares
+from ember.kernels.skinny_gemm import MAX_M, skinny_gemm, skinny_gemm_add
 
 _HALF_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -38,3 +43,14 @@ def linear(
     if x.stride(1) == 1 and use_skinny_gemm(m, weight.shape[0], k, weight.dtype, x.device, pdl):
         return skinny_gemm(x, weight, bias, pdl=pdl)
     return F.linear(x, weight, bias)
+
+
+def linear_add(
+    x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, *, pdl: bool = False
+) -> torch.Tensor:
+    """``residual += x @ weight.T`` in place (the product rounded to the dtype first), returning
+    the new rows' partial sums of squares, float32 ``[T, P]`` (`RowNorm`'s ``parts``)."""
+    m, k = x.shape
+    if x.stride(1) == 1 and use_skinny_gemm(m, weight.shape[0], k, weight.dtype, x.device, pdl):
+        return skinny_gemm_add(x, weight, residual, pdl=pdl)
+    return add_and_sum_squares(residual, F.linear(x, weight), pdl=pdl)

@@ -24,7 +24,10 @@ import triton
 import triton.language as tl
 
 from ember.kernels.pdl import wait_for_producer
+from ember.kernels.rope_cache_write import scale_and_round
+from ember.kernels.row_norm import check_row_norm, load_inv_rms, row_norm_args
 from ember.kernels.tiles import shrink_to_fit
+from ember.layers.row_norm import RowNorm
 
 _LOG2E = 1.4426950408889634
 
@@ -122,10 +125,21 @@ def _attend_kv_tile(
 
 
 @triton.jit
-def _rotate_query(q, q_rows, row_valid, positions_ptr, cos_sin_ptr, tok, HEAD_DIM: tl.constexpr):
+def _rotate_query(
+    q,
+    q_rows,
+    row_valid,
+    positions_ptr,
+    cos_sin_ptr,
+    tok,
+    scale,
+    HEAD_DIM: tl.constexpr,
+    SCALED: tl.constexpr,
+):
     """Rotate one token's query rows (neox "rotate_half" RoPE, fp32, cast back like the RoPE
-    kernel). Each dim pairs with the one half a head away; the sine's sign folds in the minus of
-    the first half. Returns the rotated rows and the (cos, signed sin, partner) of the token."""
+    kernel; scaled by ``scale`` first when ``SCALED``, as `rope_and_cache_write` does). Each dim
+    pairs with the one half a head away; the sine's sign folds in the minus of the first half.
+    Returns the rotated rows and the (cos, signed sin, partner) of the token."""
     half: tl.constexpr = HEAD_DIM // 2
     dims = tl.arange(0, HEAD_DIM)
     partner = (dims + half) % HEAD_DIM
@@ -133,7 +147,9 @@ def _rotate_query(q, q_rows, row_valid, positions_ptr, cos_sin_ptr, tok, HEAD_DI
     cos = tl.load(table + dims % half)
     signed_sin = tl.load(table + half + dims % half) * tl.where(dims < half, -1.0, 1.0)
     q_partner = tl.load(q_rows + partner[None, :], mask=row_valid[:, None], other=0.0)
-    rotated = q.to(tl.float32) * cos[None, :] + q_partner.to(tl.float32) * signed_sin[None, :]
+    q_own = scale_and_round(q, scale, q.dtype, SCALED)
+    q_partner = scale_and_round(q_partner, scale, q.dtype, SCALED)
+    rotated = q_own * cos[None, :] + q_partner * signed_sin[None, :]
     return rotated.to(q.dtype), cos, signed_sin, partner
 
 
@@ -148,21 +164,24 @@ def _write_new_key_value(
     cos,
     signed_sin,
     partner,
+    scale,
     stride_cache_block,
     stride_cache_slot,
     PAGE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    SCALED: tl.constexpr,
 ):
     """Rotate one KV head of the new token's key and store it and its value at ``slot`` (-1:
-    padding, nothing stored). The barrier makes the stores visible to the whole program before it
-    reads the tile that holds them."""
+    padding, nothing stored); both scaled by ``scale`` first when ``SCALED``. The barrier makes
+    the stores visible to the whole program before it reads the tile that holds them."""
     dims = tl.arange(0, HEAD_DIM)
-    k = tl.load(k_ptr + dims).to(tl.float32)
-    rotated = k * cos + tl.load(k_ptr + partner).to(tl.float32) * signed_sin
+    dtype = k_ptr.dtype.element_ty
+    k = scale_and_round(tl.load(k_ptr + dims), scale, dtype, SCALED)
+    rotated = k * cos + scale_and_round(tl.load(k_ptr + partner), scale, dtype, SCALED) * signed_sin
     cache = (slot // PAGE) * stride_cache_block + (slot % PAGE) * stride_cache_slot + head_offset
     keep = (dims < HEAD_DIM) & (slot >= 0)
     tl.store(k_cache_ptr + cache + dims, rotated.to(k_cache_ptr.dtype.element_ty), mask=keep)
-    v = tl.load(v_ptr + dims)
+    v = scale_and_round(tl.load(v_ptr + dims), scale, dtype, SCALED)
     tl.store(v_cache_ptr + cache + dims, v.to(v_cache_ptr.dtype.element_ty), mask=keep)
     tl.debug_barrier()
 
@@ -185,6 +204,10 @@ def _paged_attention_kernel(
     positions_ptr,
     cos_sin_ptr,
     slot_mapping_ptr,
+    parts_ptr,
+    num_parts,
+    hidden,
+    eps,
     qk_scale,
     num_seqs,
     num_splits,
@@ -214,6 +237,8 @@ def _paged_attention_kernel(
     GROUP_P2: tl.constexpr,
     MERGE_CHUNK: tl.constexpr,
     ROPE: tl.constexpr,
+    ROW_NORM: tl.constexpr,
+    BLOCK_P: tl.constexpr,
     PDL: tl.constexpr,
 ):
     wait_for_producer(PDL)
@@ -265,16 +290,21 @@ def _paged_attention_kernel(
     if ROPE:
         # A decode step's RoPE and KV-cache write, done here instead of by their own kernel: the
         # query is rotated in registers, and the program whose segment holds the new key (the
-        # last tile) rotates and stores it, with the value, before reading that tile.
+        # last tile) rotates and stores it, with the value, before reading that tile. A deferred
+        # RMSNorm scales the token's q, k and v first.
+        scale = 1.0
+        if ROW_NORM:
+            scale = load_inv_rms(parts_ptr, tile_q_start, num_parts, hidden, eps, BLOCK_P)
         q, cos, signed_sin, partner = _rotate_query(q, q_rows, row_valid, positions_ptr,
-                                                    cos_sin_ptr, tile_q_start, HEAD_DIM)  # fmt: skip
+                                                    cos_sin_ptr, tile_q_start, scale, HEAD_DIM,
+                                                    ROW_NORM)  # fmt: skip
         if (num_kv_tiles - 1 >= tile_lo) & (num_kv_tiles - 1 < tile_hi):
             _write_new_key_value(
                 rope_k_ptr + tile_q_start * stride_rk_tok + kv_head * stride_rk_head,
                 rope_v_ptr + tile_q_start * stride_rv_tok + kv_head * stride_rv_head,
                 k_cache_ptr, v_cache_ptr, tl.load(slot_mapping_ptr + tile_q_start),
-                kv_head * stride_cache_head, cos, signed_sin, partner, stride_cache_block,
-                stride_cache_slot, PAGE, HEAD_DIM,
+                kv_head * stride_cache_head, cos, signed_sin, partner, scale, stride_cache_block,
+                stride_cache_slot, PAGE, HEAD_DIM, ROW_NORM,
             )  # fmt: skip
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -385,13 +415,15 @@ class DecodeRope(NamedTuple):
     """A decode step's RoPE + KV-cache write, for the attention kernel to do itself (a launch
     less per layer): ``k``, ``v`` are ``[T, Hkv, D]`` (views of the fused qkv output, k not yet
     rotated), the rest as `rope_and_cache_write` takes them. ``q`` is rotated in registers only:
-    the q passed to attention is left as it was."""
+    the q passed to attention is left as it was. ``row_norm``: a deferred RMSNorm whose ``1/rms``
+    scales each token's q, k and v first (`ember.layers.row_norm`)."""
 
     k: torch.Tensor
     v: torch.Tensor
     positions: torch.Tensor
     cos_sin_cache: torch.Tensor
     slot_mapping: torch.Tensor
+    row_norm: RowNorm | None = None
 
 
 def choose_num_kv_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
@@ -473,6 +505,7 @@ def _check_decode_rope(rope: DecodeRope, q: torch.Tensor, k_cache: torch.Tensor,
         raise ValueError("rope k and v must have a contiguous head_dim")
     if rope.cos_sin_cache.dtype != torch.float32 or not rope.cos_sin_cache.is_contiguous():
         raise ValueError("cos_sin_cache must be contiguous float32")
+    check_row_norm(rope.row_norm, num_tokens)
 
 
 def paged_attention(
@@ -570,6 +603,7 @@ def paged_attention(
     else:
         part_max = part_sum = part_acc = out  # unused by the kernel when SPLIT_KV is off
 
+    row_args, block_p = row_norm_args(rope.row_norm if rope is not None else None, q)
     if decode_only:
         num_tiles = num_seqs
     else:
@@ -579,7 +613,8 @@ def paged_attention(
         query_start_loc, seq_lens, block_tables,
         part_max, part_sum, part_acc,
         split_counters if split_kv else seq_lens,
-        *(rope if rope is not None else (q, q, seq_lens, q, seq_lens)),
+        *(rope[:5] if rope is not None else (q, q, seq_lens, q, seq_lens)),
+        *row_args,
         scale * _LOG2E, num_seqs, splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -597,6 +632,8 @@ def paged_attention(
         GROUP_P2=max(2, triton.next_power_of_2(group)),
         MERGE_CHUNK=min(_MAX_MERGE_CHUNK, triton.next_power_of_2(splits)),
         ROPE=rope is not None,
+        ROW_NORM=rope is not None and rope.row_norm is not None,
+        BLOCK_P=block_p,
         PDL=pdl,
         launch_pdl=pdl,
         **config,

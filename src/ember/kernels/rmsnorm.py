@@ -4,6 +4,10 @@ HF ``LlamaRMSNorm``: normalise in fp32, cast to the input dtype, then multiply b
 (a product rounded to the dtype). The fused op also rounds ``residual + x`` to the dtype before
 normalising it, as HF's decoder layer adds in the model dtype.
 
+`add_and_sum_squares` is the residual add without the norm: it leaves each row's sum of squares
+for a deferred norm (`ember.layers.row_norm`), where the norm's weight sits in the next
+projection.
+
 A program normalises ``ROWS`` rows at once so that short rows (Qwen3's per-head q/k norm,
 ``head_dim`` wide) still give each program a few KiB of work; long rows (hidden size) get one
 program each.
@@ -39,9 +43,12 @@ def _rms_norm_kernel(
     BLOCK_H: tl.constexpr,
     ROWS: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
+    SUM_SQUARES_ONLY: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """Rows are addressed as (row // inner_rows, row % inner_rows) so 3-D strided views work."""
+    """Rows are addressed as (row // inner_rows, row % inner_rows) so 3-D strided views work.
+    ``SUM_SQUARES_ONLY``: store each row's sum of squares to ``out_ptr[row]`` (float32), no
+    normalised row."""
     wait_for_producer(PDL)
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_H)
@@ -57,6 +64,9 @@ def _rms_norm_kernel(
         x = (x.to(tl.float32) + residual.to(tl.float32)).to(residual_ptr.dtype.element_ty)
         tl.store(residual_ptr + r_offsets, x, mask=mask)
     xf = x.to(tl.float32)
+    if SUM_SQUARES_ONLY:
+        tl.store(out_ptr + rows, tl.sum(xf * xf, 1), mask=row_mask)
+        return
     mean_square = tl.math.div_rn(tl.sum(xf * xf, 1), HIDDEN)
     inv_rms = tl.math.div_rn(1.0, tl.math.sqrt_rn(mean_square + eps))  # as torch.rsqrt on CPU
     normed = (xf * inv_rms[:, None]).to(x.dtype).to(tl.float32)
@@ -75,7 +85,7 @@ def _row_layout(t: torch.Tensor) -> tuple[int, int, int]:
     raise ValueError(f"expected a 2-D or 3-D tensor, got shape {tuple(t.shape)}")
 
 
-def _launch(x, residual, weight, out, eps, pdl):
+def _launch(x, residual, weight, out, eps, pdl, sum_squares_only=False):
     hidden = x.shape[-1]
     if x.stride(-1) != 1 or out.stride(-1) != 1:
         raise ValueError("the normalised dim must be contiguous")
@@ -83,7 +93,7 @@ def _launch(x, residual, weight, out, eps, pdl):
     if num_rows == 0:
         return
     inner_rows, sx_outer, sx_inner = _row_layout(x)
-    _, so_outer, so_inner = _row_layout(out)
+    _, so_outer, so_inner = _row_layout(x if sum_squares_only else out)
     block_h = triton.next_power_of_2(hidden)
     rows = max(1, _ELEMENTS_PER_PROGRAM // block_h)
     _rms_norm_kernel[(triton.cdiv(num_rows, rows),)](
@@ -95,6 +105,7 @@ def _launch(x, residual, weight, out, eps, pdl):
         BLOCK_H=block_h,
         ROWS=rows,
         HAS_RESIDUAL=residual is not None,
+        SUM_SQUARES_ONLY=sum_squares_only,
         PDL=pdl,
         num_warps=8 if block_h >= 4096 else 4,
         launch_pdl=pdl,
@@ -125,3 +136,22 @@ def fused_add_rms_norm(
     if x.dim() != 2 or residual.shape != x.shape or residual.stride(-1) != 1:
         raise ValueError("x and residual must be [T, H] with a contiguous last dim")
     _launch(x, residual, weight, x, eps, pdl)
+
+
+def add_and_sum_squares(
+    residual: torch.Tensor, x: torch.Tensor | None = None, *, pdl: bool = False
+) -> torch.Tensor:
+    """``residual += x`` in place (rounded to the dtype, as the fused norm adds) on ``[T, H]``
+    tensors, and each row's sum of squares after it: float32 ``[T, 1]``, the partial sums of a
+    deferred RMSNorm (`ember.layers.row_norm.RowNorm`). ``x`` None: the sums of ``residual``
+    alone."""
+    if residual.dim() != 2 or residual.stride(-1) != 1:
+        raise ValueError("residual must be [T, H] with a contiguous last dim")
+    if x is not None and (x.shape != residual.shape or x.stride(-1) != 1):
+        raise ValueError("x must be shaped like residual, with a contiguous last dim")
+    sums = torch.empty(residual.shape[0], 1, dtype=torch.float32, device=residual.device)
+    if x is None:
+        _launch(residual, None, residual, sums, 0.0, pdl, sum_squares_only=True)
+    else:
+        _launch(x, residual, residual, sums, 0.0, pdl, sum_squares_only=True)
+    return sums

@@ -4,6 +4,8 @@ One program per token: it rotates all of the token's query and key heads in plac
 "rotate_half" / neox style, fp32 math, cast back) and stores the rotated key and the value at the
 token's cache slot. Fusing saves a second read of k and a launch per layer. Semantics follow
 docs/CONTRACTS.md ("RoPE", "Paged KV cache layout"); ``slot_mapping[t] == -1`` writes nothing.
+With a deferred RMSNorm (``row_norm``, `ember.layers.row_norm`) q, k and v are first scaled by
+their token's ``1/rms`` and rounded, as the normalised row's q/k/v projection would give them.
 """
 
 from __future__ import annotations
@@ -13,6 +15,17 @@ import triton
 import triton.language as tl
 
 from ember.kernels.pdl import wait_for_producer
+from ember.kernels.row_norm import check_row_norm, load_inv_rms, row_norm_args
+from ember.layers.row_norm import RowNorm
+
+
+@triton.jit
+def scale_and_round(x, scale, dtype: tl.constexpr, SCALED: tl.constexpr):
+    """fp32 ``x * scale`` rounded to ``dtype`` and back (a deferred RMSNorm's 1/rms applied as
+    the GEMM output it stands for would be rounded); ``x`` as fp32 when not ``SCALED``."""
+    if SCALED:
+        return (x.to(tl.float32) * scale).to(dtype).to(tl.float32)
+    return x.to(tl.float32)
 
 
 @triton.jit
@@ -21,17 +34,22 @@ def _rotate_heads_in_place(
     stride_head,
     cos,
     sin,
+    scale,
     NUM_HEADS: tl.constexpr,
     BLOCK_H: tl.constexpr,
     HALF: tl.constexpr,
+    SCALED: tl.constexpr,
 ):
-    """Rotate one token's ``[NUM_HEADS, 2 * HALF]`` heads in place; returns the rotated halves."""
+    """Rotate one token's ``[NUM_HEADS, 2 * HALF]`` heads in place (scaled by ``scale`` first
+    when ``SCALED``); returns the rotated halves."""
     heads = tl.arange(0, BLOCK_H)
     dims = tl.arange(0, HALF)
     offsets = heads[:, None] * stride_head + dims[None, :]
     mask = (heads < NUM_HEADS)[:, None]
-    x1 = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(x_ptr + offsets + HALF, mask=mask, other=0.0).to(tl.float32)
+    dtype = x_ptr.dtype.element_ty
+    x1 = scale_and_round(tl.load(x_ptr + offsets, mask=mask, other=0.0), scale, dtype, SCALED)
+    x2 = scale_and_round(tl.load(x_ptr + offsets + HALF, mask=mask, other=0.0), scale, dtype,
+                         SCALED)  # fmt: skip
     out1 = x1 * cos[None, :] - x2 * sin[None, :]
     out2 = x2 * cos[None, :] + x1 * sin[None, :]
     tl.store(x_ptr + offsets, out1.to(x_ptr.dtype.element_ty), mask=mask)
@@ -49,6 +67,10 @@ def _rope_cache_write_kernel(
     slot_mapping_ptr,
     k_cache_ptr,
     v_cache_ptr,
+    parts_ptr,
+    num_parts,
+    hidden,
+    eps,
     stride_q_tok,
     stride_q_head,
     stride_k_tok,
@@ -64,10 +86,15 @@ def _rope_cache_write_kernel(
     BLOCK_HKV: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     PAGE: tl.constexpr,
+    ROW_NORM: tl.constexpr,
+    BLOCK_P: tl.constexpr,
     PDL: tl.constexpr,
 ):
     wait_for_producer(PDL)
     tok = tl.program_id(0).to(tl.int64)
+    scale = 1.0
+    if ROW_NORM:
+        scale = load_inv_rms(parts_ptr, tok, num_parts, hidden, eps, BLOCK_P)
     half: tl.constexpr = HEAD_DIM // 2
     dims = tl.arange(0, half)
     pos = tl.load(positions_ptr + tok)
@@ -75,11 +102,13 @@ def _rope_cache_write_kernel(
     sin = tl.load(cos_sin_ptr + pos * HEAD_DIM + half + dims)
 
     _rotate_heads_in_place(
-        q_ptr + tok * stride_q_tok, stride_q_head, cos, sin, NUM_Q_HEADS, BLOCK_HQ, half
-    )
+        q_ptr + tok * stride_q_tok, stride_q_head, cos, sin, scale, NUM_Q_HEADS, BLOCK_HQ, half,
+        ROW_NORM,
+    )  # fmt: skip
     k1, k2 = _rotate_heads_in_place(
-        k_ptr + tok * stride_k_tok, stride_k_head, cos, sin, NUM_KV_HEADS, BLOCK_HKV, half
-    )
+        k_ptr + tok * stride_k_tok, stride_k_head, cos, sin, scale, NUM_KV_HEADS, BLOCK_HKV, half,
+        ROW_NORM,
+    )  # fmt: skip
 
     slot = tl.load(slot_mapping_ptr + tok)
     heads = tl.arange(0, BLOCK_HKV)
@@ -92,8 +121,10 @@ def _rope_cache_write_kernel(
     tl.store(k_cache_ptr + cache_offsets + half, k2.to(cache_ty), mask=mask)
 
     v_offsets = tok * stride_v_tok + heads[:, None] * stride_v_head + dims[None, :]
-    v1 = tl.load(v_ptr + v_offsets, mask=mask, other=0.0)
-    v2 = tl.load(v_ptr + v_offsets + half, mask=mask, other=0.0)
+    v_ty = v_ptr.dtype.element_ty
+    v1 = scale_and_round(tl.load(v_ptr + v_offsets, mask=mask, other=0.0), scale, v_ty, ROW_NORM)
+    v2 = scale_and_round(tl.load(v_ptr + v_offsets + half, mask=mask, other=0.0), scale, v_ty,
+                         ROW_NORM)  # fmt: skip
     tl.store(v_cache_ptr + cache_offsets, v1.to(cache_ty), mask=mask)
     tl.store(v_cache_ptr + cache_offsets + half, v2.to(cache_ty), mask=mask)
 
@@ -108,9 +139,12 @@ def rope_and_cache_write(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     *,
+    row_norm: RowNorm | None = None,
     pdl: bool = False,
 ) -> None:
-    """Rotate ``q [T, Hq, D]`` and ``k [T, Hkv, D]`` in place and write k, v to the cache.
+    """Rotate ``q [T, Hq, D]`` and ``k [T, Hkv, D]`` in place and write k, v to the cache
+    (``row_norm``: each token's q, k and v scaled by its ``1/rms`` first; ``v`` itself is left
+    unscaled, only its cache copy is).
 
     ``q``, ``k``, ``v`` may be strided views (e.g. of a fused qkv output) with a contiguous last
     dim; ``positions`` and ``slot_mapping`` are int64 ``[T]``; ``cos_sin_cache`` is float32
@@ -128,10 +162,12 @@ def rope_and_cache_write(
         raise ValueError("head_dim must be the contiguous dimension")
     if cos_sin_cache.dtype != torch.float32 or not cos_sin_cache.is_contiguous():
         raise ValueError("cos_sin_cache must be contiguous float32")
+    check_row_norm(row_norm, num_tokens)
     if num_tokens == 0:
         return
+    row_args, block_p = row_norm_args(row_norm, q)
     _rope_cache_write_kernel[(num_tokens,)](
-        q, k, v, positions, cos_sin_cache, slot_mapping, k_cache, v_cache,
+        q, k, v, positions, cos_sin_cache, slot_mapping, k_cache, v_cache, *row_args,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         NUM_Q_HEADS=num_q_heads,
@@ -140,6 +176,8 @@ def rope_and_cache_write(
         BLOCK_HKV=triton.next_power_of_2(num_kv_heads),
         HEAD_DIM=head_dim,
         PAGE=k_cache.shape[1],
+        ROW_NORM=row_norm is not None,
+        BLOCK_P=block_p,
         PDL=pdl,
         num_warps=4,
         launch_pdl=pdl,

@@ -5,6 +5,10 @@ of ``x`` stay in L2. A program owns ``BLOCK_N`` output columns and walks all of 
 pipelined loop, so the whole GPU reads weights with no split-K reduction. M is padded to
 ``tl.dot``'s minimum of 16 rows; padding rows are never loaded or stored.
 
+`skinny_gemm_add` adds the product into a residual stream in its epilogue and leaves the new
+rows' partial sums of squares, for a deferred RMSNorm (`ember.layers.row_norm`): the residual
+add and the norm's statistics cost no launch of their own.
+
 Where this beats cuBLAS is a measured question per GPU and shape (``ember bench tune``);
 ``ember.kernels.linear`` routes to it only there.
 """
@@ -27,6 +31,7 @@ def _skinny_gemm_kernel(
     w_ptr,
     bias_ptr,
     out_ptr,
+    parts_ptr,
     M,
     N,
     K,
@@ -34,6 +39,7 @@ def _skinny_gemm_kernel(
     stride_wn,
     stride_om,
     HAS_BIAS: tl.constexpr,
+    ADD_TO_OUT: tl.constexpr,
     EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -42,6 +48,11 @@ def _skinny_gemm_kernel(
     DOT_PRECISION: tl.constexpr,
     PDL: tl.constexpr,
 ):
+    """``out = x @ w.T (+ bias)``. ``ADD_TO_OUT``: ``out`` holds a residual stream and becomes
+    ``out + x @ w.T`` (the product rounded to the dtype first, as HF adds), and the program
+    stores the sum of squares of its columns of each new row at ``parts[row, pid_n]``. The main
+    loop is the same either way: work on the x tile between its load and the dot cost 2-4x on
+    the H200 (bench/results/README.md, fifth round)."""
     pid_n = tl.program_id(0)
     rows = tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -67,11 +78,16 @@ def _skinny_gemm_kernel(
         acc += tl.dot(x, tl.trans(w), input_precision=DOT_PRECISION)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + w_rows).to(tl.float32)[None, :]
-    tl.store(
-        out_ptr + rows[:, None] * stride_om + cols[None, :],
-        acc.to(out_ptr.dtype.element_ty),
-        mask=row_valid[:, None] & (cols[None, :] < N),
-    )
+    col_valid = cols < N
+    out_offsets = rows[:, None] * stride_om + cols[None, :]
+    out_mask = row_valid[:, None] & col_valid[None, :]
+    result = acc.to(out_ptr.dtype.element_ty)
+    if ADD_TO_OUT:
+        residual = tl.load(out_ptr + out_offsets, mask=out_mask, other=0.0)
+        result = (result.to(tl.float32) + residual.to(tl.float32)).to(out_ptr.dtype.element_ty)
+        squares = tl.where(col_valid[None, :], result.to(tl.float32) * result.to(tl.float32), 0.0)
+        tl.store(parts_ptr + rows * tl.num_programs(0) + pid_n, tl.sum(squares, 1), mask=row_valid)
+    tl.store(out_ptr + out_offsets, result, mask=out_mask)
 
 
 # Largest M the kernel takes: past it the tensor-core tiles of cuBLAS re-use each weight tile
@@ -124,6 +140,39 @@ def fit_shared_memory(config: dict[str, int], elem_bytes: int) -> dict[str, int]
     )
 
 
+def _check_operands(x: torch.Tensor, weight: torch.Tensor) -> None:
+    m, k = x.shape
+    if weight.shape[1] != k:
+        raise ValueError(f"x has {k} columns; weight {tuple(weight.shape)} wants {weight.shape[1]}")
+    if m > MAX_M:
+        raise ValueError(f"skinny_gemm takes at most {MAX_M} rows, got {m}")
+    if x.stride(1) != 1 or weight.stride(1) != 1:
+        raise ValueError("the reduction dim must be contiguous in x and weight")
+
+
+def _launch(x, weight, bias, out, parts, config, pdl) -> None:
+    m, k = x.shape
+    n = weight.shape[0]
+    config = dict(config or default_config(m, n, k, weight.element_size()))
+    if config["BLOCK_M"] < m:
+        raise ValueError(f"BLOCK_M {config['BLOCK_M']} is smaller than M {m}")
+    block_n = config.pop("BLOCK_N")
+    _skinny_gemm_kernel[(triton.cdiv(n, block_n),)](
+        x, weight, bias if bias is not None else weight, out,
+        parts if parts is not None else out,
+        m, n, k, x.stride(0), weight.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None,
+        ADD_TO_OUT=parts is not None,
+        EVEN_K=k % config["BLOCK_K"] == 0,
+        BLOCK_N=block_n,
+        # fp32 weights must not silently drop to tf32 on the tensor cores.
+        DOT_PRECISION="ieee" if weight.dtype == torch.float32 else "tf32",
+        PDL=pdl,
+        launch_pdl=pdl,
+        **config,
+    )  # fmt: skip
+
+
 def skinny_gemm(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -139,32 +188,33 @@ def skinny_gemm(
     strided. Returns ``out [M, N]`` in ``x``'s dtype. ``pdl``: launch with programmatic
     dependent launch (`ember.kernels.pdl`).
     """
+    _check_operands(x, weight)
+    if out is None:
+        out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
+    if x.shape[0]:
+        _launch(x, weight, bias, out, None, config, pdl)
+    return out
+
+
+def skinny_gemm_add(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    residual: torch.Tensor,
+    *,
+    config: dict[str, int] | None = None,
+    pdl: bool = False,
+) -> torch.Tensor:
+    """``residual += x @ weight.T`` in place (``residual [M, N]`` contiguous in N; the product
+    rounded to the dtype before the add), returning float32 ``[M, P]``: the sums of squares of
+    the new rows, one column per program (`ember.layers.row_norm.RowNorm`'s ``parts``)."""
+    _check_operands(x, weight)
     m, k = x.shape
     n = weight.shape[0]
-    if weight.shape[1] != k:
-        raise ValueError(f"x has {k} columns; weight {tuple(weight.shape)} wants {weight.shape[1]}")
-    if m > MAX_M:
-        raise ValueError(f"skinny_gemm takes at most {MAX_M} rows, got {m}")
-    if x.stride(1) != 1 or weight.stride(1) != 1:
-        raise ValueError("the reduction dim must be contiguous in x and weight")
-    if out is None:
-        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    if m == 0:
-        return out
+    if residual.shape != (m, n) or residual.stride(1) != 1:
+        raise ValueError(f"residual must be [{m}, {n}] with contiguous rows")
     config = dict(config or default_config(m, n, k, weight.element_size()))
-    if config["BLOCK_M"] < m:
-        raise ValueError(f"BLOCK_M {config['BLOCK_M']} is smaller than M {m}")
-    block_n = config.pop("BLOCK_N")
-    _skinny_gemm_kernel[(triton.cdiv(n, block_n),)](
-        x, weight, bias if bias is not None else weight, out,
-        m, n, k, x.stride(0), weight.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None,
-        EVEN_K=k % config["BLOCK_K"] == 0,
-        BLOCK_N=block_n,
-        # fp32 weights must not silently drop to tf32 on the tensor cores.
-        DOT_PRECISION="ieee" if weight.dtype == torch.float32 else "tf32",
-        PDL=pdl,
-        launch_pdl=pdl,
-        **config,
-    )  # fmt: skip
-    return out
+    parts = torch.empty(m, triton.cdiv(n, config["BLOCK_N"]), dtype=torch.float32,
+                        device=x.device)  # fmt: skip
+    if m:
+        _launch(x, weight, None, residual, parts, config, pdl)
+    return parts

@@ -36,9 +36,18 @@ class Ops:
     capturable: bool
     # Whether the kernels launch with programmatic dependent launch (ember.kernels.pdl).
     programmatic_launch: bool = False
+    # Deferred RMSNorm (ember.layers.row_norm): whether a model on these ops folds its decoder
+    # norms' weights into the projections they feed, where its architecture allows.
+    defer_norms: bool = False
+    # (x, weight, residual) -> float32 [T, P]: residual += x @ weight.T, and the new rows'
+    # partial sums of squares (RowNorm.parts).
+    linear_add: Callable[..., torch.Tensor] | None = None
+    # (residual, x=None) -> float32 [T, 1]: residual += x, and each row's sum of squares.
+    add_and_sum_squares: Callable[..., torch.Tensor] | None = None
 
 
-def reference_ops() -> Ops:
+def reference_ops(defer_norms: bool = False) -> Ops:
+    """Plain PyTorch; ``defer_norms`` runs the deferred-norm form too (for its tests)."""
     from ember.layers import reference_ops as ref
 
     return Ops(
@@ -53,14 +62,22 @@ def reference_ops() -> Ops:
         sample=ref.sample_reference,
         greedy_argmax=partial(torch.argmax, dim=-1),
         capturable=False,
+        defer_norms=defer_norms,
+        linear_add=ref.linear_add_reference,
+        add_and_sum_squares=ref.add_and_sum_squares_reference,
     )
 
 
-def triton_ops(programmatic_launch: bool = False, decode_rope_in_attention: bool = True) -> Ops:
+def triton_ops(
+    programmatic_launch: bool = False,
+    decode_rope_in_attention: bool = True,
+    defer_norms: bool = True,
+) -> Ops:
     """The Triton kernels; ``programmatic_launch`` launches the ones of a forward pass with PDL
     (Hopper and later; the sampler's kernels run after host-visible torch ops and keep plain
     launches); ``decode_rope_in_attention`` lets decode steps rotate and write the cache inside
-    the attention kernel."""
+    the attention kernel; ``defer_norms``: models fold their decoder norms into the projections
+    (`ember.layers.row_norm`)."""
     from ember import kernels
 
     def chained(op):
@@ -83,6 +100,9 @@ def triton_ops(programmatic_launch: bool = False, decode_rope_in_attention: bool
         greedy_argmax=kernels.greedy_argmax,
         capturable=True,
         programmatic_launch=programmatic_launch,
+        defer_norms=defer_norms,
+        linear_add=chained(kernels.linear_add),
+        add_and_sum_squares=chained(kernels.add_and_sum_squares),
     )
 
 
@@ -91,8 +111,10 @@ def select_ops(
     backend: str = "auto",
     programmatic_launch: bool = False,
     decode_rope_in_attention: bool = True,
+    defer_norms: bool = True,
 ) -> Ops:
-    """Triton on CUDA unless asked otherwise; the reference everywhere else.
+    """Triton on CUDA unless asked otherwise; the reference everywhere else (its norms never
+    deferred: it is the oracle the fast path is checked against).
 
     ``programmatic_launch`` where the GPU does not support it is an error.
     """
@@ -104,4 +126,4 @@ def select_ops(
 
     if programmatic_launch and not supports_programmatic_launch(device):
         raise ValueError("programmatic dependent launch needs a CUDA GPU of compute capability 9+")
-    return triton_ops(programmatic_launch, decode_rope_in_attention)
+    return triton_ops(programmatic_launch, decode_rope_in_attention, defer_norms)

@@ -14,6 +14,7 @@ import torch
 
 from ember.config import RopeScaling
 from ember.layers.forward_context import ForwardContext
+from ember.layers.row_norm import RowNorm
 
 # ---------------------------------------------------------------------------------------------
 # RoPE
@@ -66,8 +67,16 @@ def rope_and_cache_write_reference(
     slot_mapping: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
+    *,
+    row_norm: RowNorm | None = None,
 ) -> None:
-    """Rotate ``q`` and ``k`` in place, then store ``k`` and ``v`` at their slots (-1: skip)."""
+    """Rotate ``q`` and ``k`` in place, then store ``k`` and ``v`` at their slots (-1: skip).
+    ``row_norm``: scale each token's q, k and v by its ``1/rms`` first (``v`` itself is left
+    unscaled, only its cache copy is)."""
+    if row_norm is not None:
+        q.copy_(row_norm.apply(q))
+        k.copy_(row_norm.apply(k))
+        v = row_norm.apply(v)
     half = q.shape[-1] // 2
     cos_sin = cos_sin_cache[positions]
     cos, sin = cos_sin[:, :half], cos_sin[:, half:]
@@ -140,11 +149,13 @@ def rope_and_attention_reference(
     v_cache: torch.Tensor,
     scale: float,
     out: torch.Tensor,
+    *,
+    row_norm: RowNorm | None = None,
 ) -> torch.Tensor:
     """One layer's attention step over the metadata ``ctx``: RoPE and the cache write, then
-    paged attention."""
+    paged attention (``row_norm``: q, k, v scaled by each token's ``1/rms`` first)."""
     rope_and_cache_write_reference(q, k, v, ctx.positions, cos_sin_cache, ctx.slot_mapping,
-                                   k_cache, v_cache)  # fmt: skip
+                                   k_cache, v_cache, row_norm=row_norm)  # fmt: skip
     return paged_attention_reference(
         q, k_cache, v_cache, ctx.query_start_loc, ctx.seq_lens, ctx.block_tables, scale, out,
         max_query_len=ctx.max_query_len, max_seq_len=ctx.max_seq_len,
@@ -208,8 +219,29 @@ def fused_add_rms_norm_reference(
     x.copy_(_rms_normalize(residual, weight, eps))
 
 
-def silu_and_mul_reference(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``silu(x[:, :I]) * x[:, I:]`` for ``x [T, 2I]``: SiLU rounded to the dtype, then the mul."""
+def add_and_sum_squares_reference(
+    residual: torch.Tensor, x: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``residual += x`` in place (rounded to its dtype), then float32 ``[T, 1]``: each row's sum
+    of squares (a `RowNorm`'s parts)."""
+    if x is not None:
+        residual.copy_(residual + x)
+    return residual.float().pow(2).sum(-1, keepdim=True)
+
+
+def linear_add_reference(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor):
+    """``residual += x @ weight.T`` (the product rounded to the dtype first, as HF adds), and the
+    new rows' sums of squares, float32 ``[T, 1]``."""
+    return add_and_sum_squares_reference(residual, torch.nn.functional.linear(x, weight))
+
+
+def silu_and_mul_reference(
+    x: torch.Tensor, out: torch.Tensor | None = None, *, row_norm: RowNorm | None = None
+) -> torch.Tensor:
+    """``silu(x[:, :I]) * x[:, I:]`` for ``x [T, 2I]``: SiLU rounded to the dtype, then the mul
+    (``row_norm``: ``x``'s rows scaled by their ``1/rms`` first)."""
+    if row_norm is not None:
+        x = row_norm.apply(x)
     inter = x.shape[-1] // 2
     result = torch.nn.functional.silu(x[..., :inter]) * x[..., inter:]
     if out is None:

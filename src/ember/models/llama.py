@@ -3,6 +3,11 @@
 Llama 3.x and SmolLM2 (LlamaForCausalLM), Mistral (same graph), Qwen2 (q/k/v bias) and Qwen3
 (per-head q/k RMSNorm, explicit head_dim). q/k/v and gate/up are fused into single GEMMs at load
 time; the linear products, attention, norms and activation go through the instance's `Ops`.
+
+Where the ops defer the RMSNorm (`Ops.defer_norms`; not with a q/k/v bias or a q/k norm, which
+sit between the projection and its reader), each decoder norm's weight is folded into the
+projection it feeds at load and the residual stream runs in its deferred form
+(`ember.layers.residual`): no norm kernel inside the decoder.
 """
 
 from __future__ import annotations
@@ -15,6 +20,13 @@ from torch import nn
 from ember.config import ModelConfig
 from ember.layers.forward_context import ForwardContext
 from ember.layers.ops import Ops
+from ember.layers.residual import (
+    ResidualStream,
+    add_sub_block_output,
+    final_norm,
+    start_stream,
+    sub_block_input,
+)
 
 # Checkpoint name fragment -> (fused parameter fragment, shard index).
 _FUSED_SHARDS = {
@@ -40,13 +52,16 @@ class Attention(nn.Module):
 
     def forward(
         self,
-        x: torch.Tensor,
+        stream: ResidualStream,
+        norm_weight: torch.Tensor,
         ctx: ForwardContext,
         cos_sin_cache: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
-    ) -> torch.Tensor:
-        cfg, n = self.cfg, x.shape[0]
+    ) -> ResidualStream:
+        cfg = self.cfg
+        x, row_norm, stream = sub_block_input(self.ops, stream, norm_weight)
+        n = x.shape[0]
         qkv = self.ops.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
         q, k, v = qkv.split(self.shard_sizes, dim=-1)
         q = q.reshape(n, cfg.num_heads, cfg.head_dim)
@@ -57,8 +72,9 @@ class Attention(nn.Module):
             q = self.ops.rms_norm(q.reshape(-1, cfg.head_dim), self.q_norm, eps).view_as(q)
             k = self.ops.rms_norm(k.reshape(-1, cfg.head_dim), self.k_norm, eps).view_as(k)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        self.ops.rope_and_attention(q, k, v, ctx, cos_sin_cache, k_cache, v_cache, self.scale, out)
-        return self.ops.linear(out.view(n, cfg.q_size), self.o_proj.weight)
+        self.ops.rope_and_attention(q, k, v, ctx, cos_sin_cache, k_cache, v_cache, self.scale, out,
+                                    row_norm=row_norm)  # fmt: skip
+        return add_sub_block_output(self.ops, stream, out.view(n, cfg.q_size), self.o_proj.weight)
 
 
 class MLP(nn.Module):
@@ -68,15 +84,15 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.ops.linear(x, self.gate_up_proj.weight)
-        return self.ops.linear(self.ops.silu_and_mul(gate_up), self.down_proj.weight)
+    def forward(self, stream: ResidualStream, norm_weight: torch.Tensor) -> ResidualStream:
+        x, row_norm, stream = sub_block_input(self.ops, stream, norm_weight)
+        act = self.ops.silu_and_mul(self.ops.linear(x, self.gate_up_proj.weight), row_norm=row_norm)
+        return add_sub_block_output(self.ops, stream, act, self.down_proj.weight)
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, ops: Ops) -> None:
         super().__init__()
-        self.ops, self.eps = ops, cfg.rms_norm_eps
         self.self_attn = Attention(cfg, ops)
         self.mlp = MLP(cfg, ops)
         self.input_layernorm = nn.Parameter(torch.ones(cfg.hidden_size))
@@ -84,21 +100,14 @@ class DecoderLayer(nn.Module):
 
     def forward(
         self,
-        x: torch.Tensor,
-        residual: torch.Tensor | None,
+        stream: ResidualStream,
         ctx: ForwardContext,
         cos_sin_cache: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = x
-            x = self.ops.rms_norm(x, self.input_layernorm, self.eps)
-        else:
-            self.ops.fused_add_rms_norm(x, residual, self.input_layernorm, self.eps)
-        x = self.self_attn(x, ctx, cos_sin_cache, k_cache, v_cache)
-        self.ops.fused_add_rms_norm(x, residual, self.post_attention_layernorm, self.eps)
-        return self.mlp(x), residual
+    ) -> ResidualStream:
+        stream = self.self_attn(stream, self.input_layernorm, ctx, cos_sin_cache, k_cache, v_cache)
+        return self.mlp(stream, self.post_attention_layernorm)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -112,6 +121,7 @@ class LlamaForCausalLM(nn.Module):
         self.norm = nn.Parameter(torch.ones(cfg.hidden_size))
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size))
+        self.defers_norms = ops.defer_norms and not cfg.attention_bias and not cfg.qk_norm
 
     def forward(
         self,
@@ -120,12 +130,11 @@ class LlamaForCausalLM(nn.Module):
         cos_sin_cache: torch.Tensor,
         kv_cache: torch.Tensor,
     ) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
-        residual = None
+        hidden = self.embed_tokens(input_ids)
+        stream = start_stream(self.ops, hidden, self.cfg.rms_norm_eps, self.defers_norms)
         for i, layer in enumerate(self.layers):
-            x, residual = layer(x, residual, ctx, cos_sin_cache, kv_cache[i, 0], kv_cache[i, 1])
-        self.ops.fused_add_rms_norm(x, residual, self.norm, self.cfg.rms_norm_eps)
-        return x
+            stream = layer(stream, ctx, cos_sin_cache, kv_cache[i, 0], kv_cache[i, 1])
+        return final_norm(self.ops, stream, self.norm)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head
@@ -155,6 +164,21 @@ class LlamaForCausalLM(nn.Module):
             target.copy_(tensor)
             loaded.add(name if shard is None else f"{name}#{shard}")
         self._check_all_loaded(params, loaded)
+        if self.defers_norms:
+            self._fold_norm_weights()
+
+    @torch.no_grad()
+    def _fold_norm_weights(self) -> None:
+        """``W <- W diag(g)`` for each decoder RMSNorm (weight g) and the projection it feeds,
+        in float32 and rounded once; the norm keeps a weight of ones, so running it would
+        change nothing."""
+        for layer in self.layers:
+            for norm, linear in (
+                (layer.input_layernorm, layer.self_attn.qkv_proj),
+                (layer.post_attention_layernorm, layer.mlp.gate_up_proj),
+            ):
+                linear.weight.copy_(linear.weight.float() * norm.float()[None, :])
+                norm.fill_(1.0)
 
     def _param_name(self, hf_name: str) -> tuple[str | None, int | None]:
         if "rotary_emb" in hf_name:

@@ -1,0 +1,41 @@
+"""Reading a deferred RMSNorm (`ember.layers.row_norm.RowNorm`) inside a kernel."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ember.layers.row_norm import RowNorm
+
+# Partial sums a reader loads at once (one load, no loop: it sits on the reader's critical path).
+# The skinny GEMMs leave hidden size / BLOCK_N of them: 128 for an 8B model.
+_MAX_PARTS = 4096
+
+
+@triton.jit
+def load_inv_rms(parts_ptr, row, num_parts, hidden, eps, BLOCK_P: tl.constexpr):
+    """``1 / sqrt(mean square + eps)`` of row ``row`` (a scalar) from its ``num_parts`` partial
+    sums (``num_parts <= BLOCK_P``), with the RMSNorm kernel's correctly rounded division and
+    square root."""
+    cols = tl.arange(0, BLOCK_P)
+    parts = tl.load(parts_ptr + row.to(tl.int64) * num_parts + cols, mask=cols < num_parts,
+                    other=0.0)  # fmt: skip
+    mean_square = tl.math.div_rn(tl.sum(parts, 0), hidden * 1.0)  # div_rn takes fp32 only
+    return tl.math.div_rn(1.0, tl.math.sqrt_rn(mean_square + eps))
+
+
+def row_norm_args(row_norm: RowNorm | None, like) -> tuple:
+    """A kernel's ``(parts_ptr, num_parts, hidden, eps)`` for ``row_norm`` (``like`` stands in
+    for the pointer when there is none), and its ``BLOCK_P``."""
+    if row_norm is None:
+        return (like, 0, 1, 0.0), 16
+    num_parts = row_norm.parts.shape[1]
+    if num_parts > _MAX_PARTS:
+        raise ValueError(f"row_norm has {num_parts} partial sums per row, over {_MAX_PARTS}")
+    block_p = max(16, triton.next_power_of_2(num_parts))
+    return (row_norm.parts, num_parts, row_norm.hidden_size, row_norm.eps), block_p
+
+
+def check_row_norm(row_norm: RowNorm | None, num_rows: int) -> None:
+    if row_norm is not None and row_norm.parts.shape[0] < num_rows:
+        raise ValueError(f"row_norm covers {row_norm.parts.shape[0]} rows, fewer than {num_rows}")

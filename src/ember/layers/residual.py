@@ -1,0 +1,76 @@
+"""The decoder's residual stream between sub-blocks, in one of two forms.
+
+Plain: ``hidden`` rows plus ``pending``, the last sub-block's output not added yet (the next
+fused add + RMSNorm kernel adds it). Deferred norm (`ember.layers.row_norm`): every output is
+added and ``row_norm`` holds the new rows' RMSNorm statistics; the norms' weights were folded
+into the projections they feed at load, so a projection reads ``hidden`` itself and the kernel
+after it applies ``1/rms``. At decode sizes the skinny GEMM's epilogue does the add and the
+statistics: the step runs no norm kernel inside the decoder.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ember.layers.ops import Ops
+from ember.layers.row_norm import RowNorm
+
+
+@dataclass(frozen=True)
+class ResidualStream:
+    hidden: torch.Tensor
+    eps: float
+    pending: torch.Tensor | None = None
+    row_norm: RowNorm | None = None
+
+
+def start_stream(ops: Ops, hidden: torch.Tensor, eps: float, deferred: bool) -> ResidualStream:
+    """The stream at the embeddings; ``deferred``: in the deferred-norm form."""
+    if not deferred:
+        return ResidualStream(hidden, eps)
+    return ResidualStream(
+        hidden, eps, row_norm=_row_norm(ops.add_and_sum_squares(hidden), hidden, eps)
+    )
+
+
+def sub_block_input(
+    ops: Ops, stream: ResidualStream, norm_weight: torch.Tensor
+) -> tuple[torch.Tensor, RowNorm | None, ResidualStream]:
+    """What a pre-norm sub-block's first projection reads: ``(x, row_norm, stream)``. Plain:
+    ``x`` is the normalised stream (anything pending added first), ``row_norm`` None. Deferred:
+    ``x`` is the stream itself and ``row_norm`` its statistics, for the projection's reader."""
+    if stream.row_norm is not None:
+        return stream.hidden, stream.row_norm, stream
+    hidden, pending = stream.hidden, stream.pending
+    if pending is None:
+        return ops.rms_norm(hidden, norm_weight, stream.eps), None, stream
+    ops.fused_add_rms_norm(pending, hidden, norm_weight, stream.eps)
+    return pending, None, ResidualStream(hidden, stream.eps)
+
+
+def add_sub_block_output(
+    ops: Ops, stream: ResidualStream, x: torch.Tensor, weight: torch.Tensor
+) -> ResidualStream:
+    """A sub-block's exit, ``stream + x @ weight.T``: added now with its statistics (deferred),
+    or left pending for the next fused add + norm kernel (plain)."""
+    if stream.row_norm is not None:
+        parts = ops.linear_add(x, weight, stream.hidden)
+        return ResidualStream(
+            stream.hidden, stream.eps, row_norm=_row_norm(parts, stream.hidden, stream.eps)
+        )
+    return ResidualStream(stream.hidden, stream.eps, pending=ops.linear(x, weight))
+
+
+def final_norm(ops: Ops, stream: ResidualStream, norm_weight: torch.Tensor) -> torch.Tensor:
+    """The final RMSNorm of the stream (its weight is never folded: the output projection may be
+    tied to the embeddings)."""
+    if stream.pending is None:
+        return ops.rms_norm(stream.hidden, norm_weight, stream.eps)
+    ops.fused_add_rms_norm(stream.pending, stream.hidden, norm_weight, stream.eps)
+    return stream.pending
+
+
+def _row_norm(parts: torch.Tensor, hidden: torch.Tensor, eps: float) -> RowNorm:
+    return RowNorm(parts, hidden.shape[-1], eps)
