@@ -5,8 +5,11 @@
 # (--separate-norms). Compiled kernel tests and the engine's Triton-vs-reference tokens, decode
 # steps for both variants in one call, profiles (by_predecessor rows included), bf16 parity of
 # the deferred path, then `bench tune --in-sequence` with what time is left. Results into
-# $OUT/ab.tar.gz, the log beside it.
+# $OUT/ab.tar.gz, the log beside it. EMBER_AB_STAGES picks sections (default: tests step profile
+# parity tune); EMBER_AB_PROFILE_BATCHES the profiled batches (default: 1 64).
 set -uo pipefail
+STAGES=" ${EMBER_AB_STAGES:-tests step profile parity tune} "
+want() { [[ "$STAGES" == *" $1 "* ]]; }
 OUT=${1:?usage: scripts/gpu_ab_deferred_norm.sh OUTDIR}
 cd "$(dirname "$0")/.."
 mkdir -p "$OUT/ab"
@@ -29,32 +32,29 @@ M=/tmp/llama-3.1-8b-random
 python3 -m ember.cli bench make-model --preset llama-3.1-8b --out $M \
   --tokenizer-dir .gpu_assets/tokenizer > /dev/null &
 MAKER=$!  # waited for by pid: a bare `wait` would also wait for the tee above
-echo "=== tests $(date +%T)"
-capped 130 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_deferred_norm.py \
+want tests && echo "=== tests $(date +%T)" && capped 130 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_deferred_norm.py \
   tests/kernels/test_attention_step.py tests/kernels/test_activation.py \
   tests/kernels/test_rmsnorm.py tests/kernels/test_skinny_gemm.py \
   tests/kernels/test_rope_cache_write.py tests/kernels/test_engine_on_kernels.py \
   > "$OUT/ab/tests.log" 2>&1
-tail -n 6 "$OUT/ab/tests.log"
+want tests && tail -n 6 "$OUT/ab/tests.log"
 wait $MAKER
-for variant in deferred separate; do
+want step && for variant in deferred separate; do
   flag=$([ $variant = separate ] && echo --separate-norms)
   echo "=== step $variant $(date +%T)"
   capped 75 python3 -m ember.cli bench step --model $M --out "$OUT/ab/step_$variant" \
     --sections decode --decode-batches 1 8 64 256 --decode-contexts 512 $flag 2>&1 \
     | grep '"batch"\|Error'
 done
-for variant in deferred separate; do
+want profile && for variant in deferred separate; do
   flag=$([ $variant = separate ] && echo --separate-norms)
   echo "=== profile $variant $(date +%T)"
-  capped 60 python3 -m ember.cli bench profile --model $M --out "$OUT/ab/profile_$variant" \
-    --batches 1 64 $flag 2>&1 | grep -v '^\s*$' | tail -n 4
+  capped 70 python3 -m ember.cli bench profile --model $M --out "$OUT/ab/profile_$variant" \
+    --batches ${EMBER_AB_PROFILE_BATCHES:-1 64} $flag 2>&1 | grep -v '^\s*$' | tail -n 4
   rm -f "$OUT"/ab/profile_$variant/profile_decode_b*.json "$OUT"/ab/profile_$variant/profile_mixed.json
 done
-echo "=== parity bf16 deferred $(date +%T)"
-capped 75 python3 -m ember.cli bench parity --model $M --dtype bfloat16 \
+want parity && echo "=== parity bf16 deferred $(date +%T)" && capped 75 python3 -m ember.cli bench parity --model $M --dtype bfloat16 \
   --output-json "$OUT/ab/parity_bf16.json" 2>&1 | tail -n 3
-echo "=== tune in sequence $(date +%T)"
-capped 150 python3 -m ember.cli bench tune --out "$OUT/ab/tune" --skip-attention --skip-gemm \
+want tune && echo "=== tune in sequence $(date +%T)" && capped 150 python3 -m ember.cli bench tune --out "$OUT/ab/tune" --skip-attention --skip-gemm \
   --in-sequence 2>&1 | tail -n 4
 echo "=== done $(date +%T)"

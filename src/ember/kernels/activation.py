@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from ember.kernels.pdl import wait_for_producer
-from ember.kernels.row_norm import check_row_norm, load_inv_rms, row_norm_args
+from ember.kernels.row_norm import check_row_norm, inv_rms_of, load_row_parts, row_norm_args
 from ember.layers.row_norm import RowNorm
 
 # 1024 bf16 elements per program: 16-byte loads for 4 warps, and enough programs per row.
@@ -40,10 +40,12 @@ def _silu_and_mul_kernel(
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
+    if ROW_NORM:  # issued with the loads below, reduced after them
+        row_parts = load_row_parts(parts_ptr, row, num_parts, BLOCK_P)
     gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * stride_x + inter + cols, mask=mask, other=0.0).to(tl.float32)
     if ROW_NORM:
-        inv_rms = load_inv_rms(parts_ptr, row, num_parts, hidden, eps, BLOCK_P)
+        inv_rms = inv_rms_of(row_parts, hidden, eps)
         gate = (gate * inv_rms).to(x_ptr.dtype.element_ty).to(tl.float32)
         up = (up * inv_rms).to(x_ptr.dtype.element_ty).to(tl.float32)
     silu = (gate / (1.0 + tl.exp(-gate))).to(x_ptr.dtype.element_ty).to(tl.float32)

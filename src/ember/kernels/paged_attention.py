@@ -25,7 +25,7 @@ import triton.language as tl
 
 from ember.kernels.pdl import wait_for_producer
 from ember.kernels.rope_cache_write import scale_and_round
-from ember.kernels.row_norm import check_row_norm, load_inv_rms, row_norm_args
+from ember.kernels.row_norm import check_row_norm, inv_rms_of, load_row_parts, row_norm_args
 from ember.kernels.tiles import shrink_to_fit
 from ember.layers.row_norm import RowNorm
 
@@ -271,6 +271,8 @@ def _paged_attention_kernel(
     # Padding rows borrow the tile's first position so their softmax stays finite.
     row_pos = tl.where(row_valid, context_len + (row_tok - seq_q_start), first_pos)
 
+    if ROPE and ROW_NORM:  # issued first: the row's statistics gate every use of q, k and v
+        row_parts = load_row_parts(parts_ptr, tile_q_start, num_parts, BLOCK_P)
     dims = tl.arange(0, HEAD_DIM)
     q_rows = q_ptr + row_tok[:, None] * stride_q_tok + row_head[:, None] * stride_q_head
     q = tl.load(q_rows + dims[None, :], mask=row_valid[:, None], other=0.0)
@@ -294,7 +296,7 @@ def _paged_attention_kernel(
         # RMSNorm scales the token's q, k and v first.
         scale = 1.0
         if ROW_NORM:
-            scale = load_inv_rms(parts_ptr, tile_q_start, num_parts, hidden, eps, BLOCK_P)
+            scale = inv_rms_of(row_parts, hidden, eps)
         q, cos, signed_sin, partner = _rotate_query(q, q_rows, row_valid, positions_ptr,
                                                     cos_sin_ptr, tile_q_start, scale, HEAD_DIM,
                                                     ROW_NORM)  # fmt: skip

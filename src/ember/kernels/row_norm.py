@@ -13,15 +13,26 @@ _MAX_PARTS = 4096
 
 
 @triton.jit
-def load_inv_rms(parts_ptr, row, num_parts, hidden, eps, BLOCK_P: tl.constexpr):
-    """``1 / sqrt(mean square + eps)`` of row ``row`` (a scalar) from its ``num_parts`` partial
-    sums (``num_parts <= BLOCK_P``), with the RMSNorm kernel's correctly rounded division and
-    square root."""
+def load_row_parts(parts_ptr, row, num_parts, BLOCK_P: tl.constexpr):
+    """Row ``row``'s (a scalar) ``num_parts <= BLOCK_P`` partial sums of squares; a reader that
+    issues this before its other loads keeps it off its critical path."""
     cols = tl.arange(0, BLOCK_P)
-    parts = tl.load(parts_ptr + row.to(tl.int64) * num_parts + cols, mask=cols < num_parts,
-                    other=0.0)  # fmt: skip
+    return tl.load(parts_ptr + row.to(tl.int64) * num_parts + cols, mask=cols < num_parts,
+                   other=0.0)  # fmt: skip
+
+
+@triton.jit
+def inv_rms_of(parts, hidden, eps):
+    """``1 / sqrt(mean square + eps)`` from a row's partial sums, with the RMSNorm kernel's
+    correctly rounded division and square root."""
     mean_square = tl.math.div_rn(tl.sum(parts, 0), hidden * 1.0)  # div_rn takes fp32 only
     return tl.math.div_rn(1.0, tl.math.sqrt_rn(mean_square + eps))
+
+
+@triton.jit
+def load_inv_rms(parts_ptr, row, num_parts, hidden, eps, BLOCK_P: tl.constexpr):
+    """`inv_rms_of` the row's partial sums, loaded here."""
+    return inv_rms_of(load_row_parts(parts_ptr, row, num_parts, BLOCK_P), hidden, eps)
 
 
 def row_norm_args(row_norm: RowNorm | None, like) -> tuple:
