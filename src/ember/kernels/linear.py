@@ -5,7 +5,10 @@ their input (attention output, MLP down) as split-K plus a reduce kernel. The sk
 needs no reduce: in the engine's decode step at batch 64 (`ember bench profile`) o + down + the
 vocabulary projection took 1,723 us per step against cuBLAS's 1,805 (reduces included); at batch
 1 the kernel time is the same (1,689 vs 1,675 us) with 64 fewer launches per step. On q/k/v and
-gate/up the two tied in `ember bench tune`, so those stay on cuBLAS, except under programmatic
+gate/up the two tied in `ember bench tune`, so those stay on cuBLAS, but for q/k/v at batch 1
+(N between K and 4 K, one row): timed in sequence it beat cuBLAS by 1 us, and the step at batch 1
+by 77 us (4.346 against 4.422 and 4.425 ms, one call; bench/results/README.md, sixth round).
+Otherwise cuBLAS, except under programmatic
 dependent launch (`ember.kernels.pdl`): a cuBLAS kernel in the chain neither starts early nor
 lets the next kernel start early, so there every decode-sized product takes the skinny kernel.
 
@@ -31,7 +34,7 @@ def use_skinny_gemm(
     """Whether ``[m, k] x [n, k]^T`` goes to the skinny kernel (measured wins only)."""
     if device.type != "cuda" or dtype not in _HALF_DTYPES or not 0 < m <= MAX_M:
         return False
-    return pdl or n <= k or n >= 16 * k
+    return pdl or n <= k or n >= 16 * k or (m == 1 and n < 4 * k)
 
 
 def linear(
