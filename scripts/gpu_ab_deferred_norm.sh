@@ -25,19 +25,16 @@ capped() {  # SECONDS CMD...: run for at most SECONDS, and never past the deadli
   if [ "$cap" -le 5 ]; then echo "skipped (out of time): $*"; return 124; fi
   timeout --signal=INT --kill-after=5 "$cap" "$@"
 }
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
-export PYTHONPATH=/tmp/site:$PWD/src:$PWD/tests PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
-export EMBER_TEST_TOKENIZER_DIR=$PWD/.gpu_assets/tokenizer
-M=/tmp/llama-3.1-8b-random
-python3 -m ember.cli bench make-model --preset llama-3.1-8b --out $M \
-  --tokenizer-dir .gpu_assets/tokenizer > /dev/null &
-MAKER=$!  # waited for by pid: a bare `wait` would also wait for the tee above
-want tests && echo "=== tests $(date +%T)" && capped 130 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_deferred_norm.py \
-  tests/kernels/test_attention_step.py tests/kernels/test_activation.py \
-  tests/kernels/test_rmsnorm.py tests/kernels/test_skinny_gemm.py \
-  tests/kernels/test_rope_cache_write.py tests/kernels/test_engine_on_kernels.py \
-  > "$OUT/ab/tests.log" 2>&1
-want tests && tail -n 6 "$OUT/ab/tests.log"
+source scripts/gpu_oneoff_setup.sh  # wheels, environment, $M being made ($MAKER)
+if want tests; then
+  echo "=== tests $(date +%T)"
+  capped 130 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_deferred_norm.py \
+    tests/kernels/test_attention_step.py tests/kernels/test_activation.py \
+    tests/kernels/test_rmsnorm.py tests/kernels/test_skinny_gemm.py \
+    tests/kernels/test_rope_cache_write.py tests/kernels/test_engine_on_kernels.py \
+    > "$OUT/ab/tests.log" 2>&1
+  tail -n 6 "$OUT/ab/tests.log"
+fi
 wait $MAKER
 want step && for variant in deferred separate; do
   flag=$([ $variant = separate ] && echo --separate-norms)
@@ -53,8 +50,14 @@ want profile && for variant in deferred separate; do
     --batches ${EMBER_AB_PROFILE_BATCHES:-1 64} $flag 2>&1 | grep -v '^\s*$' | tail -n 4
   rm -f "$OUT"/ab/profile_$variant/profile_decode_b*.json "$OUT"/ab/profile_$variant/profile_mixed.json
 done
-want parity && echo "=== parity bf16 deferred $(date +%T)" && capped 75 python3 -m ember.cli bench parity --model $M --dtype bfloat16 \
-  --output-json "$OUT/ab/parity_bf16.json" 2>&1 | tail -n 3
-want tune && echo "=== tune in sequence $(date +%T)" && capped 150 python3 -m ember.cli bench tune --out "$OUT/ab/tune" --skip-attention --skip-gemm \
-  --in-sequence 2>&1 | tail -n 4
+if want parity; then
+  echo "=== parity bf16 deferred $(date +%T)"
+  capped 75 python3 -m ember.cli bench parity --model $M --dtype bfloat16 \
+    --output-json "$OUT/ab/parity_bf16.json" 2>&1 | tail -n 3
+fi
+if want tune; then
+  echo "=== tune in sequence $(date +%T)"
+  capped 150 python3 -m ember.cli bench tune --out "$OUT/ab/tune" --skip-attention --skip-gemm \
+    --in-sequence 2>&1 | tail -n 4
+fi
 echo "=== done $(date +%T)"

@@ -9,13 +9,7 @@ cd "$(dirname "$0")/.."
 mkdir -p "$OUT/check"
 exec > >(tee -a "$OUT/check/log.txt") 2>&1
 trap 'tar -czf "$OUT/check.tar.gz" -C "$OUT" check && rm -rf "$OUT/check"' EXIT
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
-export PYTHONPATH=/tmp/site:$PWD/src:$PWD/tests PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
-export EMBER_TEST_TOKENIZER_DIR=$PWD/.gpu_assets/tokenizer
-M=/tmp/llama-3.1-8b-random
-python3 -m ember.cli bench make-model --preset llama-3.1-8b --out $M \
-  --tokenizer-dir .gpu_assets/tokenizer > /dev/null &
-MAKER=$!  # waited for by pid: a bare `wait` would also wait for the tee above
+source scripts/gpu_oneoff_setup.sh  # wheels, environment, $M being made ($MAKER)
 timeout 100 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_argmax.py \
   tests/gpu/test_gpu_engine.py -k "argmax or triton_path_matches" 2>&1 | tail -n 8
 echo "=== argmax alone"

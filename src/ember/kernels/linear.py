@@ -5,12 +5,11 @@ their input (attention output, MLP down) as split-K plus a reduce kernel. The sk
 needs no reduce: in the engine's decode step at batch 64 (`ember bench profile`) o + down + the
 vocabulary projection took 1,723 us per step against cuBLAS's 1,805 (reduces included); at batch
 1 the kernel time is the same (1,689 vs 1,675 us) with 64 fewer launches per step. On q/k/v and
-gate/up the two tied in `ember bench tune`, so those stay on cuBLAS, but for q/k/v at batch 1
-(N between K and 4 K, one row): timed in sequence it beat cuBLAS by 1 us, and the step at batch 1
-by 77 us (4.346 against 4.422 and 4.425 ms, one call; bench/results/README.md, sixth round).
-Otherwise cuBLAS, except under programmatic
-dependent launch (`ember.kernels.pdl`): a cuBLAS kernel in the chain neither starts early nor
-lets the next kernel start early, so there every decode-sized product takes the skinny kernel.
+gate/up the two tied in `ember bench tune`, so those stay on cuBLAS, with one exception: q/k/v
+(K < N < 4 K) at batch 1 beat cuBLAS by 1 us when timed in sequence and took 77 us off the step
+(4.346 against 4.422 and 4.425 ms in one call; bench/results/README.md). Under programmatic
+dependent launch (`ember.kernels.pdl`) every decode-sized product takes the skinny kernel: a
+cuBLAS kernel in the chain neither starts early nor lets the next kernel start early.
 
 `linear_add` is a sub-block's exit into the residual stream under a deferred RMSNorm
 (`ember.layers.row_norm`): where the skinny kernel takes the product, its epilogue adds it to the

@@ -24,8 +24,13 @@ import triton
 import triton.language as tl
 
 from ember.kernels.pdl import wait_for_producer
-from ember.kernels.rope_cache_write import scale_and_round
-from ember.kernels.row_norm import check_row_norm, inv_rms_of, load_row_parts, row_norm_args
+from ember.kernels.row_norm import (
+    check_row_norm,
+    inv_rms_of,
+    load_row_parts,
+    row_norm_args,
+    scale_and_round,
+)
 from ember.kernels.tiles import shrink_to_fit
 from ember.layers.row_norm import RowNorm
 

@@ -15,17 +15,13 @@ import triton
 import triton.language as tl
 
 from ember.kernels.pdl import wait_for_producer
-from ember.kernels.row_norm import check_row_norm, load_inv_rms, row_norm_args
+from ember.kernels.row_norm import (
+    check_row_norm,
+    load_inv_rms,
+    row_norm_args,
+    scale_and_round,
+)
 from ember.layers.row_norm import RowNorm
-
-
-@triton.jit
-def scale_and_round(x, scale, dtype: tl.constexpr, SCALED: tl.constexpr):
-    """fp32 ``x * scale`` rounded to ``dtype`` and back (a deferred RMSNorm's 1/rms applied as
-    the GEMM output it stands for would be rounded); ``x`` as fp32 when not ``SCALED``."""
-    if SCALED:
-        return (x.to(tl.float32) * scale).to(dtype).to(tl.float32)
-    return x.to(tl.float32)
 
 
 @triton.jit

@@ -14,8 +14,8 @@ _MAX_PARTS = 4096
 
 @triton.jit
 def load_row_parts(parts_ptr, row, num_parts, BLOCK_P: tl.constexpr):
-    """Row ``row``'s (a scalar) ``num_parts <= BLOCK_P`` partial sums of squares; a reader that
-    issues this before its other loads keeps it off its critical path."""
+    """Row ``row``'s (a scalar) ``num_parts <= BLOCK_P`` partial sums of squares (readers issue
+    this with their first loads and reduce it after them)."""
     cols = tl.arange(0, BLOCK_P)
     return tl.load(parts_ptr + row.to(tl.int64) * num_parts + cols, mask=cols < num_parts,
                    other=0.0)  # fmt: skip
@@ -33,6 +33,15 @@ def inv_rms_of(parts, hidden, eps):
 def load_inv_rms(parts_ptr, row, num_parts, hidden, eps, BLOCK_P: tl.constexpr):
     """`inv_rms_of` the row's partial sums, loaded here."""
     return inv_rms_of(load_row_parts(parts_ptr, row, num_parts, BLOCK_P), hidden, eps)
+
+
+@triton.jit
+def scale_and_round(x, scale, dtype: tl.constexpr, SCALED: tl.constexpr):
+    """fp32 ``x * scale`` rounded to ``dtype`` and back (a deferred RMSNorm's 1/rms applied as
+    the GEMM output it stands for would be rounded); ``x`` as fp32 when not ``SCALED``."""
+    if SCALED:
+        return (x.to(tl.float32) * scale).to(dtype).to(tl.float32)
+    return x.to(tl.float32)
 
 
 def row_norm_args(row_norm: RowNorm | None, like) -> tuple:
