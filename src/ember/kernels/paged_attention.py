@@ -620,7 +620,8 @@ def paged_attention(
         query_start_loc, seq_lens, block_tables,
         part_max, part_sum, part_acc,
         split_counters if split_kv else seq_lens,
-        *(rope[:5] if rope is not None else (q, q, seq_lens, q, seq_lens)),
+        *((rope.k, rope.v, rope.positions, rope.cos_sin_cache, rope.slot_mapping)
+          if rope is not None else (q, q, seq_lens, q, seq_lens)),
         *row_args,
         scale * _LOG2E, num_seqs, splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),

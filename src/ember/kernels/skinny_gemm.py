@@ -152,12 +152,19 @@ def _check_operands(x: torch.Tensor, weight: torch.Tensor) -> None:
         raise ValueError("the reduction dim must be contiguous in x and weight")
 
 
-def _launch(x, weight, bias, out, parts, config, pdl) -> None:
+def _resolved_config(x, weight, config: dict[str, int] | None) -> dict[str, int]:
+    """``config`` (a copy), or the shape's default tiles; checked against the rows."""
     m, k = x.shape
-    n = weight.shape[0]
-    config = dict(config or default_config(m, n, k, weight.element_size()))
+    config = dict(config or default_config(m, weight.shape[0], k, weight.element_size()))
     if config["BLOCK_M"] < m:
         raise ValueError(f"BLOCK_M {config['BLOCK_M']} is smaller than M {m}")
+    return config
+
+
+def _launch(x, weight, bias, out, parts, config: dict[str, int], pdl) -> None:
+    """Launch on a `_resolved_config` (consumed: BLOCK_N is popped)."""
+    m, k = x.shape
+    n = weight.shape[0]
     block_n = config.pop("BLOCK_N")
     _skinny_gemm_kernel[(triton.cdiv(n, block_n),)](
         x, weight, bias if bias is not None else weight, out,
@@ -194,7 +201,7 @@ def skinny_gemm(
     if out is None:
         out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
     if x.shape[0]:
-        _launch(x, weight, bias, out, None, config, pdl)
+        _launch(x, weight, bias, out, None, _resolved_config(x, weight, config), pdl)
     return out
 
 
@@ -210,11 +217,11 @@ def skinny_gemm_add(
     rounded to the dtype before the add), returning float32 ``[M, P]``: the sums of squares of
     the new rows, one column per program (`ember.layers.row_norm.RowNorm`'s ``parts``)."""
     _check_operands(x, weight)
-    m, k = x.shape
+    m = x.shape[0]
     n = weight.shape[0]
     if residual.shape != (m, n) or residual.stride(1) != 1:
         raise ValueError(f"residual must be [{m}, {n}] with contiguous rows")
-    config = dict(config or default_config(m, n, k, weight.element_size()))
+    config = _resolved_config(x, weight, config)
     parts = torch.empty(m, triton.cdiv(n, config["BLOCK_N"]), dtype=torch.float32,
                         device=x.device)  # fmt: skip
     if m:
