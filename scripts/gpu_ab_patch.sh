@@ -5,11 +5,13 @@
 #
 #   scripts/gpu_ab_patch.sh OUTDIR VARIANT [VARIANT ...]     each variant is tried on its own
 #
-# A VARIANT is a patch file (applied with `git apply`, reverted after), or one quoted argument of
-# `ember bench` flags starting with "--" (e.g. "--programmatic-launch").
+# A VARIANT is a patch file (applied with `git apply`, reverted after), one quoted argument of
+# `ember bench` flags starting with "--" (e.g. "--programmatic-launch"), or both in one quoted
+# argument, the patch first ("docs/wip/x.patch --programmatic-launch").
 #
 # EMBER_AB_STEP_ARGS: `ember bench step` arguments (default: decode steps at batch 1, 8, 64,
-# context 512). EMBER_AB_PROFILE=1 also profiles batch 1 and 64 for the baseline and each patch.
+# context 512). EMBER_AB_BRACKET=ends runs the baseline only first and last (not between variants),
+# a run saved per variant (~45 s) when several are tried. EMBER_AB_PROFILE=1 also profiles batch 1 and 64 for the baseline and each patch.
 # Results into $OUTDIR/ab.tar.gz (one step_bench.json per run, named baseline_1, PATCHNAME,
 # baseline_2, ...), the log beside it. The tree is restored whatever happens.
 set -uo pipefail
@@ -19,7 +21,7 @@ shift
 cd "$(dirname "$0")/.."
 for variant in "$@"; do
   [[ "$variant" == --* ]] && continue
-  git apply --check "$variant" || { echo "does not apply: $variant"; exit 2; }
+  git apply --check "${variant%% *}" || { echo "does not apply: ${variant%% *}"; exit 2; }
 done
 mkdir -p "$OUT/ab"
 exec > >(tee -a "$OUT/log.txt") 2>&1
@@ -51,11 +53,18 @@ for variant in "$@"; do
     read -r -a flags <<< "$variant"
     measure "$(echo "$variant" | tr -cs 'a-zA-Z0-9' '_' | sed 's/^_*//; s/_*$//')" "${flags[@]}"
   else
-    git apply "$variant" && APPLIED=$variant
-    measure "$(basename "$variant" .patch)"
-    git apply -R "$variant" && APPLIED=""
+    read -r patch flags <<< "$variant"
+    read -r -a flags <<< "${flags:-}"
+    name=$(basename "$patch" .patch)
+    [ ${#flags[@]} -gt 0 ] && name="${name}_$(echo "${flags[*]}" | tr -cs 'a-zA-Z0-9' '_' | sed 's/^_*//; s/_*$//')"
+    git apply "$patch" && APPLIED=$patch
+    measure "$name" "${flags[@]}"
+    git apply -R "$patch" && APPLIED=""
   fi
-  runs=$((runs + 1))
-  measure "baseline_$runs"
+  if [ "${EMBER_AB_BRACKET:-each}" != ends ]; then
+    runs=$((runs + 1))
+    measure "baseline_$runs"
+  fi
 done
+[ "${EMBER_AB_BRACKET:-each}" = ends ] && measure "baseline_$((runs + 1))"
 echo "=== done $(date +%T)"

@@ -47,8 +47,8 @@ def test_select_ops_launches_plainly_unless_asked_and_checks_support():
 def test_pdl_routes_every_decode_product_to_the_chainable_kernel():
     """A cuBLAS kernel would break the chain, so q/k/v and gate/up (a measured tie) move too."""
     cuda, bf16 = torch.device("cuda"), torch.bfloat16
-    assert not use_skinny_gemm(8, 6144, 4096, bf16, cuda)  # qkv: cuBLAS without PDL
-    assert use_skinny_gemm(8, 6144, 4096, bf16, cuda, pdl=True)
+    assert not use_skinny_gemm(32, 6144, 4096, bf16, cuda)  # qkv: cuBLAS without PDL
+    assert use_skinny_gemm(32, 6144, 4096, bf16, cuda, pdl=True)
     assert use_skinny_gemm(64, 28672, 4096, bf16, cuda, pdl=True)
     assert not use_skinny_gemm(65, 6144, 4096, bf16, cuda, pdl=True)  # prefill: cuBLAS
     assert not use_skinny_gemm(1, 6144, 4096, torch.float32, cuda, pdl=True)

@@ -62,8 +62,9 @@ def test_routing_follows_the_measured_wins():
     assert use_skinny_gemm(1, 4096, 4096, bf16, cuda)  # attention output
     assert use_skinny_gemm(64, 4096, 14336, bf16, cuda)  # MLP down
     assert use_skinny_gemm(8, 128256, 4096, bf16, cuda)  # vocabulary projection
-    assert use_skinny_gemm(1, 6144, 4096, bf16, cuda)  # q/k/v at batch 1: won in the step
-    assert not use_skinny_gemm(2, 6144, 4096, bf16, cuda)  # q/k/v above: a tie, cuBLAS kept
+    assert use_skinny_gemm(1, 6144, 4096, bf16, cuda)  # q/k/v at batch 1-16: won in the step
+    assert use_skinny_gemm(16, 6144, 4096, bf16, cuda)
+    assert not use_skinny_gemm(17, 6144, 4096, bf16, cuda)  # q/k/v above: cuBLAS kept
     assert not use_skinny_gemm(1, 28672, 4096, bf16, cuda)  # gate/up: a tie
     assert not use_skinny_gemm(MAX_M + 1, 4096, 4096, bf16, cuda)
     assert not use_skinny_gemm(0, 4096, 4096, bf16, cuda)

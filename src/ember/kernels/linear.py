@@ -5,9 +5,10 @@ their input (attention output, MLP down) as split-K plus a reduce kernel. The sk
 needs no reduce: in the engine's decode step at batch 64 (`ember bench profile`) o + down + the
 vocabulary projection took 1,723 us per step against cuBLAS's 1,805 (reduces included); at batch
 1 the kernel time is the same (1,689 vs 1,675 us) with 64 fewer launches per step. On q/k/v and
-gate/up the two tied in `ember bench tune`, so those stay on cuBLAS, with one exception: q/k/v
-(K < N < 4 K) at batch 1 beat cuBLAS by 1 us when timed in sequence and took 77 us off the step
-(4.346 against 4.422 and 4.425 ms in one call; bench/results/README.md). Under programmatic
+gate/up the two tied in `ember bench tune`, so gate/up stays on cuBLAS; q/k/v (K < N < 4 K) at
+batch 1 beat cuBLAS by 1 us when timed in sequence and took 77 us off the step (4.346 against
+4.422 and 4.425 ms in one call), and at batch 4-16 21-34 us (in-call A/B of 2026-12-01, second
+session; bench/results/README.md), so it takes the skinny kernel up to 16 rows. Under programmatic
 dependent launch (`ember.kernels.pdl`) every decode-sized product takes the skinny kernel: a
 cuBLAS kernel in the chain neither starts early nor lets the next kernel start early.
 
@@ -33,7 +34,7 @@ def use_skinny_gemm(
     """Whether ``[m, k] x [n, k]^T`` goes to the skinny kernel (measured wins only)."""
     if device.type != "cuda" or dtype not in _HALF_DTYPES or not 0 < m <= MAX_M:
         return False
-    return pdl or n <= k or n >= 16 * k or (m == 1 and n < 4 * k)
+    return pdl or n <= k or n >= 16 * k or (m <= 16 and n < 4 * k)
 
 
 def linear(
