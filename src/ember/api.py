@@ -59,7 +59,7 @@ class LLM:
         lazy_cuda_graphs: bool = False,
         overlap: bool | None = None,
         backend: str = "auto",
-        programmatic_launch: bool = False,
+        programmatic_launch: str = "auto",
     ) -> None:
         scheduler = SchedulerConfig(
             max_num_seqs=max_num_seqs,

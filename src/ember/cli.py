@@ -15,6 +15,7 @@ import sys
 from collections.abc import Sequence
 from typing import NamedTuple
 
+from ember.config import PDL_MODES
 from ember.server.config import (
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_QUEUE,
@@ -177,9 +178,13 @@ def add_fast_path_arguments(parser: argparse.ArgumentParser) -> None:
     """Switches between kernel schedules of the Triton path (for A/B measurements)."""
     parser.add_argument(
         "--programmatic-launch",
-        action="store_true",
-        help="launch a step's Triton kernels with programmatic dependent launch (Hopper+; "
-        "measured slower on an H200 at batch 8-32, see bench/results/README.md)",
+        nargs="?",
+        const="on",
+        default="auto",
+        choices=PDL_MODES,
+        help="launch a step's Triton kernels with programmatic dependent launch (Hopper+): at the "
+        "step sizes where it measured faster on an H200 (auto, the default), always (on, or the "
+        "bare flag) or never (off)",
     )
     parser.add_argument(
         "--separate-decode-rope",

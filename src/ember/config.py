@@ -14,6 +14,11 @@ SUPPORTED_ARCHITECTURES = (
 )
 
 
+# How a step's Triton kernels launch (ember.kernels.pdl): programmatic dependent launch at the
+# step sizes where it measured faster, always, or never.
+PDL_MODES = ("auto", "on", "off")
+
+
 @dataclass(frozen=True)
 class RopeScaling:
     """Llama 3 style frequency scaling ("llama3" rope_type); None means plain RoPE."""
@@ -151,10 +156,10 @@ class EngineConfig:
     # "full": graphs for decode and mixed (prefill) steps; "decode": decode steps only.
     cuda_graph_mode: str = "full"
     backend: str = "auto"  # compute primitives: auto (Triton on CUDA), triton or reference
-    # Programmatic dependent launch between the Triton kernels of a step (Hopper and later).
-    # Off by default: on an H200 it saved ~50 us per step on the small kernels but moved q/k/v
-    # and gate/up off cuBLAS, a net loss at batch 8-32 (bench/results/README.md, third round).
-    programmatic_launch: bool = False
+    # Programmatic dependent launch between the Triton kernels of a step (Hopper and later):
+    # "auto" where it measured faster (ember.kernels.pdl.AUTO_PDL_ROWS), "on" or "off"
+    # (PDL_MODES).
+    programmatic_launch: str = "auto"
     # Decode steps apply RoPE and write the KV cache inside the attention kernel (Triton path):
     # 61-88 us less per step than a separate kernel at batch 1-64 on an H200.
     decode_rope_in_attention: bool = True

@@ -110,10 +110,11 @@ def test_programmatic_launch_does_not_change_tokens(tmp_path):
     prompts = random_prompts(24, seed=11)
     kwargs = {"device": "cuda", "dtype": "float32", "max_model_len": 256,
               "kv_cache_memory_bytes": 1 << 30}  # fmt: skip
-    plain = greedy_tokens(LLM(str(path), **kwargs), prompts)
-    chained = LLM(str(path), programmatic_launch=True, **kwargs)
-    assert chained.instance.ops.programmatic_launch
-    assert greedy_tokens(chained, prompts) == plain
+    plain = greedy_tokens(LLM(str(path), programmatic_launch="off", **kwargs), prompts)
+    for mode in ("on", "auto"):  # auto mixes PDL and plain steps (and kernels, in mixed steps)
+        chained = LLM(str(path), programmatic_launch=mode, **kwargs)
+        assert chained.instance.ops.programmatic_launch == mode
+        assert greedy_tokens(chained, prompts) == plain
 
 
 def test_seeded_sampling_same_on_both_paths(tmp_path):

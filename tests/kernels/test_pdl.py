@@ -16,9 +16,9 @@ import torch
 
 from ember.cli import add_fast_path_arguments, fast_path_options
 from ember.kernels.linear import use_skinny_gemm
-from ember.kernels.pdl import supports_programmatic_launch
+from ember.kernels.pdl import AUTO_PDL_ROWS, pdl_for_rows, supports_programmatic_launch
 from ember.kernels.skinny_gemm import skinny_gemm
-from ember.layers.ops import Ops, reference_ops, select_ops, triton_ops
+from ember.layers.ops import Ops, _launch_by_rows, reference_ops, select_ops, triton_ops
 from ember.layers.reference_ops import build_cos_sin_cache
 
 EPS = 1e-5
@@ -27,21 +27,43 @@ PAGE, CONTEXTS = 16, (37, 100, 260)
 
 
 def test_ops_pass_pdl_to_the_step_kernels_only():
-    ops = triton_ops(programmatic_launch=True)
-    assert ops.programmatic_launch
+    ops = triton_ops(programmatic_launch="on")
+    assert ops.programmatic_launch == "on"
     for op in (ops.linear, ops.rms_norm, ops.fused_add_rms_norm, ops.silu_and_mul,
                ops.rope_and_cache_write, ops.paged_attention):  # fmt: skip
         assert op.keywords == {"pdl": True}
     assert not hasattr(ops.sample, "keywords")  # the sampler follows plain torch ops
-    assert not triton_ops().programmatic_launch
+    assert triton_ops().programmatic_launch == "off"
+    assert not hasattr(triton_ops().linear, "keywords")
+    with pytest.raises(ValueError, match="programmatic_launch must be one of"):
+        triton_ops(programmatic_launch="sometimes")
+
+
+def test_auto_launches_with_pdl_only_at_the_measured_step_sizes():
+    seen = []
+
+    def op(x, *args, pdl=False, **kwargs):
+        seen.append((x.shape[0], args, kwargs, pdl))
+        return x
+
+    auto = partial(_launch_by_rows, op)
+    for rows in (1, 2, 17, 64, 65, 512):
+        auto(torch.zeros(rows, 3), "w", row_norm=None)
+    assert seen == [(r, ("w",), {"row_norm": None}, r in AUTO_PDL_ROWS)
+                    for r in (1, 2, 17, 64, 65, 512)]  # fmt: skip
+    assert not any(pdl_for_rows("off", r) for r in AUTO_PDL_ROWS)
+    assert pdl_for_rows("on", 512) and not pdl_for_rows("auto", 512)
+    ops = triton_ops(programmatic_launch="auto")
+    assert ops.linear.func is _launch_by_rows and ops.sample is triton_ops().sample
 
 
 def test_select_ops_launches_plainly_unless_asked_and_checks_support():
     cpu = torch.device("cpu")
     assert not supports_programmatic_launch(cpu)
-    assert not select_ops(cpu, "triton").programmatic_launch
+    assert select_ops(cpu, "triton").programmatic_launch == "off"
+    assert select_ops(cpu, "triton", programmatic_launch="auto").programmatic_launch == "off"
     with pytest.raises(ValueError, match="compute capability"):
-        select_ops(cpu, "triton", programmatic_launch=True)
+        select_ops(cpu, "triton", programmatic_launch="on")
 
 
 def test_pdl_routes_every_decode_product_to_the_chainable_kernel():
@@ -54,11 +76,18 @@ def test_pdl_routes_every_decode_product_to_the_chainable_kernel():
     assert not use_skinny_gemm(1, 6144, 4096, torch.float32, cuda, pdl=True)
 
 
-def test_cli_flag_is_off_by_default():
+def test_cli_flag_is_auto_by_default_and_on_when_bare():
     parser = argparse.ArgumentParser()
     add_fast_path_arguments(parser)
-    assert fast_path_options(parser.parse_args(["--programmatic-launch"]))["programmatic_launch"]
-    assert not fast_path_options(parser.parse_args([]))["programmatic_launch"]
+
+    def mode(*argv):
+        return fast_path_options(parser.parse_args(list(argv)))["programmatic_launch"]
+
+    assert mode() == "auto"
+    assert mode("--programmatic-launch") == "on"
+    assert mode("--programmatic-launch", "off") == "off"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--programmatic-launch", "always"])
 
 
 def test_fast_path_flags_reach_the_engine_config_and_default_to_its_defaults():
@@ -70,7 +99,7 @@ def test_fast_path_flags_reach_the_engine_config_and_default_to_its_defaults():
         ["--separate-decode-rope", "--programmatic-launch", "--separate-norms"]
     )
     config = EngineConfig(model="m", **fast_path_options(args))
-    assert config.decode_rope_in_attention is False and config.programmatic_launch is True
+    assert config.decode_rope_in_attention is False and config.programmatic_launch == "on"
     assert config.defer_norms is False
     assert EngineConfig(model="m", **fast_path_options(parser.parse_args([]))) == EngineConfig("m")
 
@@ -171,7 +200,7 @@ def test_pdl_chain_in_a_cuda_graph_is_bitwise_the_plain_chain(gen):
     chain = DecoderChain(device, gen, torch.bfloat16)
     # The same kernels both ways (every product on the skinny GEMM), launched plainly or with PDL.
     plain_ops = replace(triton_ops(), linear=skinny_gemm)
-    pdl_ops = replace(triton_ops(programmatic_launch=True), linear=partial(skinny_gemm, pdl=True))
+    pdl_ops = replace(triton_ops(programmatic_launch="on"), linear=partial(skinny_gemm, pdl=True))
     plain = chain.fresh_state()
     chain.run(plain, plain_ops)
 

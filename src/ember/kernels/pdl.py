@@ -5,10 +5,10 @@ first memory latency and the previous kernel's tail, where only a few SMs still 
 with PDL, a kernel's programs are launched and scheduled while the kernel before it finishes, then
 wait for it at ``wait_for_producer``, which also lets the next kernel launch in turn.
 
-Opt-in (``--programmatic-launch``): on an H200 it took ~50 us per step off the small kernels, but
-a cuBLAS kernel in the chain breaks it, so q/k/v and gate/up move to the skinny GEMM, which is
-slower than cuBLAS there (+180 to +650 us of GEMM per step at batch 1-32); net, plain launches
-win below batch 64 (bench/results/README.md, third round).
+A cuBLAS kernel in the chain breaks it, so under PDL q/k/v and gate/up move to the skinny GEMM,
+slower than cuBLAS at some sizes. Whether PDL pays is therefore a measured question per step size:
+``--programmatic-launch auto`` (the default) launches with PDL only the steps whose row count
+(a decode step's batch) is in `AUTO_PDL_ROWS`; ``on`` launches every step so, ``off`` none.
 
 The rule that keeps this race-free: every kernel launched with PDL calls ``wait_for_producer``
 before it reads or writes anything another kernel touches. Completion is transitive (a kernel
@@ -20,6 +20,16 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+# Decode batch sizes where PDL won in-call A/Bs on an H200 (8B shape, context 512) once o/down kept
+# one program per SM: -43 us per step at batch 1, -190 at 64; at 16 and 128 a tie, at 32 +590 us
+# (bench/results/README.md, "One program per SM").
+AUTO_PDL_ROWS = frozenset({1, 64})
+
+
+def pdl_for_rows(mode: str, rows: int) -> bool:
+    """Whether a step of ``rows`` tokens launches its kernels with PDL under ``mode``."""
+    return mode == "on" or (mode == "auto" and rows in AUTO_PDL_ROWS)
 
 
 def supports_programmatic_launch(device: torch.device) -> bool:

@@ -108,7 +108,12 @@ def default_config(m: int, n: int, k: int, elem_bytes: int = 2) -> dict[str, int
     Output projections (N >= 16 K) are long weight streams that want wide column tiles as M
     grows; so do the fused gate/up (N = 7 K: 128 x 128 on 8 warps, 8% over 32 x 256) and q/k/v
     (N = 1.5 K: 64-column tiles), which take this kernel under programmatic launch. The square
-    and K-major shapes (o, down) ran best on 32 x 256 tiles with 4 stages.
+    and K-major shapes (o, down) ran best on 32 x 256 tiles with 4 stages, and with 6 stages up
+    to 16 rows: 144 KiB of shared memory leaves room for one program per SM, so the 128 programs
+    land on 128 SMs even while the previous kernel still holds some (two 96 KiB programs could
+    share an SM, and under programmatic launch down then took 7 us longer). In-call A/B on an
+    H200: -37 to -43 us per step at batch 1-16, and it made programmatic launch a win at batch 1
+    (bench/results/README.md, "One program per SM").
     """
     if n >= 16 * k:
         block_n, block_k, stages, warps = (
@@ -119,7 +124,7 @@ def default_config(m: int, n: int, k: int, elem_bytes: int = 2) -> dict[str, int
     elif n > k:
         block_n, block_k, stages, warps = (64, 256, 4, 4) if m <= 32 else (64, 128, 4, 4)
     elif m <= 32:
-        block_n, block_k, stages, warps = 32, 256, 4, 4
+        block_n, block_k, stages, warps = (32, 256, 6, 4) if m <= 16 else (32, 256, 4, 4)
     else:
         block_n, block_k, stages, warps = 32, 128, 6, 4
     config = {"BLOCK_M": block_m_for(m), "BLOCK_N": block_n, "BLOCK_K": block_k, "STAGES": stages,

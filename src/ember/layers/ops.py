@@ -34,8 +34,9 @@ class Ops:
     # Whether a forward pass can be captured in a CUDA graph: the reference ops pick rows with
     # boolean masks and read lengths back to the host, which capture forbids.
     capturable: bool
-    # Whether the kernels launch with programmatic dependent launch (ember.kernels.pdl).
-    programmatic_launch: bool = False
+    # When the kernels launch with programmatic dependent launch: "auto", "on" or "off"
+    # (ember.kernels.pdl).
+    programmatic_launch: str = "off"
     # Deferred RMSNorm (ember.layers.row_norm): whether a model on these ops folds its decoder
     # norms' weights into the projections they feed, where its architecture allows.
     defer_norms: bool = False
@@ -68,20 +69,38 @@ def reference_ops(defer_norms: bool = False) -> Ops:
     )
 
 
+def _launch_by_rows(op, x: torch.Tensor, *args, **kwargs):
+    """``op`` with PDL where `AUTO_PDL_ROWS` has the step's rows (``x``'s first dim: every
+    step kernel's first operand has one row per token, or per sample for the logits)."""
+    from ember.kernels.pdl import pdl_for_rows
+
+    return op(x, *args, pdl=pdl_for_rows("auto", x.shape[0]), **kwargs)
+
+
 def triton_ops(
-    programmatic_launch: bool = False,
+    programmatic_launch: str = "off",
     decode_rope_in_attention: bool = True,
     defer_norms: bool = True,
 ) -> Ops:
-    """The Triton kernels; ``programmatic_launch`` launches the ones of a forward pass with PDL
-    (Hopper and later; the sampler's kernels run after host-visible torch ops and keep plain
-    launches); ``decode_rope_in_attention`` lets decode steps rotate and write the cache inside
-    the attention kernel; ``defer_norms``: models fold their decoder norms into the projections
+    """The Triton kernels; ``programmatic_launch`` ("auto", "on", "off") launches the ones of a
+    forward pass with PDL: "auto" at the step sizes where it measured faster (Hopper and later;
+    the sampler's kernels run after host-visible torch ops and keep plain launches). A step may
+    mix PDL and plain launches: a kernel launched with PDL waits for the one before either way.
+    ``decode_rope_in_attention`` lets decode steps rotate and write the cache inside the
+    attention kernel; ``defer_norms``: models fold their decoder norms into the projections
     (`ember.layers.row_norm`)."""
     from ember import kernels
+    from ember.config import PDL_MODES
+
+    if programmatic_launch not in PDL_MODES:
+        raise ValueError(
+            f"programmatic_launch must be one of {PDL_MODES}, not {programmatic_launch!r}"
+        )
 
     def chained(op):
-        return partial(op, pdl=True) if programmatic_launch else op
+        if programmatic_launch == "on":
+            return partial(op, pdl=True)
+        return partial(_launch_by_rows, op) if programmatic_launch == "auto" else op
 
     rope_and_attention = kernels.rope_and_attention
     if not decode_rope_in_attention:
@@ -109,14 +128,15 @@ def triton_ops(
 def select_ops(
     device: torch.device,
     backend: str = "auto",
-    programmatic_launch: bool = False,
+    programmatic_launch: str = "off",
     decode_rope_in_attention: bool = True,
     defer_norms: bool = True,
 ) -> Ops:
     """Triton on CUDA unless asked otherwise; the reference everywhere else (its norms never
     deferred: it is the oracle the fast path is checked against).
 
-    ``programmatic_launch`` where the GPU does not support it is an error.
+    ``programmatic_launch`` "on" where the GPU does not support it is an error; "auto" there
+    launches plainly.
     """
     if backend == "reference" or (backend == "auto" and device.type != "cuda"):
         return reference_ops()
@@ -124,6 +144,10 @@ def select_ops(
         raise ValueError(f"unknown attention backend {backend!r}; choose auto, triton or reference")
     from ember.kernels.pdl import supports_programmatic_launch
 
-    if programmatic_launch and not supports_programmatic_launch(device):
-        raise ValueError("programmatic dependent launch needs a CUDA GPU of compute capability 9+")
+    if programmatic_launch != "off" and not supports_programmatic_launch(device):
+        if programmatic_launch == "on":
+            raise ValueError(
+                "programmatic dependent launch needs a CUDA GPU of compute capability 9+"
+            )
+        programmatic_launch = "off"
     return triton_ops(programmatic_launch, decode_rope_in_attention, defer_norms)
