@@ -113,7 +113,7 @@ def default_config(m: int, n: int, k: int, elem_bytes: int = 2) -> dict[str, int
     land on 128 SMs even while the previous kernel still holds some (two 96 KiB programs could
     share an SM, and under programmatic launch down then took 7 us longer). In-call A/B on an
     H200: -37 to -43 us per step at batch 1-16, and it made programmatic launch a win at batch 1
-    (bench/results/README.md, "One program per SM").
+    (bench/results/README.md, "One program per SM; PDL where it wins").
     """
     if n >= 16 * k:
         block_n, block_k, stages, warps = (
