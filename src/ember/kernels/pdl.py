@@ -22,9 +22,9 @@ import triton
 import triton.language as tl
 
 # Decode batch sizes (graph buckets) where PDL won or tied in-call A/Bs on an H200 (8B shape,
-# context 512) once o/down kept one program per SM: per step, -65 us at batch 1, -25 to -55 at 2,
-# -5 at 4, -28 at 8, -200 at 48, -165 at 64; left out: 16 (a tie) and 32 (+585 us; under PDL q/k/v and
-# gate/up leave cuBLAS, the likely cause, not profiled), and every size past the skinny
+# context 512) once o/down kept one program per SM: per step, -65 us at batch 1, -25 to -55 at
+# 2, -5 at 4, -28 at 8, -200 at 48, -165 at 64. Left out: 16 (a tie), 32 (+585 us; under PDL
+# q/k/v and gate/up leave cuBLAS, the likely cause, not profiled) and every size past the skinny
 # GEMM's 64 rows (bench/results/README.md, "One program per SM; PDL where it wins").
 AUTO_PDL_ROWS = frozenset({1, 2, 4, 8, 48, 64})
 
