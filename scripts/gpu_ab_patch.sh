@@ -35,6 +35,9 @@ trap finish EXIT
 source scripts/gpu_oneoff_setup.sh  # wheels, environment, $M being made ($MAKER)
 wait $MAKER
 read -r -a STEP_ARGS <<< "${EMBER_AB_STEP_ARGS:---sections decode --decode-batches 1 8 64 --decode-contexts 512}"
+slug() {  # "--a b" -> "a_b": a run's name from its flags
+  echo "$*" | tr -cs 'a-zA-Z0-9' '_' | sed 's/^_*//; s/_*$//'
+}
 measure() {  # NAME [BENCH FLAGS...]
   local name=$1
   shift
@@ -53,12 +56,12 @@ measure "baseline_$runs"
 for variant in "$@"; do
   if [[ "$variant" == --* ]]; then
     read -r -a flags <<< "$variant"
-    measure "$(echo "$variant" | tr -cs 'a-zA-Z0-9' '_' | sed 's/^_*//; s/_*$//')" "${flags[@]}"
+    measure "$(slug "$variant")" "${flags[@]}"
   else
     read -r patch flags <<< "$variant"
     read -r -a flags <<< "${flags:-}"
     name=$(basename "$patch" .patch)
-    [ ${#flags[@]} -gt 0 ] && name="${name}_$(echo "${flags[*]}" | tr -cs 'a-zA-Z0-9' '_' | sed 's/^_*//; s/_*$//')"
+    [ ${#flags[@]} -gt 0 ] && name="${name}_$(slug "${flags[*]}")"
     git apply "$patch" && APPLIED=$patch
     measure "$name" "${flags[@]}"
     git apply -R "$patch" && APPLIED=""

@@ -46,7 +46,7 @@ def test_auto_launches_with_pdl_only_at_the_measured_step_sizes():
         seen.append((x.shape[0], args, kwargs, pdl))
         return x
 
-    auto = partial(_launch_by_rows, op)
+    auto = partial(_launch_by_rows, op, pdl_for_rows)
     for rows in (1, 2, 17, 64, 65, 512):
         auto(torch.zeros(rows, 3), "w", row_norm=None)
     assert seen == [(r, ("w",), {"row_norm": None}, r in AUTO_PDL_ROWS)

@@ -69,11 +69,10 @@ def reference_ops(defer_norms: bool = False) -> Ops:
     )
 
 
-def _launch_by_rows(op, x: torch.Tensor, *args, **kwargs):
+def _launch_by_rows(op, pdl_for_rows, x: torch.Tensor, *args, **kwargs):
     """``op`` with PDL where `AUTO_PDL_ROWS` has the step's rows (``x``'s first dim: every
-    step kernel's first operand has one row per token, or per sample for the logits)."""
-    from ember.kernels.pdl import pdl_for_rows
-
+    step kernel's first operand has one row per token, or per sample for the logits).
+    ``pdl_for_rows`` (`ember.kernels.pdl`) comes bound, so eager steps import nothing per op."""
     return op(x, *args, pdl=pdl_for_rows("auto", x.shape[0]), **kwargs)
 
 
@@ -91,6 +90,7 @@ def triton_ops(
     (`ember.layers.row_norm`)."""
     from ember import kernels
     from ember.config import PDL_MODES
+    from ember.kernels.pdl import pdl_for_rows
 
     if programmatic_launch not in PDL_MODES:
         raise ValueError(
@@ -100,7 +100,7 @@ def triton_ops(
     def chained(op):
         if programmatic_launch == "on":
             return partial(op, pdl=True)
-        return partial(_launch_by_rows, op) if programmatic_launch == "auto" else op
+        return partial(_launch_by_rows, op, pdl_for_rows) if programmatic_launch == "auto" else op
 
     rope_and_attention = kernels.rope_and_attention
     if not decode_rope_in_attention:
