@@ -42,8 +42,13 @@ measure() {  # NAME [BENCH FLAGS...]
   local name=$1
   shift
   echo "=== $name $* $(date +%T)"
-  python3 -m ember.cli bench step --model "$M" --out "$OUT/ab/$name" "${STEP_ARGS[@]}" "$@" 2>&1 \
-    | grep '"batch"\|Error' | cut -c1-160
+  mkdir -p "$OUT/ab/$name"
+  # The whole output goes into the results; a run that printed no step (a crash: a compiler abort
+  # prints no "Error") shows its last lines here.
+  python3 -m ember.cli bench step --model "$M" --out "$OUT/ab/$name" "${STEP_ARGS[@]}" "$@" \
+    > "$OUT/ab/$name/output.txt" 2>&1
+  grep '"batch"\|Error' "$OUT/ab/$name/output.txt" | cut -c1-160
+  grep -q '"batch"' "$OUT/ab/$name/output.txt" || tail -n 15 "$OUT/ab/$name/output.txt"
   if [ -n "${EMBER_AB_PROFILE:-}" ]; then
     read -r -a batches <<< "${EMBER_AB_PROFILE_BATCHES:-1 64}"
     python3 -m ember.cli bench profile --model "$M" --out "$OUT/ab/$name/profile" \
