@@ -46,10 +46,22 @@ def test_strided_rows_and_bad_input(device, gen):
     rows = wide[:, :7000]  # row stride 9000
     assert torch.equal(greedy_argmax(rows).cpu(), rows.cpu().argmax(dim=-1))
     assert greedy_argmax(torch.empty(0, 10, device=device)).shape == (0,)
-    with pytest.raises(ValueError, match="float32"):
-        greedy_argmax(wide.to(torch.bfloat16))
-    with pytest.raises(ValueError, match="float32"):
+    with pytest.raises(ValueError, match="float32, bfloat16 or float16"):
+        greedy_argmax(wide.double())
+    with pytest.raises(ValueError, match="float32, bfloat16 or float16"):
         greedy_argmax(wide.t())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("batch", [1, 8, 65])  # 65: past the split kernel, torch.argmax
+def test_half_logits_give_the_argmax_of_their_float32_values(device, gen, dtype, batch):
+    """The model's logits as they are: bf16 rounds many near values to one, so ties are common
+    and must still go to the first index."""
+    logits = (torch.randn(batch, 20000, generator=gen) * 4).to(dtype)
+    logits[0, [7, 19000]] = logits[0].max() + 1  # a tie across chunks in row 0
+    expected = logits.float().argmax(dim=-1)
+    assert expected[0] == 7
+    assert torch.equal(greedy_argmax(logits.to(device)).cpu(), expected)
 
 
 def test_split_count_is_a_power_of_two_within_bounds():

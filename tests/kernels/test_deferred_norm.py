@@ -13,10 +13,11 @@ from helpers.tiny_models import make_tiny_model
 
 from ember import LLM, SamplingParams
 from ember.kernels import add_and_sum_squares, silu_and_mul
-from ember.kernels.skinny_gemm import skinny_gemm_add
+from ember.kernels.skinny_gemm import skinny_gemm_add, skinny_gemm_silu
 from ember.layers.ops import reference_ops
 from ember.layers.reference_ops import (
     add_and_sum_squares_reference,
+    gate_up_silu_reference,
     linear_add_reference,
     rms_norm_reference,
     silu_and_mul_reference,
@@ -56,6 +57,24 @@ def test_silu_and_mul_applies_the_row_norm(gen, device, dtype, num_parts):
                                                           4096, 1e-5))  # fmt: skip
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(out.cpu().float(), expected.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("rows", "num_parts"), [(1, 1), (5, 37), (20, 300)])
+def test_gated_skinny_gemm_applies_the_row_norm(gen, device, dtype, rows, num_parts):
+    """SiLU-and-mul in the gate/up GEMM's epilogue scales gate and up by 1/rms as the SiLU
+    kernel would (padding rows of the tile: 16 and 32 rows for 1 and 20)."""
+    inter, k = 80, 256
+    x = torch.randn(rows, k, generator=gen).to(dtype)
+    weight = (torch.randn(2 * inter, k, generator=gen) * 3 / k**0.5).to(dtype)
+    row_norm = random_row_norm(gen, rows, num_parts, 4096)
+    on_device = RowNorm(row_norm.parts.to(device), row_norm.hidden_size, row_norm.eps)
+    config = {"BLOCK_M": 16 if rows <= 16 else 32, "BLOCK_N": 32, "BLOCK_K": 64, "STAGES": 2,
+              "num_warps": 4}  # fmt: skip
+    out = skinny_gemm_silu(x.to(device), weight.to(device), row_norm=on_device, config=config)
+    expected = gate_up_silu_reference(x.double(), weight.double(), row_norm=row_norm)
+    tol = 1e-4 if dtype == torch.float32 else 3e-2  # bf16: the product and scaling each rounded
+    torch.testing.assert_close(out.cpu().double(), expected, atol=tol, rtol=tol)
 
 
 def test_silu_and_mul_rejects_too_few_statistics(device):

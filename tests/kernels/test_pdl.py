@@ -17,7 +17,7 @@ import torch
 from ember.cli import add_fast_path_arguments, fast_path_options
 from ember.kernels.linear import use_skinny_gemm
 from ember.kernels.pdl import AUTO_PDL_ROWS, pdl_for_rows, supports_programmatic_launch
-from ember.kernels.skinny_gemm import skinny_gemm
+from ember.kernels.skinny_gemm import skinny_gemm, skinny_gemm_silu
 from ember.layers.ops import Ops, _launch_by_rows, reference_ops, select_ops, triton_ops
 from ember.layers.reference_ops import build_cos_sin_cache
 
@@ -30,7 +30,7 @@ def test_ops_pass_pdl_to_the_step_kernels_only():
     ops = triton_ops(programmatic_launch="on")
     assert ops.programmatic_launch == "on"
     for op in (ops.linear, ops.rms_norm, ops.fused_add_rms_norm, ops.silu_and_mul,
-               ops.rope_and_cache_write, ops.paged_attention):  # fmt: skip
+               ops.gate_up_silu, ops.rope_and_cache_write, ops.paged_attention):  # fmt: skip
         assert op.keywords == {"pdl": True}
     assert not hasattr(ops.sample, "keywords")  # the sampler follows plain torch ops
     assert triton_ops().programmatic_launch == "off"
@@ -176,7 +176,7 @@ class DecoderChain:
                                 split_counters=m["split_counters"])  # fmt: skip
             out = ops.linear(attn.view(batch, -1), w["o"])
             ops.fused_add_rms_norm(out, residual, w["norm2"], EPS)
-            x = ops.linear(ops.silu_and_mul(ops.linear(out, w["gate_up"])), w["down"])
+            x = ops.linear(ops.gate_up_silu(out, w["gate_up"]), w["down"])
         s["x"].copy_(x)
 
 
@@ -199,8 +199,9 @@ def test_pdl_chain_in_a_cuda_graph_is_bitwise_the_plain_chain(gen):
     device = torch.device("cuda")
     chain = DecoderChain(device, gen, torch.bfloat16)
     # The same kernels both ways (every product on the skinny GEMM), launched plainly or with PDL.
-    plain_ops = replace(triton_ops(), linear=skinny_gemm)
-    pdl_ops = replace(triton_ops(programmatic_launch="on"), linear=partial(skinny_gemm, pdl=True))
+    plain_ops = replace(triton_ops(), linear=skinny_gemm, gate_up_silu=skinny_gemm_silu)
+    pdl_ops = replace(triton_ops(programmatic_launch="on"), linear=partial(skinny_gemm, pdl=True),
+                      gate_up_silu=partial(skinny_gemm_silu, pdl=True))  # fmt: skip
     plain = chain.fresh_state()
     chain.run(plain, plain_ops)
 

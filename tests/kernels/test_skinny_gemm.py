@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ember.kernels.skinny_gemm import MAX_M, skinny_gemm
+from ember.kernels.skinny_gemm import MAX_M, skinny_gemm, skinny_gemm_silu
+from ember.layers.reference_ops import gate_up_silu_reference
 
 
 def _expected(x, weight, bias):
@@ -42,6 +43,35 @@ def test_kernel_matches_matmul(gen, device, dtype, m, n, k, use_bias):
         torch.testing.assert_close(out.cpu().double(), expected, atol=2e-2, rtol=1e-2)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("m", "inter", "k"),
+    [
+        (1, 128, 512),  # K a multiple of BLOCK_K, I a multiple of BLOCK_N
+        (7, 100, 300),  # partial last column tile, K not a multiple of BLOCK_K
+        (40, 70, 200),  # BLOCK_M 64, every edge partial
+    ],
+)
+def test_gated_kernel_matches_gemm_then_silu_and_mul(gen, device, dtype, m, inter, k):
+    """`skinny_gemm_silu` (gate/up product and SiLU-and-mul in one kernel) against the two ops
+    it stands for, in float64; also with the default tiles (two weight tiles per stage)."""
+    buffer = torch.randn(m, k + 8, generator=gen).to(dtype)
+    x = buffer[:, :k]  # strided rows
+    weight = (torch.randn(2 * inter, k, generator=gen) * 2 / k**0.5).to(dtype)
+    expected = gate_up_silu_reference(x.double(), weight.double())
+    tol = 1e-5 if dtype == torch.float32 else 3e-2  # bf16: the two products each rounded
+    for config in (None, {"BLOCK_M": 64 if m > 16 else 16, "BLOCK_N": 32, "BLOCK_K": 64,
+                          "STAGES": 2, "num_warps": 4}):  # fmt: skip
+        out = torch.full((m, inter), float("nan"), dtype=dtype, device=device)
+        skinny_gemm_silu(x.to(device), weight.to(device), out=out, config=config)
+        torch.testing.assert_close(out.cpu().double(), expected, atol=tol, rtol=tol)
+
+
+def test_gated_kernel_rejects_an_odd_weight(device):
+    with pytest.raises(ValueError, match="odd number of rows"):
+        skinny_gemm_silu(torch.zeros(2, 32, device=device), torch.zeros(7, 32, device=device))
+
+
 def test_rejects_bad_shapes(device):
     w = torch.zeros(8, 32, device=device)
     with pytest.raises(ValueError, match="at most"):
@@ -72,6 +102,20 @@ def test_routing_follows_the_measured_wins():
     assert not use_skinny_gemm(1, 4096, 4096, bf16, cpu)
 
 
+def test_gated_routing_follows_the_measured_wins():
+    from ember.kernels.linear import use_gated_skinny_gemm
+
+    cuda, bf16 = torch.device("cuda"), torch.bfloat16
+    assert use_gated_skinny_gemm(1, 28672, 4096, bf16, cuda, pdl=True)  # under PDL: every size
+    assert use_gated_skinny_gemm(16, 28672, 4096, bf16, cuda, pdl=True)
+    assert not use_gated_skinny_gemm(16, 28672, 4096, bf16, cuda)  # plain: cuBLAS + SiLU won
+    assert use_gated_skinny_gemm(17, 28672, 4096, bf16, cuda)  # plain past 16 rows: fused won
+    assert use_gated_skinny_gemm(MAX_M, 28672, 4096, bf16, cuda)
+    assert not use_gated_skinny_gemm(MAX_M + 1, 28672, 4096, bf16, cuda, pdl=True)
+    assert not use_gated_skinny_gemm(32, 28672, 4096, torch.float32, cuda)
+    assert not use_gated_skinny_gemm(32, 28672, 4096, bf16, torch.device("cpu"))
+
+
 @pytest.mark.parametrize("elem_bytes", [2, 4])
 @pytest.mark.parametrize("m", [1, 16, 33, 64])
 def test_default_configs_fit_in_shared_memory(m, elem_bytes):
@@ -85,3 +129,9 @@ def test_default_configs_fit_in_shared_memory(m, elem_bytes):
         config = default_config(m, n, k, elem_bytes)
         assert config["BLOCK_M"] >= m
         assert shared_memory_estimate(config, elem_bytes) <= SHARED_MEMORY_BUDGET
+    gated = default_config(m, 28672, 4096, elem_bytes, gated=True)
+    assert shared_memory_estimate(gated, elem_bytes, gated=True) <= SHARED_MEMORY_BUDGET
+    # Two half-width weight tiles: a stage moves the ungated tile's bytes.
+    assert shared_memory_estimate(gated, elem_bytes, gated=True) == shared_memory_estimate(
+        default_config(m, 28672, 4096, elem_bytes), elem_bytes
+    )

@@ -7,7 +7,7 @@ kernels are tested against those on a CPU under ``TRITON_INTERPRET=1``.
 from ember.kernels.activation import silu_and_mul
 from ember.kernels.argmax import greedy_argmax
 from ember.kernels.attention_step import rope_and_attention
-from ember.kernels.linear import linear, linear_add
+from ember.kernels.linear import gate_up_silu, linear, linear_add
 from ember.kernels.paged_attention import choose_num_kv_splits, paged_attention
 from ember.kernels.rmsnorm import add_and_sum_squares, fused_add_rms_norm, rms_norm
 from ember.kernels.rope_cache_write import rope_and_cache_write
@@ -17,6 +17,7 @@ __all__ = [
     "add_and_sum_squares",
     "choose_num_kv_splits",
     "fused_add_rms_norm",
+    "gate_up_silu",
     "greedy_argmax",
     "linear",
     "linear_add",

@@ -48,8 +48,16 @@ def _silu_and_mul_kernel(
         inv_rms = inv_rms_of(row_parts, hidden, eps)
         gate = (gate * inv_rms).to(x_ptr.dtype.element_ty).to(tl.float32)
         up = (up * inv_rms).to(x_ptr.dtype.element_ty).to(tl.float32)
-    silu = (gate / (1.0 + tl.exp(-gate))).to(x_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + cols, (silu * up).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + row * stride_o + cols, silu_mul_rounded(gate, up, out_ptr.dtype.element_ty),
+             mask=mask)  # fmt: skip
+
+
+@triton.jit
+def silu_mul_rounded(gate, up, dtype: tl.constexpr):
+    """``silu(gate) * up`` in ``dtype`` from fp32 operands: SiLU rounded to ``dtype`` before the
+    product, as Hugging Face's ``act_fn(gate) * up`` (`skinny_gemm_silu` shares it)."""
+    silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    return (silu * up).to(dtype)
 
 
 def silu_and_mul(

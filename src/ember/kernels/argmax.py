@@ -53,7 +53,7 @@ def _chunk_argmax_kernel(
     best_idx = tl.minimum(start + lanes, vocab - 1)
     for offset in range(start, end, BLOCK_V):
         idx = offset + lanes
-        x = tl.load(row_ptr + idx, mask=idx < end, other=float("-inf"))
+        x = tl.load(row_ptr + idx, mask=idx < end, other=float("-inf")).to(tl.float32)
         better = x > best  # strict: each lane keeps its earliest maximum
         best = tl.where(better, x, best)
         best_idx = tl.where(better, idx, best_idx)
@@ -80,10 +80,16 @@ def num_argmax_splits(batch: int, vocab: int) -> int:
     return 1 << (want.bit_length() - 1)
 
 
+_LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
 def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
-    """First index of each row's maximum: int64 ``[B]`` from float32 ``[B, V]``, no host sync."""
-    if logits.dtype != torch.float32 or logits.dim() != 2 or logits.stride(-1) != 1:
-        raise ValueError("logits must be 2-D float32 with a contiguous last dim")
+    """First index of each row's maximum: int64 ``[B]`` from ``[B, V]`` float32, bfloat16 or
+    float16 logits (compared in float32, which holds the half types exactly), no host sync."""
+    if logits.dtype not in _LOGIT_DTYPES or logits.dim() != 2 or logits.stride(-1) != 1:
+        raise ValueError(
+            "logits must be 2-D float32, bfloat16 or float16 with a contiguous last dim"
+        )
     batch, vocab = logits.shape
     if batch > MAX_SPLIT_BATCH:
         return logits.argmax(dim=-1)

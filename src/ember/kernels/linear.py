@@ -15,6 +15,9 @@ cuBLAS kernel in the chain neither starts early nor lets the next kernel start e
 `linear_add` is a sub-block's exit into the residual stream under a deferred RMSNorm
 (`ember.layers.row_norm`): where the skinny kernel takes the product, its epilogue adds it to the
 stream and sums the squares (no launch of its own); elsewhere cuBLAS and `add_and_sum_squares`.
+`gate_up_silu` is the gated MLP's gate/up product and SiLU-and-mul, in one launch where the
+fused kernel (`skinny_gemm_silu`) measured faster: under PDL it took 27-58 us off the step at
+batch 1-8.
 """
 
 from __future__ import annotations
@@ -22,8 +25,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ember.kernels.activation import silu_and_mul
 from ember.kernels.rmsnorm import add_and_sum_squares
-from ember.kernels.skinny_gemm import MAX_M, skinny_gemm, skinny_gemm_add
+from ember.kernels.skinny_gemm import MAX_M, skinny_gemm, skinny_gemm_add, skinny_gemm_silu
+from ember.layers.row_norm import RowNorm
 
 _HALF_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -35,6 +40,18 @@ def use_skinny_gemm(
     if device.type != "cuda" or dtype not in _HALF_DTYPES or not 0 < m <= MAX_M:
         return False
     return pdl or n <= k or n >= 16 * k or (m <= 16 and n < 4 * k)
+
+
+def use_gated_skinny_gemm(
+    m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, pdl: bool = False
+) -> bool:
+    """Whether `gate_up_silu` takes the fused kernel: where the product would take the skinny
+    kernel anyway (under PDL), and with plain launches past 16 rows, where the fused kernel beat
+    cuBLAS and the SiLU kernel (in-call A/B of 2026-12-01, third session: -40 us per step at
+    batch 32, +22 us at batch 16; bench/results/README.md)."""
+    if use_skinny_gemm(m, n, k, dtype, device, pdl):
+        return True
+    return m > 16 and use_skinny_gemm(m, n, k, dtype, device, pdl=True)
 
 
 def linear(
@@ -57,3 +74,19 @@ def linear_add(
     if x.stride(1) == 1 and use_skinny_gemm(m, weight.shape[0], k, weight.dtype, x.device, pdl):
         return skinny_gemm_add(x, weight, residual, pdl=pdl)
     return add_and_sum_squares(residual, F.linear(x, weight), pdl=pdl)
+
+
+def gate_up_silu(
+    x: torch.Tensor,
+    gate_up_weight: torch.Tensor,
+    *,
+    row_norm: RowNorm | None = None,
+    pdl: bool = False,
+) -> torch.Tensor:
+    """``silu_and_mul(x @ gate_up_weight.T, row_norm=row_norm)``: ``[T, I]`` from the fused
+    ``[2I, K]`` gate/up weight (gate rows first)."""
+    m, k = x.shape
+    n = gate_up_weight.shape[0]
+    if x.stride(1) == 1 and use_gated_skinny_gemm(m, n, k, gate_up_weight.dtype, x.device, pdl):
+        return skinny_gemm_silu(x, gate_up_weight, row_norm=row_norm, pdl=pdl)
+    return silu_and_mul(F.linear(x, gate_up_weight), row_norm=row_norm, pdl=pdl)

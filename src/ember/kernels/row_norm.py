@@ -25,8 +25,24 @@ def load_row_parts(parts_ptr, row, num_parts, BLOCK_P: tl.constexpr):
 def inv_rms_of(parts, hidden, eps):
     """``1 / sqrt(mean square + eps)`` from a row's partial sums, with the RMSNorm kernel's
     correctly rounded division and square root."""
-    mean_square = tl.math.div_rn(tl.sum(parts, 0), hidden * 1.0)  # div_rn takes fp32 only
+    return _inv_rms_of_sum(tl.sum(parts, 0), hidden, eps)
+
+
+@triton.jit
+def _inv_rms_of_sum(sum_of_squares, hidden, eps):
+    mean_square = tl.math.div_rn(sum_of_squares, hidden * 1.0)  # div_rn takes fp32 only
     return tl.math.div_rn(1.0, tl.math.sqrt_rn(mean_square + eps))
+
+
+@triton.jit
+def load_inv_rms_rows(parts_ptr, rows, row_valid, num_parts, hidden, eps, BLOCK_P: tl.constexpr):
+    """`inv_rms_of` each of a tile's ``rows`` (a vector; ``row_valid`` masks the padding, which
+    comes out as ``1/sqrt(eps)``), loaded here: float32 ``[len(rows)]``."""
+    cols = tl.arange(0, BLOCK_P)
+    offsets = rows[:, None].to(tl.int64) * num_parts + cols[None, :]
+    mask = row_valid[:, None] & (cols < num_parts)[None, :]
+    return _inv_rms_of_sum(tl.sum(tl.load(parts_ptr + offsets, mask=mask, other=0.0), 1), hidden,
+                           eps)  # fmt: skip
 
 
 @triton.jit

@@ -7,7 +7,9 @@ pipelined loop, so the whole GPU reads weights with no split-K reduction. M is p
 
 `skinny_gemm_add` adds the product into a residual stream in its epilogue and leaves the new
 rows' partial sums of squares, for a deferred RMSNorm (`ember.layers.row_norm`): the residual
-add and the norm's statistics cost no launch of their own.
+add and the norm's statistics cost no launch of their own. `skinny_gemm_silu` is the gated MLP's
+input side in one launch: each program computes its columns of both gate and up and stores
+``silu(gate) * up``, with the deferred norm's ``1/rms`` applied in the epilogue.
 
 Where this beats cuBLAS is a measured question per GPU and shape (``ember bench tune``);
 ``ember.kernels.linear`` routes to it only there.
@@ -19,8 +21,11 @@ import torch
 import triton
 import triton.language as tl
 
+from ember.kernels.activation import silu_mul_rounded
 from ember.kernels.pdl import wait_for_producer
+from ember.kernels.row_norm import check_row_norm, load_inv_rms_rows, row_norm_args, scale_and_round
 from ember.kernels.tiles import shrink_to_fit
+from ember.layers.row_norm import RowNorm
 
 
 # M (the batch) is a runtime value: specialising on it (M == 1, M % 16 == 0) compiled new variants
@@ -32,14 +37,21 @@ def _skinny_gemm_kernel(
     bias_ptr,
     out_ptr,
     parts_ptr,
+    norm_parts_ptr,
     M,
     N,
     K,
     stride_xm,
     stride_wn,
     stride_om,
+    num_norm_parts,
+    hidden,
+    eps,
     HAS_BIAS: tl.constexpr,
     ADD_TO_OUT: tl.constexpr,
+    GATED: tl.constexpr,
+    ROW_NORM: tl.constexpr,
+    BLOCK_P: tl.constexpr,
     EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -52,7 +64,12 @@ def _skinny_gemm_kernel(
     ``out + x @ w.T`` (the product rounded to the dtype first, as HF adds), and the program
     stores the sum of squares of its columns of each new row at ``parts[row, pid_n]``. The main
     loop is the same either way: work on the x tile between its load and the dot cost 2-4x on
-    the H200 (bench/results/README.md, fifth round)."""
+    the H200 (bench/results/README.md, fifth round).
+
+    ``GATED``: ``w`` is ``[2N, K]``, gate rows then up rows, and ``out [M, N]`` becomes
+    ``silu(gate) * up`` (each product rounded to the dtype, as the unfused GEMM stores it, then
+    SiLU-and-mul's roundings); ``ROW_NORM``: gate and up are first scaled by their row's ``1/rms``
+    from ``norm_parts`` (a deferred RMSNorm, `ember.layers.row_norm`)."""
     pid_n = tl.program_id(0)
     rows = tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -61,27 +78,44 @@ def _skinny_gemm_kernel(
     # along N and only the store is masked.
     w_rows = cols % N
     w_row_offsets = w_rows[:, None].to(tl.int64) * stride_wn
+    up_row_offsets = (w_rows + N)[:, None].to(tl.int64) * stride_wn  # GATED: the up half's rows
     # Loading the first weight tile before this wait (it needs nothing from the previous kernel)
     # was measured on the H200: no gain at batch 1 and +1.1 ms of GEMM per step at batch 64.
     wait_for_producer(PDL)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)  # GATED only
     for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
         ks = k0 + tl.arange(0, BLOCK_K)
         x_offsets = rows[:, None] * stride_xm + ks[None, :]
         if EVEN_K:
             x = tl.load(x_ptr + x_offsets, mask=row_valid[:, None], other=0.0)
             w = tl.load(w_ptr + w_row_offsets + ks[None, :])
+            if GATED:
+                w_up = tl.load(w_ptr + up_row_offsets + ks[None, :])
         else:
             k_valid = ks[None, :] < K
             x = tl.load(x_ptr + x_offsets, mask=row_valid[:, None] & k_valid, other=0.0)
             w = tl.load(w_ptr + w_row_offsets + ks[None, :], mask=k_valid, other=0.0)
+            if GATED:
+                w_up = tl.load(w_ptr + up_row_offsets + ks[None, :], mask=k_valid, other=0.0)
         acc += tl.dot(x, tl.trans(w), input_precision=DOT_PRECISION)
+        if GATED:
+            acc_up += tl.dot(x, tl.trans(w_up), input_precision=DOT_PRECISION)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + w_rows).to(tl.float32)[None, :]
     col_valid = cols < N
     out_offsets = rows[:, None] * stride_om + cols[None, :]
     out_mask = row_valid[:, None] & col_valid[None, :]
     result = acc.to(out_ptr.dtype.element_ty)
+    if GATED:
+        inv_rms = 1.0
+        if ROW_NORM:
+            inv_rms = load_inv_rms_rows(norm_parts_ptr, rows, row_valid, num_norm_parts, hidden,
+                                        eps, BLOCK_P)[:, None]  # fmt: skip
+        dtype = out_ptr.dtype.element_ty
+        gate = scale_and_round(result, inv_rms, dtype, ROW_NORM)
+        up = scale_and_round(acc_up.to(dtype), inv_rms, dtype, ROW_NORM)
+        result = silu_mul_rounded(gate, up, dtype)
     if ADD_TO_OUT:
         # Loaded here, not before the main loop: held through the loop, the residual tile cost
         # +30 us per launch of down at batch 64 on the H200 (and gained little at batch 1).
@@ -102,7 +136,9 @@ def block_m_for(m: int) -> int:
     return max(16, triton.next_power_of_2(m))
 
 
-def default_config(m: int, n: int, k: int, elem_bytes: int = 2) -> dict[str, int]:
+def default_config(
+    m: int, n: int, k: int, elem_bytes: int = 2, gated: bool = False
+) -> dict[str, int]:
     """Tiles for an ``[m, k] x [n, k]^T`` product, from `ember bench tune` on an H200 (8B shapes).
 
     Output projections (N >= 16 K) are long weight streams that want wide column tiles as M
@@ -114,6 +150,9 @@ def default_config(m: int, n: int, k: int, elem_bytes: int = 2) -> dict[str, int
     share an SM, and under programmatic launch down then took 7 us longer). In-call A/B on an
     H200: -37 to -43 us per step at batch 1-16, and it made programmatic launch a win at batch 1
     (bench/results/README.md, "One program per SM; PDL where it wins").
+
+    ``gated`` (`skinny_gemm_silu`; ``n`` counts gate and up): the same tiles, each program's
+    columns split between a gate and an up tile, so a stage moves as many weight bytes.
     """
     if n >= 16 * k:
         block_n, block_k, stages, warps = (
@@ -127,22 +166,25 @@ def default_config(m: int, n: int, k: int, elem_bytes: int = 2) -> dict[str, int
         block_n, block_k, stages, warps = (32, 256, 6, 4) if m <= 16 else (32, 256, 4, 4)
     else:
         block_n, block_k, stages, warps = 32, 128, 6, 4
+    if gated:
+        block_n //= 2
     config = {"BLOCK_M": block_m_for(m), "BLOCK_N": block_n, "BLOCK_K": block_k, "STAGES": stages,
               "num_warps": warps}  # fmt: skip
-    return fit_shared_memory(config, elem_bytes)
+    return fit_shared_memory(config, elem_bytes, gated)
 
 
-def shared_memory_estimate(config: dict[str, int], elem_bytes: int) -> int:
-    """Bytes of the pipelined x and w tiles, what Triton stages in shared memory."""
-    rows = config["BLOCK_M"] + config["BLOCK_N"]
+def shared_memory_estimate(config: dict[str, int], elem_bytes: int, gated: bool = False) -> int:
+    """Bytes of the pipelined x and w tiles (two w tiles when ``gated``), what Triton stages in
+    shared memory."""
+    rows = config["BLOCK_M"] + config["BLOCK_N"] * (2 if gated else 1)
     return rows * config["BLOCK_K"] * elem_bytes * config["STAGES"]
 
 
-def fit_shared_memory(config: dict[str, int], elem_bytes: int) -> dict[str, int]:
+def fit_shared_memory(config: dict[str, int], elem_bytes: int, gated: bool = False):
     """Halve BLOCK_K, then drop stages, until the tiles fit (fp32 at BLOCK_M 64 asked 544 KiB)."""
     return shrink_to_fit(
         config,
-        lambda c: shared_memory_estimate(c, elem_bytes),
+        lambda c: shared_memory_estimate(c, elem_bytes, gated),
         [("BLOCK_K", 64, True), ("STAGES", 2, False)],
     )
 
@@ -157,26 +199,33 @@ def _check_operands(x: torch.Tensor, weight: torch.Tensor) -> None:
         raise ValueError("the reduction dim must be contiguous in x and weight")
 
 
-def _resolved_config(x, weight, config: dict[str, int] | None) -> dict[str, int]:
+def _resolved_config(x, weight, config: dict[str, int] | None, gated=False) -> dict[str, int]:
     """``config`` (a copy), or the shape's default tiles; checked against the rows."""
     m, k = x.shape
-    config = dict(config or default_config(m, weight.shape[0], k, weight.element_size()))
+    config = dict(config or default_config(m, weight.shape[0], k, weight.element_size(), gated))
     if config["BLOCK_M"] < m:
         raise ValueError(f"BLOCK_M {config['BLOCK_M']} is smaller than M {m}")
     return config
 
 
-def _launch(x, weight, bias, out, parts, config: dict[str, int], pdl) -> None:
-    """Launch on a `_resolved_config` (consumed: BLOCK_N is popped)."""
+def _launch(
+    x, weight, bias, out, parts, config: dict[str, int], pdl, gated=False, row_norm=None
+) -> None:
+    """Launch on a `_resolved_config` (consumed: BLOCK_N is popped). ``gated``: ``out`` is
+    ``silu(gate) * up`` of the weight's two halves, ``row_norm`` applied to both first."""
     m, k = x.shape
-    n = weight.shape[0]
+    n = weight.shape[0] // 2 if gated else weight.shape[0]
     block_n = config.pop("BLOCK_N")
+    (norm_parts, num_norm_parts, hidden, eps), block_p = row_norm_args(row_norm, out)
     _skinny_gemm_kernel[(triton.cdiv(n, block_n),)](
         x, weight, bias if bias is not None else weight, out,
-        parts if parts is not None else out,
-        m, n, k, x.stride(0), weight.stride(0), out.stride(0),
+        parts if parts is not None else out, norm_parts,
+        m, n, k, x.stride(0), weight.stride(0), out.stride(0), num_norm_parts, hidden, eps,
         HAS_BIAS=bias is not None,
         ADD_TO_OUT=parts is not None,
+        GATED=gated,
+        ROW_NORM=row_norm is not None,
+        BLOCK_P=block_p,
         EVEN_K=k % config["BLOCK_K"] == 0,
         BLOCK_N=block_n,
         # fp32 weights must not silently drop to tf32 on the tensor cores.
@@ -232,3 +281,29 @@ def skinny_gemm_add(
     if m:
         _launch(x, weight, None, residual, parts, config, pdl)
     return parts
+
+
+def skinny_gemm_silu(
+    x: torch.Tensor,
+    gate_up_weight: torch.Tensor,
+    *,
+    row_norm: RowNorm | None = None,
+    out: torch.Tensor | None = None,
+    config: dict[str, int] | None = None,
+    pdl: bool = False,
+) -> torch.Tensor:
+    """``silu(x @ gate.T) * (x @ up.T)`` for ``gate_up_weight [2I, K]`` (gate rows first), as
+    `ember.kernels.silu_and_mul` of the [M, 2I] product gives, without storing that product.
+    ``row_norm``: both products scaled by their row's ``1/rms`` first. Returns ``out [M, I]``;
+    ``config``'s BLOCK_N counts the columns of one half."""
+    _check_operands(x, gate_up_weight)
+    m = x.shape[0]
+    if gate_up_weight.shape[0] % 2:
+        raise ValueError(f"gate_up_weight has an odd number of rows, {gate_up_weight.shape[0]}")
+    check_row_norm(row_norm, m)
+    if out is None:
+        out = torch.empty(m, gate_up_weight.shape[0] // 2, dtype=x.dtype, device=x.device)
+    if m:
+        config = _resolved_config(x, gate_up_weight, config, gated=True)
+        _launch(x, gate_up_weight, None, out, None, config, pdl, gated=True, row_norm=row_norm)
+    return out

@@ -23,13 +23,17 @@ class Ops:
     # (x, residual, weight, eps) -> None; residual += x, x = rms_norm(residual) in place.
     fused_add_rms_norm: Callable[..., None]
     silu_and_mul: Callable[..., torch.Tensor]
+    # (x, gate_up_weight, row_norm=None) -> [T, I]: silu_and_mul(linear(x, gate_up_weight)), as
+    # one op so a backend may fuse the activation into the product's epilogue.
+    gate_up_silu: Callable[..., torch.Tensor]
     rope_and_cache_write: Callable[..., None]
     paged_attention: Callable[..., None]
     # (q, k, v, ctx, cos_sin_cache, k_cache, v_cache, scale, out) -> out: rope_and_cache_write
     # then paged_attention over the step's ForwardContext, as one op so a backend may fuse them.
     rope_and_attention: Callable[..., torch.Tensor]
     sample: Callable[..., torch.Tensor]
-    # float32 [B, V] -> int64 [B]: the first maximum of each row (all-greedy batches).
+    # [B, V] float32, bfloat16 or float16 -> int64 [B]: the first maximum of each row
+    # (all-greedy batches).
     greedy_argmax: Callable[[torch.Tensor], torch.Tensor]
     # Whether a forward pass can be captured in a CUDA graph: the reference ops pick rows with
     # boolean masks and read lengths back to the host, which capture forbids.
@@ -57,6 +61,7 @@ def reference_ops(defer_norms: bool = False) -> Ops:
         rms_norm=ref.rms_norm_reference,
         fused_add_rms_norm=ref.fused_add_rms_norm_reference,
         silu_and_mul=ref.silu_and_mul_reference,
+        gate_up_silu=ref.gate_up_silu_reference,
         rope_and_cache_write=ref.rope_and_cache_write_reference,
         paged_attention=ref.paged_attention_reference,
         rope_and_attention=ref.rope_and_attention_reference,
@@ -112,6 +117,7 @@ def triton_ops(
         rms_norm=chained(kernels.rms_norm),
         fused_add_rms_norm=chained(kernels.fused_add_rms_norm),
         silu_and_mul=chained(kernels.silu_and_mul),
+        gate_up_silu=chained(kernels.gate_up_silu),
         rope_and_cache_write=chained(kernels.rope_and_cache_write),
         paged_attention=chained(kernels.paged_attention),
         rope_and_attention=chained(rope_and_attention),

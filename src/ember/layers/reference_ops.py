@@ -250,6 +250,13 @@ def silu_and_mul_reference(
     return out
 
 
+def gate_up_silu_reference(
+    x: torch.Tensor, gate_up_weight: torch.Tensor, *, row_norm: RowNorm | None = None
+) -> torch.Tensor:
+    """The gated MLP's input side: `silu_and_mul_reference` of ``x @ gate_up_weight.T``."""
+    return silu_and_mul_reference(torch.nn.functional.linear(x, gate_up_weight), row_norm=row_norm)
+
+
 # ---------------------------------------------------------------------------------------------
 # Sampling
 

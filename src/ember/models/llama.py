@@ -86,7 +86,7 @@ class MLP(nn.Module):
 
     def forward(self, stream: ResidualStream, norm_weight: torch.Tensor) -> ResidualStream:
         x, row_norm, stream = sub_block_input(self.ops, stream, norm_weight)
-        act = self.ops.silu_and_mul(self.ops.linear(x, self.gate_up_proj.weight), row_norm=row_norm)
+        act = self.ops.gate_up_silu(x, self.gate_up_proj.weight, row_norm=row_norm)
         return add_sub_block_output(self.ops, stream, act, self.down_proj.weight)
 
 
@@ -137,8 +137,11 @@ class LlamaForCausalLM(nn.Module):
         return final_norm(self.ops, stream, self.norm)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits in the model's dtype, as Hugging Face's are: greedy decoding takes the argmax
+        of them as they are (a bf16 value's float32 is exact), and the sampler widens them to
+        float32 only where it computes with them, sparing a [B, V] float32 copy per step."""
         weight = self.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head
-        return self.ops.linear(hidden, weight).float()
+        return self.ops.linear(hidden, weight)
 
     # -- weights ---------------------------------------------------------------------------------
 

@@ -58,19 +58,23 @@ class Sampler:
     def __call__(
         self, logits: torch.Tensor, rows: list[SamplingRow]
     ) -> tuple[torch.Tensor, list[TokenLogprobs | None] | None]:
-        raw_logits = logits
-        logits = self._process(logits, rows)
+        """``logits [B, V]`` in the model's dtype; every computation on them runs in float32."""
         params = [r.params for r in rows]
+        wants_logprobs = any(p.logprobs is not None for p in params)
+        needs = self._rows_to_process(rows)
+        if all(p.greedy for p in params) and not needs:
+            # The common benchmark case: one reduction over the logits as they are.
+            tokens = self.ops.greedy_argmax(logits)
+            return tokens, _gather_logprobs(
+                logits.float(), tokens, params
+            ) if wants_logprobs else None
+        raw_logits = logits.float()
+        logits = self._process(raw_logits, rows, needs)
         if all(p.greedy for p in params):
-            tokens = self.ops.greedy_argmax(logits)  # the common benchmark case: one reduction
-            return tokens, _gather_logprobs(raw_logits, tokens, params) if any(
-                p.logprobs is not None for p in params
-            ) else None
-        tokens = self.ops.sample(logits, *self._row_tensors(rows))
-        logprobs = None
-        if any(p.logprobs is not None for p in params):
-            logprobs = _gather_logprobs(raw_logits, tokens, params)
-        return tokens, logprobs
+            tokens = self.ops.greedy_argmax(logits)
+        else:
+            tokens = self.ops.sample(logits, *self._row_tensors(rows))
+        return tokens, _gather_logprobs(raw_logits, tokens, params) if wants_logprobs else None
 
     def _row_tensors(self, rows: list[SamplingRow]) -> list[torch.Tensor]:
         """temperature, top_k, top_p, min_p, seeds, steps as device tensors, without a sync."""
@@ -93,12 +97,19 @@ class Sampler:
             out.append(host.to(self.device, non_blocking=True))
         return out
 
-    def _process(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        needs = [
+    @staticmethod
+    def _rows_to_process(rows: list[SamplingRow]) -> list[int]:
+        """The rows whose logits change before the draw (bias, penalties, min_tokens)."""
+        return [
             i
             for i, r in enumerate(rows)
             if r.params.logit_bias or r.params.uses_penalties or r.step < r.params.min_tokens
         ]
+
+    def _process(
+        self, logits: torch.Tensor, rows: list[SamplingRow], needs: list[int]
+    ) -> torch.Tensor:
+        """float32 ``logits`` with ``needs``' rows processed (a copy if any are)."""
         if not needs:
             return logits
         logits = logits.clone()
