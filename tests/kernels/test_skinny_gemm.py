@@ -117,7 +117,7 @@ def test_gated_routing_follows_the_measured_wins():
 
 
 @pytest.mark.parametrize("elem_bytes", [2, 4])
-@pytest.mark.parametrize("m", [1, 16, 33, 64])
+@pytest.mark.parametrize("m", [1, 16, 32, 33, 64])
 def test_default_configs_fit_in_shared_memory(m, elem_bytes):
     from ember.kernels.skinny_gemm import (
         default_config,

@@ -23,10 +23,11 @@ import triton.language as tl
 
 # Decode batch sizes (graph buckets) where PDL won or tied in-call A/Bs on an H200 (8B shape,
 # context 512) once o/down kept one program per SM: per step, -65 us at batch 1, -25 to -55 at
-# 2, -5 at 4, -28 at 8, -200 at 48, -165 at 64. Left out: 16 (a tie), 32 (+585 us; under PDL
-# q/k/v and gate/up leave cuBLAS, the likely cause, not profiled) and every size past the skinny
-# GEMM's 64 rows (bench/results/README.md, "One program per SM; PDL where it wins").
-AUTO_PDL_ROWS = frozenset({1, 2, 4, 8, 48, 64})
+# 2, -5 at 4, -28 at 8, -200 at 48, -165 at 64, and -30 at 32 once o/down kept one program per
+# SM up to 32 rows too (it lost 630 us before: two programs shared SMs). Left out: 16 (+40 us)
+# and every size past the skinny GEMM's 64 rows (bench/results/README.md, "One program per SM;
+# PDL where it wins" and "Gate/up and SiLU in one kernel").
+AUTO_PDL_ROWS = frozenset({1, 2, 4, 8, 32, 48, 64})
 
 
 def pdl_for_rows(mode: str, rows: int) -> bool:

@@ -149,7 +149,9 @@ def default_config(
     land on 128 SMs even while the previous kernel still holds some (two 96 KiB programs could
     share an SM, and under programmatic launch down then took 7 us longer). In-call A/B on an
     H200: -37 to -43 us per step at batch 1-16, and it made programmatic launch a win at batch 1
-    (bench/results/README.md, "One program per SM; PDL where it wins").
+    (bench/results/README.md, "One program per SM; PDL where it wins"). The same up to 32 rows
+    (192 KiB) turned PDL at batch 32 from +630 us per step into -30 us ("Gate/up and SiLU in one
+    kernel"; plain launches at 17-32 rows on these tiles were not measured).
 
     ``gated`` (`skinny_gemm_silu`; ``n`` counts gate and up): the same tiles, each program's
     columns split between a gate and an up tile, so a stage moves as many weight bytes.
@@ -163,7 +165,7 @@ def default_config(
     elif n > k:
         block_n, block_k, stages, warps = (64, 256, 4, 4) if m <= 32 else (64, 128, 4, 4)
     elif m <= 32:
-        block_n, block_k, stages, warps = (32, 256, 6, 4) if m <= 16 else (32, 256, 4, 4)
+        block_n, block_k, stages, warps = 32, 256, 6, 4
     else:
         block_n, block_k, stages, warps = 32, 128, 6, 4
     if gated:
