@@ -49,9 +49,7 @@ def use_gated_skinny_gemm(
     kernel anyway (under PDL), and with plain launches past 16 rows, where the fused kernel beat
     cuBLAS and the SiLU kernel (in-call A/B of 2026-12-01, third session: -40 us per step at
     batch 32, +22 us at batch 16; bench/results/README.md)."""
-    if use_skinny_gemm(m, n, k, dtype, device, pdl):
-        return True
-    return m > 16 and use_skinny_gemm(m, n, k, dtype, device, pdl=True)
+    return use_skinny_gemm(m, n, k, dtype, device, pdl=pdl or m > 16)
 
 
 def linear(

@@ -62,19 +62,18 @@ class Sampler:
         params = [r.params for r in rows]
         wants_logprobs = any(p.logprobs is not None for p in params)
         needs = self._rows_to_process(rows)
-        if all(p.greedy for p in params) and not needs:
-            # The common benchmark case: one reduction over the logits as they are.
-            tokens = self.ops.greedy_argmax(logits)
-            return tokens, _gather_logprobs(
-                logits.float(), tokens, params
-            ) if wants_logprobs else None
-        raw_logits = logits.float()
-        logits = self._process(raw_logits, rows, needs)
-        if all(p.greedy for p in params):
-            tokens = self.ops.greedy_argmax(logits)
+        greedy = all(p.greedy for p in params)
+        # Greedy rows with nothing to process (the common benchmark case) take one reduction over
+        # the logits as they are; anything else computes on a float32 copy.
+        raw_logits = logits if greedy and not needs else logits.float()
+        processed = self._process(raw_logits, rows, needs)
+        if greedy:
+            tokens = self.ops.greedy_argmax(processed)
         else:
-            tokens = self.ops.sample(logits, *self._row_tensors(rows))
-        return tokens, _gather_logprobs(raw_logits, tokens, params) if wants_logprobs else None
+            tokens = self.ops.sample(processed, *self._row_tensors(rows))
+        return tokens, _gather_logprobs(
+            raw_logits.float(), tokens, params
+        ) if wants_logprobs else None
 
     def _row_tensors(self, rows: list[SamplingRow]) -> list[torch.Tensor]:
         """temperature, top_k, top_p, min_p, seeds, steps as device tensors, without a sync."""
