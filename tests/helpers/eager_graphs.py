@@ -19,7 +19,8 @@ class EagerStepGraphs(StepGraphs):
         self._graphs[key] = (None, self._forward(key))
 
     def replay(self, key: GraphKey) -> torch.Tensor:
-        real = int((self.buffers["slot_mapping"][: key.num_tokens] >= 0).sum())
+        slots = self.buffers.block(key.decode)["slot_mapping"]
+        real = int((slots[: key.num_tokens] >= 0).sum())
         self.replayed.append((key, real))
         return self._forward(key)
 

@@ -56,7 +56,7 @@ def measure(batch: int, context: int, steps: int = 200) -> dict:
         out = scheduler.schedule()
         t1 = time.perf_counter()
         runner._apply_diffs(out)
-        plan = runner._stage_inputs(out, runner.buffers.next_staging())
+        plan = runner._stage_inputs(out, runner.input_block(out).next_staging())
         _ = [runner._sampling_row(s) for s in plan.sampling_states]
         t2 = time.perf_counter()
         for state in plan.sampling_states:

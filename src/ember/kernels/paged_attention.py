@@ -70,6 +70,47 @@ def _find_sequence(query_start_loc_ptr, num_seqs, tile_id, BLOCK_Q: tl.constexpr
 
 
 @triton.jit
+def _kv_tile_offsets(
+    table_row_ptr,
+    kv_head_offset,
+    kv_pos,
+    kv_in_range,
+    stride_cache_block,
+    stride_cache_slot,
+    PAGE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    MASKED: tl.constexpr,
+):
+    """Cache offsets of the K/V rows at positions ``kv_pos`` (one KV head), through the table."""
+    dims = tl.arange(0, HEAD_DIM)
+    if MASKED:
+        block_ids = tl.load(table_row_ptr + kv_pos // PAGE, mask=kv_in_range, other=0)
+    else:
+        block_ids = tl.load(table_row_ptr + kv_pos // PAGE)
+    # int64: block id * block stride overflows int32 on large caches.
+    slot_offsets = (
+        block_ids.to(tl.int64) * stride_cache_block
+        + (kv_pos % PAGE) * stride_cache_slot
+        + kv_head_offset
+    )
+    return slot_offsets[:, None] + dims[None, :]
+
+
+@triton.jit
+def _softmax_step(q, k, m_i, l_i, kv_pos, row_pos, qk_scale, MASKED: tl.constexpr,
+                  DOT_PRECISION: tl.constexpr):  # fmt: skip
+    """Scores of one K tile and the online-softmax update: (new max, new sum, p, rescale)."""
+    scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+    if MASKED:
+        # Causal; also hides positions past the sequence since row_pos < seq_len.
+        scores = tl.where(kv_pos[None, :] <= row_pos[:, None], scores, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(scores - m_new[:, None])
+    return m_new, l_i * alpha + tl.sum(p, 1), p, alpha
+
+
+@triton.jit
 def _attend_kv_tile(
     q,
     m_i,
@@ -93,34 +134,16 @@ def _attend_kv_tile(
 ):
     """One online-softmax step over KV positions [kv_start, kv_start + BLOCK_N)."""
     kv_pos = kv_start + tl.arange(0, BLOCK_N)
-    dims = tl.arange(0, HEAD_DIM)
-    if MASKED:
-        kv_in_range = kv_pos < kv_end
-        block_ids = tl.load(table_row_ptr + kv_pos // PAGE, mask=kv_in_range, other=0)
-    else:
-        block_ids = tl.load(table_row_ptr + kv_pos // PAGE)
-    # int64: block id * block stride overflows int32 on large caches.
-    slot_offsets = (
-        block_ids.to(tl.int64) * stride_cache_block
-        + (kv_pos % PAGE) * stride_cache_slot
-        + kv_head_offset
-    )
-    kv_offsets = slot_offsets[:, None] + dims[None, :]
+    kv_in_range = kv_pos < kv_end
+    kv_offsets = _kv_tile_offsets(table_row_ptr, kv_head_offset, kv_pos, kv_in_range,
+                                  stride_cache_block, stride_cache_slot, PAGE, HEAD_DIM,
+                                  MASKED)  # fmt: skip
     if MASKED:
         k = tl.load(k_cache_ptr + kv_offsets, mask=kv_in_range[:, None], other=0.0)
     else:
         k = tl.load(k_cache_ptr + kv_offsets)
-
-    scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-    if MASKED:
-        # Causal; also hides positions past the sequence since row_pos < seq_len.
-        scores = tl.where(kv_pos[None, :] <= row_pos[:, None], scores, float("-inf"))
-
-    m_new = tl.maximum(m_i, tl.max(scores, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(scores - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-
+    m_new, l_i, p, alpha = _softmax_step(q, k, m_i, l_i, kv_pos, row_pos, qk_scale, MASKED,
+                                         DOT_PRECISION)  # fmt: skip
     if MASKED:
         v = tl.load(v_cache_ptr + kv_offsets, mask=kv_in_range[:, None], other=0.0)
     else:
@@ -178,7 +201,8 @@ def _write_new_key_value(
 ):
     """Rotate one KV head of the new token's key and store it and its value at ``slot`` (-1:
     padding, nothing stored); both scaled by ``scale`` first when ``SCALED``. The barrier makes
-    the stores visible to the whole program before it reads the tile that holds them."""
+    the stores visible to the whole program before it reads the tile that holds them. Returns
+    the stored key and value (a tile loaded before the store takes them from here)."""
     dims = tl.arange(0, HEAD_DIM)
     dtype = k_ptr.dtype.element_ty
     k = scale_and_round(tl.load(k_ptr + dims), scale, dtype, SCALED)
@@ -187,8 +211,12 @@ def _write_new_key_value(
     keep = (dims < HEAD_DIM) & (slot >= 0)
     tl.store(k_cache_ptr + cache + dims, rotated.to(k_cache_ptr.dtype.element_ty), mask=keep)
     v = scale_and_round(tl.load(v_ptr + dims), scale, dtype, SCALED)
-    tl.store(v_cache_ptr + cache + dims, v.to(v_cache_ptr.dtype.element_ty), mask=keep)
+    stored_k = rotated.to(k_cache_ptr.dtype.element_ty)
+    stored_v = v.to(v_cache_ptr.dtype.element_ty)
+    tl.store(k_cache_ptr + cache + dims, stored_k, mask=keep)
+    tl.store(v_cache_ptr + cache + dims, stored_v, mask=keep)
     tl.debug_barrier()
+    return stored_k, stored_v
 
 
 @triton.jit
@@ -246,7 +274,9 @@ def _paged_attention_kernel(
     BLOCK_P: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    wait_for_producer(PDL)
+    # Until the wait, a program reads only what no kernel of this step writes: the step's
+    # metadata and the cache's keys of earlier steps. Under PDL that runs under the previous
+    # kernel's tail (`ember.kernels.pdl`).
     tile_id = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -260,9 +290,6 @@ def _paged_attention_kernel(
     seq_q_start = tl.load(query_start_loc_ptr + seq)
     seq_q_end = tl.load(query_start_loc_ptr + seq + 1)
     tile_q_start = seq_q_start + local_tile * BLOCK_Q
-    if tile_q_start >= seq_q_end:
-        return  # a sequence's spare tile, or an empty (padding) sequence
-
     seq_len = tl.load(seq_lens_ptr + seq)
     context_len = seq_len - (seq_q_end - seq_q_start)
 
@@ -276,12 +303,6 @@ def _paged_attention_kernel(
     # Padding rows borrow the tile's first position so their softmax stays finite.
     row_pos = tl.where(row_valid, context_len + (row_tok - seq_q_start), first_pos)
 
-    if ROPE and ROW_NORM:  # issued first: the row's statistics gate every use of q, k and v
-        row_parts = load_row_parts(parts_ptr, tile_q_start, num_parts, BLOCK_P)
-    dims = tl.arange(0, HEAD_DIM)
-    q_rows = q_ptr + row_tok[:, None] * stride_q_tok + row_head[:, None] * stride_q_head
-    q = tl.load(q_rows + dims[None, :], mask=row_valid[:, None], other=0.0)
-
     kv_end = tl.minimum(seq_len, first_pos + BLOCK_Q)  # one past the tile's last visible key
     num_kv_tiles = tl.cdiv(kv_end, BLOCK_N)
     # Tiles below the tile's first query position are visible to every row: no mask needed.
@@ -293,7 +314,36 @@ def _paged_attention_kernel(
     else:
         tile_lo = 0
         tile_hi = num_kv_tiles
+    table_row_ptr = block_tables_ptr + seq * stride_table
+    kv_head_offset = kv_head * stride_cache_head
 
+    # A decode that writes its own new key (ROPE, decode-only) loads its segment's first K/V tile
+    # before the wait; the new key's row, if the tile holds it, comes from registers once rotated.
+    if ROPE:
+        pre_pos = tile_lo * BLOCK_N + tl.arange(0, BLOCK_N)
+        pre_in_range = (pre_pos < kv_end) & (tile_lo < tile_hi)
+        pre_offsets = _kv_tile_offsets(table_row_ptr, kv_head_offset, pre_pos, pre_in_range,
+                                       stride_cache_block, stride_cache_slot, PAGE, HEAD_DIM,
+                                       True)  # fmt: skip
+        pre_k = tl.load(k_cache_ptr + pre_offsets, mask=pre_in_range[:, None], other=0.0)
+        pre_v = tl.load(v_cache_ptr + pre_offsets, mask=pre_in_range[:, None], other=0.0)
+        tile_lo_loop = tile_lo + 1
+    else:
+        tile_lo_loop = tile_lo
+
+    wait_for_producer(PDL)
+    if tile_q_start >= seq_q_end:
+        return  # a sequence's spare tile, or an empty (padding) sequence
+
+    if ROPE and ROW_NORM:  # issued first: the row's statistics gate every use of q, k and v
+        row_parts = load_row_parts(parts_ptr, tile_q_start, num_parts, BLOCK_P)
+    dims = tl.arange(0, HEAD_DIM)
+    q_rows = q_ptr + row_tok[:, None] * stride_q_tok + row_head[:, None] * stride_q_head
+    q = tl.load(q_rows + dims[None, :], mask=row_valid[:, None], other=0.0)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     if ROPE:
         # A decode step's RoPE and KV-cache write, done here instead of by their own kernel: the
         # query is rotated in registers, and the program whose segment holds the new key (the
@@ -306,28 +356,33 @@ def _paged_attention_kernel(
                                                     cos_sin_ptr, tile_q_start, scale, HEAD_DIM,
                                                     ROW_NORM)  # fmt: skip
         if (num_kv_tiles - 1 >= tile_lo) & (num_kv_tiles - 1 < tile_hi):
-            _write_new_key_value(
+            slot = tl.load(slot_mapping_ptr + tile_q_start)
+            new_k, new_v = _write_new_key_value(
                 rope_k_ptr + tile_q_start * stride_rk_tok + kv_head * stride_rk_head,
                 rope_v_ptr + tile_q_start * stride_rv_tok + kv_head * stride_rv_head,
-                k_cache_ptr, v_cache_ptr, tl.load(slot_mapping_ptr + tile_q_start),
-                kv_head * stride_cache_head, cos, signed_sin, partner, scale, stride_cache_block,
-                stride_cache_slot, PAGE, HEAD_DIM, ROW_NORM,
+                k_cache_ptr, v_cache_ptr, slot, kv_head * stride_cache_head, cos, signed_sin,
+                partner, scale, stride_cache_block, stride_cache_slot, PAGE, HEAD_DIM, ROW_NORM,
             )  # fmt: skip
-
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    table_row_ptr = block_tables_ptr + seq * stride_table
-    kv_head_offset = kv_head * stride_cache_head
+            # A padding token (slot -1) stores nothing, so its tile keeps what the cache holds.
+            is_new = ((pre_pos == first_pos) & (slot >= 0))[:, None]
+            pre_k = tl.where(is_new, new_k[None, :], pre_k)
+            pre_v = tl.where(is_new, new_v[None, :], pre_v)
+        if tile_lo < tile_hi:
+            m_i, l_i, p, alpha = _softmax_step(q, pre_k, m_i, l_i, pre_pos, row_pos, qk_scale,
+                                               True, DOT_PRECISION)  # fmt: skip
+            acc = acc * alpha[:, None] + tl.dot(p.to(pre_v.dtype), pre_v,
+                                                input_precision=DOT_PRECISION)  # fmt: skip
 
     # Loop-level pipelining also prefetches the block-table loads the K/V addresses depend on.
-    for kv_tile in tl.range(tile_lo, tl.minimum(tile_hi, num_full_tiles), num_stages=KV_STAGES):
+    for kv_tile in tl.range(tile_lo_loop, tl.minimum(tile_hi, num_full_tiles),
+                            num_stages=KV_STAGES):  # fmt: skip
         m_i, l_i, acc = _attend_kv_tile(
             q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_row_ptr, kv_head_offset,
             kv_tile * BLOCK_N, kv_end, row_pos, qk_scale, stride_cache_block, stride_cache_slot,
             PAGE, BLOCK_N, HEAD_DIM, False, DOT_PRECISION,
         )  # fmt: skip
-    for kv_tile in tl.range(tl.maximum(tile_lo, num_full_tiles), tile_hi, num_stages=KV_STAGES):
+    for kv_tile in tl.range(tl.maximum(tile_lo_loop, num_full_tiles), tile_hi,
+                            num_stages=KV_STAGES):  # fmt: skip
         m_i, l_i, acc = _attend_kv_tile(
             q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_row_ptr, kv_head_offset,
             kv_tile * BLOCK_N, kv_end, row_pos, qk_scale, stride_cache_block, stride_cache_slot,

@@ -11,8 +11,11 @@ slower than cuBLAS at some sizes. Whether PDL pays is therefore a measured quest
 (a decode step's batch) is in `AUTO_PDL_ROWS`; ``on`` launches every step so, ``off`` none.
 
 The rule that keeps this race-free: every kernel launched with PDL calls ``wait_for_producer``
-before it reads or writes anything another kernel touches. Completion is transitive (a kernel
-ends only after its own wait returned), so a chain of such kernels sees every earlier write.
+before it reads or writes anything another kernel of the step writes. Completion is transitive (a
+kernel ends only after its own wait returned, and lets the next one launch only then), so a chain
+of such kernels sees every earlier write, and before its wait a kernel may read what was written
+before the kernel ahead of it started: the step's inputs and the KV cache of earlier steps (the
+decode attention loads its first K/V tile there).
 """
 
 from __future__ import annotations
@@ -24,10 +27,11 @@ import triton.language as tl
 # Decode batch sizes (graph buckets) where PDL won or tied in-call A/Bs on an H200 (8B shape,
 # context 512) once o/down kept one program per SM: per step, -65 us at batch 1, -25 to -55 at
 # 2, -5 at 4, -28 at 8, -200 at 48, -165 at 64, and -30 at 32 once o/down kept one program per
-# SM up to 32 rows too (it lost 630 us before: two programs shared SMs). Left out: 16 (+40 us)
-# and every size past the skinny GEMM's 64 rows (bench/results/README.md, "One program per SM;
-# PDL where it wins" and "Gate/up and SiLU in one kernel").
-AUTO_PDL_ROWS = frozenset({1, 2, 4, 8, 32, 48, 64})
+# SM up to 32 rows too (it lost 630 us before: two programs shared SMs). 16 lost 40 us until the
+# decode attention loaded its first K/V tile before its wait; then it won 230 us. Left out: every
+# size past the skinny GEMM's 64 rows (bench/results/README.md, "One program per SM; PDL where
+# it wins", "Gate/up and SiLU in one kernel" and "K/V before the wait").
+AUTO_PDL_ROWS = frozenset({1, 2, 4, 8, 16, 32, 48, 64})
 
 
 def pdl_for_rows(mode: str, rows: int) -> bool:

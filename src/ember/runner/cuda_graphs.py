@@ -127,7 +127,7 @@ class StepGraphs:
             self._graphs[key] = self._capture(key)
 
     def _context(self, key: GraphKey) -> ForwardContext:
-        buf, s, t = self.buffers, key.num_seqs, key.num_tokens
+        buf, s, t = self.buffers.block(key.decode), key.num_seqs, key.num_tokens
         return ForwardContext(
             positions=buf["positions"][:t],
             slot_mapping=buf["slot_mapping"][:t],
@@ -137,19 +137,20 @@ class StepGraphs:
             # Only "one query per sequence or not" matters to the kernels (their tile choice).
             max_query_len=1 if key.decode else t,
             max_seq_len=self.max_seq_len,
-            split_kv_counters=buf.split_kv_counters,
+            split_kv_counters=self.buffers.split_kv_counters,
         )
 
     def _forward(self, key: GraphKey) -> torch.Tensor:
+        buf = self.buffers.block(key.decode)
         hidden = self.model(
-            self.buffers["input_ids"][: key.num_tokens],
+            buf["input_ids"][: key.num_tokens],
             self._context(key),
             self.cos_sin_cache,
             self.kv_cache,
         )
         if key.decode:
             return self.model.compute_logits(hidden)
-        return hidden.index_select(0, self.buffers["sample_indices"][: key.num_seqs])
+        return hidden.index_select(0, buf["sample_indices"][: key.num_seqs])
 
     def _capture(self, key: GraphKey) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         # The buffers already hold this step's (padded) inputs, so warm-up and capture see

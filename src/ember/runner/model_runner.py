@@ -19,7 +19,7 @@ import torch
 from ember.engine.step_types import RunnerOutput, SchedulerOutput, TokenLogprobs
 from ember.layers.forward_context import ForwardContext
 from ember.runner.cuda_graphs import GraphKey, StepGraphs
-from ember.runner.input_buffers import InputBuffers
+from ember.runner.input_buffers import InputBlock, InputBuffers
 from ember.runner.sampler import Sampler, SamplingRow
 from ember.sampling_params import SamplingParams
 
@@ -114,10 +114,11 @@ class ModelRunner:
             return 0
         with torch.inference_mode():
             for key in self.graphs.all_keys:
-                staging = self.buffers.next_staging()
+                block = self.buffers.block(key.decode)
+                staging = block.next_staging()
                 staging.numpy("query_start_loc")[0] = 0
                 padded = self._pad_for_graph(staging, _StepPlan(), key)
-                self.buffers.upload(staging, padded.upload_counts)
+                block.upload(staging, padded.upload_counts)
                 self.graphs.capture(key)
         return len(self.graphs.captured)
 
@@ -159,20 +160,18 @@ class ModelRunner:
         return handle.result
 
     def _launch(self, scheduled: SchedulerOutput) -> StepHandle:
-        staging = self.buffers.next_staging()
+        buf = self.input_block(scheduled)
+        staging = buf.next_staging()
         plan = self._stage_inputs(scheduled, staging)
         prev = self._in_flight
         if prev is not None and any(s.params.uses_penalties for s in plan.sampling_states):
             self.collect(prev)  # penalties need the whole output history on the host
         rows = [self._sampling_row(s) for s in plan.sampling_states]
-        bucket = self._graph_bucket(plan)
+        bucket = self._graph_bucket(plan, buf)
         padded = self._pad_for_graph(staging, plan, bucket) if bucket is not None else plan
-        self.buffers.upload(staging, padded.upload_counts)
-        buf = self.buffers
+        buf.upload(staging, padded.upload_counts)
         if plan.num_gathers:
-            dst = buf["gather_dst"][: plan.num_gathers]
-            src = buf["gather_src"][: plan.num_gathers]
-            buf["input_ids"].index_copy_(0, dst, prev.tokens.index_select(0, src))
+            self._gather_fed_tokens(buf, staging, plan.num_gathers, prev.tokens)
         num_samples = len(plan.sampling_states)
         if bucket is not None and bucket.decode:
             logits = self.graphs.replay(bucket)[:num_samples]
@@ -182,7 +181,7 @@ class ModelRunner:
             else:
                 hidden = self.model(
                     buf["input_ids"][: plan.num_tokens],
-                    self._context(plan),
+                    self._context(plan, buf),
                     self.cos_sin_cache,
                     self.kv_cache,
                 )
@@ -203,6 +202,24 @@ class ModelRunner:
             state.num_output_tokens += 1
             state.pending_step, state.pending_row = handle, i
         return handle
+
+    def input_block(self, scheduled: SchedulerOutput) -> InputBlock:
+        """Where the step's inputs go: the decode block when every sequence feeds one token."""
+        one_token = all(n == 1 for n in scheduled.num_scheduled_tokens.values())
+        return self.buffers.block(decode=one_token)
+
+    @staticmethod
+    def _gather_fed_tokens(buf: InputBlock, staging, count: int, sampled: torch.Tensor) -> None:
+        """Write the tokens sampled by the step in flight into this step's ``input_ids``, on the
+        device. In a steady decode row i feeds row i: one copy instead of a gather kernel and
+        a scatter kernel."""
+        dst, src = staging.numpy("gather_dst")[:count], staging.numpy("gather_src")[:count]
+        rows = np.arange(count)
+        if np.array_equal(dst, rows) and np.array_equal(src, rows):
+            buf["input_ids"][:count].copy_(sampled[:count])
+            return
+        index = buf["gather_dst"][:count]
+        buf["input_ids"].index_copy_(0, index, sampled.index_select(0, buf["gather_src"][:count]))
 
     def _copy_to_host(self, tokens: torch.Tensor, staging):
         if self.device.type != "cuda":
@@ -281,12 +298,16 @@ class ModelRunner:
         plan.num_tokens, plan.num_seqs = t, len(scheduled.num_scheduled_tokens)
         return plan
 
-    def _graph_bucket(self, plan: _StepPlan) -> GraphKey | None:
+    def _graph_bucket(self, plan: _StepPlan, buf: InputBlock) -> GraphKey | None:
+        """The graph that runs the step, or None (eager); a graph reads the block its kind
+        stages in, so a one-token step that does not sample everywhere runs eagerly."""
         if self.graphs is None:
             return None
         if plan.max_query_len == 1 and len(plan.sampling_states) == plan.num_seqs:
-            return self.graphs.bucket_for(plan.num_seqs)
-        return self.graphs.mixed_bucket_for(plan.num_tokens, plan.num_seqs)
+            key = self.graphs.bucket_for(plan.num_seqs)
+        else:
+            key = self.graphs.mixed_bucket_for(plan.num_tokens, plan.num_seqs)
+        return key if key is not None and self.buffers.block(key.decode) is buf else None
 
     def _pad_for_graph(self, st, plan: _StepPlan, key: GraphKey) -> _StepPlan:
         """Pad the staged inputs to the graph's shape; padding writes no KV and is never read.
@@ -313,8 +334,7 @@ class ModelRunner:
         padded.num_sample_rows = key.num_seqs
         return padded
 
-    def _context(self, plan: _StepPlan) -> ForwardContext:
-        buf = self.buffers
+    def _context(self, plan: _StepPlan, buf: InputBlock) -> ForwardContext:
         return ForwardContext(
             positions=buf["positions"][: plan.num_tokens],
             slot_mapping=buf["slot_mapping"][: plan.num_tokens],
@@ -323,7 +343,7 @@ class ModelRunner:
             block_tables=buf["block_tables"][: plan.num_seqs],
             max_query_len=plan.max_query_len,
             max_seq_len=plan.max_seq_len,
-            split_kv_counters=buf.split_kv_counters,
+            split_kv_counters=self.buffers.split_kv_counters,
         )
 
     def _sampling_row(self, state: RequestState) -> SamplingRow:
