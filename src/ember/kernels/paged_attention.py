@@ -153,32 +153,28 @@ def _attend_kv_tile(
 
 
 @triton.jit
-def _rotate_query(
-    q,
-    q_rows,
-    row_valid,
-    positions_ptr,
-    cos_sin_ptr,
-    tok,
-    scale,
-    HEAD_DIM: tl.constexpr,
-    SCALED: tl.constexpr,
-):
-    """Rotate one token's query rows (neox "rotate_half" RoPE, fp32, cast back like the RoPE
-    kernel; scaled by ``scale`` first when ``SCALED``, as `rope_and_cache_write` does). Each dim
-    pairs with the one half a head away; the sine's sign folds in the minus of the first half.
-    Returns the rotated rows and the (cos, signed sin, partner) of the token."""
+def _rope_factors(positions_ptr, cos_sin_ptr, tok, tok_valid, HEAD_DIM: tl.constexpr):
+    """Token ``tok``'s RoPE factors (neox "rotate_half"): each dim pairs with the one half a head
+    away, and the sine's sign folds in the minus of the first half. Returns (cos, signed sin,
+    partner); ``tok_valid`` false (a padding sequence's tile) reads position 0."""
     half: tl.constexpr = HEAD_DIM // 2
     dims = tl.arange(0, HEAD_DIM)
     partner = (dims + half) % HEAD_DIM
-    table = cos_sin_ptr + tl.load(positions_ptr + tok) * HEAD_DIM
+    table = cos_sin_ptr + tl.load(positions_ptr + tok, mask=tok_valid, other=0) * HEAD_DIM
     cos = tl.load(table + dims % half)
     signed_sin = tl.load(table + half + dims % half) * tl.where(dims < half, -1.0, 1.0)
+    return cos, signed_sin, partner
+
+
+@triton.jit
+def _rotate_query(q, q_rows, row_valid, cos, signed_sin, partner, scale, SCALED: tl.constexpr):
+    """Rotate one token's query rows (fp32, cast back like the RoPE kernel; scaled by ``scale``
+    first when ``SCALED``, as `rope_and_cache_write` does)."""
     q_partner = tl.load(q_rows + partner[None, :], mask=row_valid[:, None], other=0.0)
     q_own = scale_and_round(q, scale, q.dtype, SCALED)
     q_partner = scale_and_round(q_partner, scale, q.dtype, SCALED)
     rotated = q_own * cos[None, :] + q_partner * signed_sin[None, :]
-    return rotated.to(q.dtype), cos, signed_sin, partner
+    return rotated.to(q.dtype)
 
 
 @triton.jit
@@ -318,8 +314,13 @@ def _paged_attention_kernel(
     kv_head_offset = kv_head * stride_cache_head
 
     # A decode that writes its own new key (ROPE, decode-only) loads its segment's first K/V tile
-    # before the wait; the new key's row, if the tile holds it, comes from registers once rotated.
+    # before the wait, and its token's RoPE factors and cache slot; the new key's row, if the tile
+    # holds it, comes from registers once rotated.
     if ROPE:
+        tile_valid = tile_q_start < seq_q_end
+        cos, signed_sin, partner = _rope_factors(positions_ptr, cos_sin_ptr, tile_q_start,
+                                                 tile_valid, HEAD_DIM)  # fmt: skip
+        slot = tl.load(slot_mapping_ptr + tile_q_start, mask=tile_valid, other=-1)
         pre_pos = tile_lo * BLOCK_N + tl.arange(0, BLOCK_N)
         pre_in_range = (pre_pos < kv_end) & (tile_lo < tile_hi)
         pre_offsets = _kv_tile_offsets(table_row_ptr, kv_head_offset, pre_pos, pre_in_range,
@@ -352,11 +353,8 @@ def _paged_attention_kernel(
         scale = 1.0
         if ROW_NORM:
             scale = inv_rms_of(row_parts, hidden, eps)
-        q, cos, signed_sin, partner = _rotate_query(q, q_rows, row_valid, positions_ptr,
-                                                    cos_sin_ptr, tile_q_start, scale, HEAD_DIM,
-                                                    ROW_NORM)  # fmt: skip
+        q = _rotate_query(q, q_rows, row_valid, cos, signed_sin, partner, scale, ROW_NORM)
         if (num_kv_tiles - 1 >= tile_lo) & (num_kv_tiles - 1 < tile_hi):
-            slot = tl.load(slot_mapping_ptr + tile_q_start)
             new_k, new_v = _write_new_key_value(
                 rope_k_ptr + tile_q_start * stride_rk_tok + kv_head * stride_rk_head,
                 rope_v_ptr + tile_q_start * stride_rv_tok + kv_head * stride_rv_head,
