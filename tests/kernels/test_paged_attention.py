@@ -187,11 +187,17 @@ def test_decode_split_kv_merged_in_kernel(gen, device, group, dtype):
         assert not counters.any()
 
 
+@pytest.mark.parametrize("preload_kv", [False, True])
 @pytest.mark.parametrize("group", [1, 4, 8])
 @pytest.mark.parametrize(("num_splits", "dtype"), [(1, torch.bfloat16), (3, torch.float32)])
-def test_decode_with_rope_and_cache_write_in_kernel(gen, device, group, num_splits, dtype):
+def test_decode_with_rope_and_cache_write_in_kernel(
+    gen, device, group, num_splits, dtype, preload_kv
+):
     """RoPE + KV write inside the decode kernel give the outputs and the caches of the RoPE
-    kernel's reference followed by attention's; a padded token (slot -1) writes nothing."""
+    kernel's reference followed by attention's; a padded token (slot -1) writes nothing. With
+    ``preload_kv`` each segment's first tile is read before the new key is stored, and the tile
+    that holds it (the 7- and 1-token sequences'; with 3 splits every sequence's) must take its
+    row from registers, or keep the cache's for the padded token."""
     from ember.kernels.paged_attention import DecodeRope
     from ember.layers.reference_ops import build_cos_sin_cache, rope_and_cache_write_reference
 
@@ -222,7 +228,7 @@ def test_decode_with_rope_and_cache_write_in_kernel(gen, device, group, num_spli
     out = torch.full_like(step.q, float("nan"))
     counters = torch.zeros(4 * num_kv_heads, dtype=torch.int32, device=device)
     paged_attention(*step.args(), scale, out, num_kv_splits=num_splits, split_counters=counters,
-                    rope=rope, **meta)  # fmt: skip
+                    rope=rope, preload_kv=preload_kv, **meta)  # fmt: skip
     assert_close(out.cpu(), expected, dtype)
     torch.testing.assert_close(step.k_cache.cpu(), ref_k_cache)
     torch.testing.assert_close(step.v_cache.cpu(), ref_v_cache)

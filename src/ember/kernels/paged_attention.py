@@ -205,7 +205,6 @@ def _write_new_key_value(
     rotated = k * cos + scale_and_round(tl.load(k_ptr + partner), scale, dtype, SCALED) * signed_sin
     cache = (slot // PAGE) * stride_cache_block + (slot % PAGE) * stride_cache_slot + head_offset
     keep = (dims < HEAD_DIM) & (slot >= 0)
-    tl.store(k_cache_ptr + cache + dims, rotated.to(k_cache_ptr.dtype.element_ty), mask=keep)
     v = scale_and_round(tl.load(v_ptr + dims), scale, dtype, SCALED)
     stored_k = rotated.to(k_cache_ptr.dtype.element_ty)
     stored_v = v.to(v_cache_ptr.dtype.element_ty)
@@ -269,6 +268,7 @@ def _paged_attention_kernel(
     ROW_NORM: tl.constexpr,
     BLOCK_P: tl.constexpr,
     PDL: tl.constexpr,
+    PRELOAD_KV: tl.constexpr,
 ):
     # Until the wait, a program reads only what no kernel of this step writes: the step's
     # metadata and the cache's keys of earlier steps. Under PDL that runs under the previous
@@ -313,14 +313,15 @@ def _paged_attention_kernel(
     table_row_ptr = block_tables_ptr + seq * stride_table
     kv_head_offset = kv_head * stride_cache_head
 
-    # A decode that writes its own new key (ROPE, decode-only) loads its segment's first K/V tile
-    # before the wait, and its token's RoPE factors and cache slot; the new key's row, if the tile
-    # holds it, comes from registers once rotated.
+    # A decode that writes its own new key (ROPE, decode-only) reads its token's RoPE factors and
+    # cache slot before the wait. PRELOAD_KV (ROPE only) loads its segment's first K/V tile there
+    # too; the new key's row, if the tile holds it, comes from registers once rotated.
     if ROPE:
         tile_valid = tile_q_start < seq_q_end
         cos, signed_sin, partner = _rope_factors(positions_ptr, cos_sin_ptr, tile_q_start,
                                                  tile_valid, HEAD_DIM)  # fmt: skip
         slot = tl.load(slot_mapping_ptr + tile_q_start, mask=tile_valid, other=-1)
+    if PRELOAD_KV:
         pre_pos = tile_lo * BLOCK_N + tl.arange(0, BLOCK_N)
         pre_in_range = (pre_pos < kv_end) & (tile_lo < tile_hi)
         pre_offsets = _kv_tile_offsets(table_row_ptr, kv_head_offset, pre_pos, pre_in_range,
@@ -361,11 +362,12 @@ def _paged_attention_kernel(
                 k_cache_ptr, v_cache_ptr, slot, kv_head * stride_cache_head, cos, signed_sin,
                 partner, scale, stride_cache_block, stride_cache_slot, PAGE, HEAD_DIM, ROW_NORM,
             )  # fmt: skip
-            # A padding token (slot -1) stores nothing, so its tile keeps what the cache holds.
-            is_new = ((pre_pos == first_pos) & (slot >= 0))[:, None]
-            pre_k = tl.where(is_new, new_k[None, :], pre_k)
-            pre_v = tl.where(is_new, new_v[None, :], pre_v)
-        if tile_lo < tile_hi:
+            if PRELOAD_KV:
+                # A padding token (slot -1) stores nothing: its tile keeps what the cache holds.
+                is_new = ((pre_pos == first_pos) & (slot >= 0))[:, None]
+                pre_k = tl.where(is_new, new_k[None, :], pre_k)
+                pre_v = tl.where(is_new, new_v[None, :], pre_v)
+        if PRELOAD_KV and tile_lo < tile_hi:
             m_i, l_i, p, alpha = _softmax_step(q, pre_k, m_i, l_i, pre_pos, row_pos, qk_scale,
                                                True, DOT_PRECISION)  # fmt: skip
             acc = acc * alpha[:, None] + tl.dot(p.to(pre_v.dtype), pre_v,
@@ -502,6 +504,14 @@ def choose_num_kv_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num
     return max(1, min(wanted, by_length, _MAX_SPLITS))
 
 
+def _preloads_kv(pdl: bool, split_kv: bool) -> bool:
+    """Whether a decode loads its first K/V tile before the PDL wait: only under PDL (there is a
+    wait to hide it under) and on the split path (small batches, where the step is a chain of
+    latencies). Held in registers by every program of a full wave it cost 80 us per step at
+    batch 128 (in-call A/B on an H200, bench/results/README.md "K/V before the wait")."""
+    return pdl and split_kv
+
+
 def _device_sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         return _DEFAULT_NUM_SMS
@@ -586,6 +596,7 @@ def paged_attention(
     split_counters: torch.Tensor | None = None,
     rope: DecodeRope | None = None,
     pdl: bool = False,
+    preload_kv: bool | None = None,
 ) -> torch.Tensor:
     """Causal attention of this step's queries over the paged KV cache; writes and returns ``out``.
 
@@ -613,6 +624,8 @@ def paged_attention(
         rope: apply this decode step's RoPE and write its keys and values to the cache in the
             kernel (decode-only steps; see `DecodeRope`).
         pdl: launch with programmatic dependent launch (`ember.kernels.pdl`).
+        preload_kv: with ``rope``, load each program's first K/V tile before the PDL wait (so
+            under the previous kernel's tail). None: under PDL on the split path (_preloads_kv).
 
     The split path allocates its fp32 partials (``num_seqs * num_q_heads * splits * (head_dim+2)``
     floats) with ``torch.empty``: no sync and capturable, but the only scratch this op uses.
@@ -696,6 +709,8 @@ def paged_attention(
         ROW_NORM=rope is not None and rope.row_norm is not None,
         BLOCK_P=block_p,
         PDL=pdl,
+        PRELOAD_KV=rope is not None
+        and (_preloads_kv(pdl, split_kv) if preload_kv is None else preload_kv),
         launch_pdl=pdl,
         **config,
     )  # fmt: skip
