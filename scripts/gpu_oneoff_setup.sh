@@ -5,7 +5,6 @@ python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .
 export PYTHONPATH=/tmp/site:$PWD/src:$PWD/tests PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
 export EMBER_TEST_TOKENIZER_DIR=$PWD/.gpu_assets/tokenizer
 M=/tmp/llama-3.1-8b-random
-# `sync` writes the 16 GB back before a bench starts (see gpu_run.sh's make_model).
-(python3 -m ember.cli bench make-model --preset llama-3.1-8b --out $M \
-  --tokenizer-dir .gpu_assets/tokenizer > /dev/null && sync) &
+python3 -m ember.cli bench make-model --preset llama-3.1-8b --out $M \
+  --tokenizer-dir .gpu_assets/tokenizer > /dev/null &
 MAKER=$!

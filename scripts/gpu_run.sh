@@ -63,8 +63,6 @@ make_model() {
     stamp "make-model $PRESET"
     limited $PY -m ember.cli bench make-model --preset "$PRESET" --out "$MODEL" \
       --tokenizer-dir "$EMBER_TEST_TOKENIZER_DIR" || exit 1
-    # Write the 16 GB back now: benches that start while it is still dirty ran host-bound once.
-    sync
   fi
 }
 

@@ -21,8 +21,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-# Inputs in layout order: the short per-sequence arrays first, then the per-token ones, the
-# block tables (the widest rows) last, so a step's used rows form as few runs as possible.
 _ALIGN = 16
 # Copy the gap between two used runs rather than start another copy when it is this small:
 # ~20 KiB moves in the time a copy takes to start.
@@ -32,6 +30,8 @@ MERGE_GAP_BYTES = 16 * 1024
 def _layout(
     t: int, s: int, max_blocks_per_seq: int
 ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Inputs in layout order: the short per-sequence arrays first, then the per-token ones, the
+    block tables (the widest rows) last, so a step's used rows form as few runs as possible."""
     return {
         "query_start_loc": ((s + 1,), torch.int32),
         "seq_lens": ((s,), torch.int32),
@@ -77,7 +77,6 @@ class InputBlock:
 
     def __init__(self, max_tokens: int, max_seqs: int, max_blocks_per_seq: int,
                  device: torch.device) -> None:  # fmt: skip
-        self.max_tokens, self.max_seqs = max_tokens, max_seqs
         self.layout = _layout(max_tokens, max_seqs, max_blocks_per_seq)
         self.offsets: dict[str, int] = {}
         size = 0
@@ -139,8 +138,6 @@ class InputBuffers:
         device: torch.device,
         num_kv_heads: int,
     ) -> None:
-        self.max_tokens, self.max_seqs = max_tokens, max_seqs
-        self.device = device
         self.general = InputBlock(max_tokens, max_seqs, max_blocks_per_seq, device)
         self.decode = InputBlock(max_seqs, max_seqs, max_blocks_per_seq, device)
         # Split-KV attention's arrival counters: zero between launches (the kernel re-zeroes
