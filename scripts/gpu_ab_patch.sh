@@ -12,7 +12,8 @@
 # EMBER_AB_STEP_ARGS: `ember bench step` arguments (default: decode steps at batch 1, 8, 64,
 # context 512). EMBER_AB_BRACKET=ends runs the baseline only first and last (not between
 # variants), a run saved per variant (~45 s) when several are tried. EMBER_AB_PROFILE=1 also
-# profiles the baseline and each variant at the batches of EMBER_AB_PROFILE_BATCHES ("1 64").
+# profiles the baseline and each variant at the batches of EMBER_AB_PROFILE_BATCHES ("1 64")
+# and the context EMBER_AB_PROFILE_CONTEXT (512).
 # Results into $OUTDIR/ab.tar.gz (one step_bench.json per run, named baseline_1, PATCHNAME,
 # baseline_2, ...), the log beside it. The tree is restored whatever happens.
 set -uo pipefail
@@ -52,7 +53,7 @@ measure() {  # NAME [BENCH FLAGS...]
   if [ -n "${EMBER_AB_PROFILE:-}" ]; then
     read -r -a batches <<< "${EMBER_AB_PROFILE_BATCHES:-1 64}"
     python3 -m ember.cli bench profile --model "$M" --out "$OUT/ab/$name/profile" \
-      --batches "${batches[@]}" "$@" 2>&1 | grep '^{' | cut -c1-200
+      --batches "${batches[@]}" --context "${EMBER_AB_PROFILE_CONTEXT:-512}" "$@" 2>&1 | grep '^{' | cut -c1-200
     rm -f "$OUT/ab/$name"/profile/profile_*.json
   fi
 }
