@@ -187,6 +187,30 @@ def test_decode_split_kv_merged_in_kernel(gen, device, group, dtype):
         assert not counters.any()
 
 
+@pytest.mark.parametrize("num_sms", [132, 4])
+def test_decode_split_grid_for_a_longer_bound(gen, device, num_sms):
+    """A grid cut for a bound far past the step's sequences (a CUDA graph's ``max_seq_len``):
+    each sequence takes only the segments its own length calls for (132 SMs: 64-token ones, so
+    18, 2 and 1 of the grid's 32; 4 SMs, where the programs fill a wave: 1,024-token ones, so
+    2, 1 and 1 of 2, and no merge for the two short sequences), the surplus programs take no
+    arrival (the counters end at zero), and the answers are the reference's."""
+    seq_lens, bound = [1100, 100, 1], 8320
+    step = make_step(gen, device, [1] * 3, seq_lens, num_kv_heads=2, group=4, head_dim=32,
+                     dtype=torch.bfloat16)  # fmt: skip
+    assert choose_num_kv_splits(3, 2, bound, num_sms) == (32 if num_sms == 132 else 2)
+    scale = step.q.shape[-1] ** -0.5
+    counters = torch.zeros(3 * 2, dtype=torch.int32, device=device)
+    out = torch.full_like(step.q, float("nan"))
+    paged_attention(*step.args(), scale, out, max_query_len=1, max_seq_len=bound,
+                    num_sms=num_sms, split_counters=counters)  # fmt: skip
+    expected = paged_attention_reference(
+        *(t.cpu() for t in step.args()), scale, torch.empty_like(step.q, device="cpu"),
+        max_query_len=1, max_seq_len=max(seq_lens),
+    )  # fmt: skip
+    assert_close(out.cpu(), expected, torch.bfloat16)
+    assert not counters.any()
+
+
 @pytest.mark.parametrize("preload_kv", [False, True])
 @pytest.mark.parametrize("group", [1, 4, 8])
 @pytest.mark.parametrize(("num_splits", "dtype"), [(1, torch.bfloat16), (3, torch.float32)])

@@ -239,6 +239,7 @@ def _paged_attention_kernel(
     qk_scale,
     num_seqs,
     num_splits,
+    min_split_tiles,
     stride_q_tok,
     stride_q_head,
     stride_o_tok,
@@ -304,10 +305,15 @@ def _paged_attention_kernel(
     # Tiles below the tile's first query position are visible to every row: no mask needed.
     num_full_tiles = (first_pos + 1) // BLOCK_N
     if SPLIT_KV:
-        tiles_per_split = tl.cdiv(num_kv_tiles, num_splits)
+        # Segments are cut from this sequence's own length, none under min_split_tiles: a grid
+        # sized for the longest sequence the step may hold (a CUDA graph's bound) leaves a
+        # shorter one's surplus programs idle instead of merging empty partials.
+        tiles_per_split = tl.maximum(tl.cdiv(num_kv_tiles, num_splits), min_split_tiles)
+        seq_splits = tl.cdiv(num_kv_tiles, tiles_per_split)
         tile_lo = split * tiles_per_split
         tile_hi = tl.minimum(num_kv_tiles, tile_lo + tiles_per_split)
     else:
+        seq_splits = 1
         tile_lo = 0
         tile_hi = num_kv_tiles
     table_row_ptr = block_tables_ptr + seq * stride_table
@@ -334,8 +340,8 @@ def _paged_attention_kernel(
         tile_lo_loop = tile_lo
 
     wait_for_producer(PDL)
-    if tile_q_start >= seq_q_end:
-        return  # a sequence's spare tile, or an empty (padding) sequence
+    if (tile_q_start >= seq_q_end) | (split >= seq_splits):
+        return  # a sequence's spare tile or segment, or an empty (padding) sequence
 
     if ROPE and ROW_NORM:  # issued first: the row's statistics gate every use of q, k and v
         row_parts = load_row_parts(parts_ptr, tile_q_start, num_parts, BLOCK_P)
@@ -389,43 +395,76 @@ def _paged_attention_kernel(
             PAGE, BLOCK_N, HEAD_DIM, True, DOT_PRECISION,
         )  # fmt: skip
 
+    out_rows = out_ptr + row_tok[:, None] * stride_o_tok + row_head[:, None] * stride_o_head
     if SPLIT_KV:
-        # Partials are indexed [seq, q_head, split]; an empty split writes (-inf, 0, 0).
-        part_row = (seq * (tl.num_programs(1) * GROUP) + row_head) * num_splits + split
-        tl.store(part_max_ptr + part_row, m_i, mask=row_valid)
-        tl.store(part_sum_ptr + part_row, l_i, mask=row_valid)
-        tl.store(
-            part_acc_ptr + part_row[:, None] * HEAD_DIM + dims[None, :],
-            acc,
-            mask=row_valid[:, None],
-        )
-        # The last of this (sequence, KV head)'s split programs to finish merges them all
-        # (a reduce kernel would cost a launch per layer). The barrier puts every
-        # thread's partials before the counter's release; the acquire makes the others'
-        # partials visible to the merging program.
-        tl.debug_barrier()
-        counter = split_counters_ptr + seq * tl.num_programs(1) + kv_head
-        arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-        if arrived == num_splits - 1:
-            tl.store(counter, 0)  # zero again for the next launch (and graph replay)
-            tl.debug_barrier()
-            # A decode program's rows are its group's query heads (BLOCK_Q is 1).
-            heads = kv_head * GROUP + tl.arange(0, GROUP_P2)
-            _merge_split_partials(
-                out_ptr + tile_q_start * stride_o_tok + heads[:, None] * stride_o_head
-                + dims[None, :],
-                part_max_ptr, part_sum_ptr, part_acc_ptr,
-                (seq * (tl.num_programs(1) * GROUP) + heads) * num_splits,
-                tl.arange(0, GROUP_P2) < GROUP, num_splits,
-                GROUP_P2, HEAD_DIM, BLOCK_SPLITS, MERGE_CHUNK,
+        if seq_splits > 1:
+            _store_partials_and_merge_last(
+                out_ptr + tile_q_start * stride_o_tok, stride_o_head, m_i, l_i, acc, seq, split,
+                seq_splits, num_splits, kv_head, row_head, row_valid, part_max_ptr,
+                part_sum_ptr, part_acc_ptr, split_counters_ptr, GROUP, GROUP_P2, HEAD_DIM,
+                BLOCK_SPLITS, MERGE_CHUNK,
             )  # fmt: skip
+        else:  # one segment covers this sequence: nothing to merge
+            _store_rows(out_rows + dims[None, :], acc, l_i, row_valid)
     else:
-        out = acc / l_i[:, None]
-        tl.store(
-            out_ptr + row_tok[:, None] * stride_o_tok + row_head[:, None] * stride_o_head
-            + dims[None, :],
-            out.to(out_ptr.dtype.element_ty),
-            mask=row_valid[:, None],
+        _store_rows(out_rows + dims[None, :], acc, l_i, row_valid)
+
+
+@triton.jit
+def _store_rows(out_ptrs, acc, l_i, row_valid):
+    tl.store(out_ptrs, (acc / l_i[:, None]).to(out_ptrs.dtype.element_ty),
+             mask=row_valid[:, None])  # fmt: skip
+
+
+@triton.jit
+def _store_partials_and_merge_last(
+    tok_out_ptr,
+    stride_o_head,
+    m_i,
+    l_i,
+    acc,
+    seq,
+    split,
+    seq_splits,
+    num_splits,
+    kv_head,
+    row_head,
+    row_valid,
+    part_max_ptr,
+    part_sum_ptr,
+    part_acc_ptr,
+    split_counters_ptr,
+    GROUP: tl.constexpr,
+    GROUP_P2: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SPLITS: tl.constexpr,
+    MERGE_CHUNK: tl.constexpr,
+):
+    """Store a decode segment's partials, indexed [seq, q_head, split] (the grid's ``num_splits``
+    is their stride), and count its arrival: the last of the sequence's ``seq_splits`` segments
+    to finish for this KV head merges them into the token's output row ``tok_out_ptr`` (a reduce
+    kernel would cost a launch per layer). The barrier puts every thread's partials before the
+    counter's release; the acquire makes the others' partials visible to the merging program."""
+    dims = tl.arange(0, HEAD_DIM)
+    kv_heads = tl.num_programs(1)
+    part_row = (seq * (kv_heads * GROUP) + row_head) * num_splits + split
+    tl.store(part_max_ptr + part_row, m_i, mask=row_valid)
+    tl.store(part_sum_ptr + part_row, l_i, mask=row_valid)
+    tl.store(part_acc_ptr + part_row[:, None] * HEAD_DIM + dims[None, :], acc,
+             mask=row_valid[:, None])  # fmt: skip
+    tl.debug_barrier()
+    counter = split_counters_ptr + seq * kv_heads + kv_head
+    arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+    if arrived == seq_splits - 1:
+        tl.store(counter, 0)  # zero again for the next launch (and graph replay)
+        tl.debug_barrier()
+        # A decode program's rows are its group's query heads (BLOCK_Q is 1), in row order.
+        heads = kv_head * GROUP + tl.arange(0, GROUP_P2)
+        _merge_split_partials(
+            tok_out_ptr + heads[:, None] * stride_o_head + dims[None, :],
+            part_max_ptr, part_sum_ptr, part_acc_ptr,
+            (seq * (kv_heads * GROUP) + heads) * num_splits, tl.arange(0, GROUP_P2) < GROUP,
+            seq_splits, GROUP_P2, HEAD_DIM, BLOCK_SPLITS, MERGE_CHUNK,
         )  # fmt: skip
 
 
@@ -497,19 +536,28 @@ def choose_num_kv_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num
     """
     programs = max(1, num_seqs * num_kv_heads)
     wanted = triton.cdiv(_PROGRAMS_PER_SM * num_sms, programs)
-    min_tokens = (
-        _MIN_TOKENS_PER_SPLIT_UNDER_ONE_WAVE if programs < num_sms else _MIN_TOKENS_PER_SPLIT
+    by_length = triton.cdiv(
+        max(1, max_seq_len), min_tokens_per_split(num_seqs, num_kv_heads, num_sms)
     )
-    by_length = triton.cdiv(max(1, max_seq_len), min_tokens)
     return max(1, min(wanted, by_length, _MAX_SPLITS))
 
 
-def _preloads_kv(pdl: bool, split_kv: bool) -> bool:
+def min_tokens_per_split(num_seqs: int, num_kv_heads: int, num_sms: int) -> int:
+    """The shortest KV segment worth its own program: one tile while the ``num_seqs *
+    num_kv_heads`` programs are under one wave, ``_MIN_TOKENS_PER_SPLIT`` once they fill it. The
+    kernel applies it per sequence too, so a grid cut for a longer bound splits no further."""
+    under_one_wave = num_seqs * num_kv_heads < num_sms
+    return _MIN_TOKENS_PER_SPLIT_UNDER_ONE_WAVE if under_one_wave else _MIN_TOKENS_PER_SPLIT
+
+
+def _preloads_kv(pdl: bool, split_kv: bool, under_one_wave: bool) -> bool:
     """Whether a decode loads its first K/V tile before the PDL wait: only under PDL (there is a
-    wait to hide it under) and on the split path (small batches, where the step is a chain of
-    latencies). Held in registers by every program of a full wave it cost 80 us per step at
-    batch 128 (in-call A/B on an H200, bench/results/README.md "K/V before the wait")."""
-    return pdl and split_kv
+    wait to hide it under), on the split path, and while the programs are under one wave (small
+    batches, where the step is a chain of latencies). Held in registers by every program of
+    a full wave it cost 80 us per step at batch 128, and ~1 ms at batch 32 with 4,096-token
+    contexts (in-call A/Bs on an H200, bench/results/README.md "K/V before the wait" and
+    "Segments per sequence")."""
+    return pdl and split_kv and under_one_wave
 
 
 def _device_sm_count(device: torch.device) -> int:
@@ -613,7 +661,9 @@ def paged_attention(
             from the tensors, so no host sync). ``max_query_len == 1`` selects the decode kernel.
         num_kv_splits: force the split-KV path's segment count (decode-only steps); None picks it
             from the shape. Under CUDA graphs pass a fixed ``max_seq_len`` (the bucket's bound):
-            segments are cut per sequence in the kernel, so short sequences stay cheap.
+            segments are cut per sequence in the kernel, none shorter than the heuristic's
+            minimum (one tile when forced), so a short sequence leaves the grid's surplus
+            programs idle, and one that needs a single segment skips the merge.
         num_sms: SM count for the split heuristic; None asks the device (or assumes an H200).
         tile_config: override the tile sizes (``BLOCK_M``, ``BLOCK_Q``, ``BLOCK_N``,
             ``num_warps``, ``KV_STAGES``); for ``ember bench tune``'s sweep.
@@ -625,7 +675,7 @@ def paged_attention(
             kernel (decode-only steps; see `DecodeRope`).
         pdl: launch with programmatic dependent launch (`ember.kernels.pdl`).
         preload_kv: with ``rope``, load each program's first K/V tile before the PDL wait (so
-            under the previous kernel's tail). None: under PDL on the split path (_preloads_kv).
+            under the previous kernel's tail). None: as `_preloads_kv` rules.
 
     The split path allocates its fp32 partials (``num_seqs * num_q_heads * splits * (head_dim+2)``
     floats) with ``torch.empty``: no sync and capturable, but the only scratch this op uses.
@@ -648,11 +698,12 @@ def paged_attention(
     decode_only = max_query_len == 1
     if rope is not None:
         _check_decode_rope(rope, q, k_cache, decode_only)
+    sms = num_sms if num_sms is not None else _device_sm_count(q.device)
     if num_kv_splits is None:
-        sms = num_sms if num_sms is not None else _device_sm_count(q.device)
         splits = choose_num_kv_splits(num_seqs, num_kv_heads, max_seq_len, sms)
+        min_split_tokens = min_tokens_per_split(num_seqs, num_kv_heads, sms)
     else:
-        splits = num_kv_splits
+        splits, min_split_tokens = num_kv_splits, 1  # forced: down to one tile per segment
     if splits > 1 and not decode_only:
         if num_kv_splits is not None:
             raise ValueError("split-KV attention only serves decode-only steps (max_query_len 1)")
@@ -689,7 +740,7 @@ def paged_attention(
         *((rope.k, rope.v, rope.positions, rope.cos_sin_cache, rope.slot_mapping)
           if rope is not None else (q, q, seq_lens, q, seq_lens)),
         *row_args,
-        scale * _LOG2E, num_seqs, splits,
+        scale * _LOG2E, num_seqs, splits, triton.cdiv(min_split_tokens, config["BLOCK_N"]),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0),
@@ -710,7 +761,11 @@ def paged_attention(
         BLOCK_P=block_p,
         PDL=pdl,
         PRELOAD_KV=rope is not None
-        and (_preloads_kv(pdl, split_kv) if preload_kv is None else preload_kv),
+        and (
+            _preloads_kv(pdl, split_kv, num_seqs * num_kv_heads < sms)
+            if preload_kv is None
+            else preload_kv
+        ),
         launch_pdl=pdl,
         **config,
     )  # fmt: skip

@@ -24,14 +24,15 @@ import torch
 import triton
 import triton.language as tl
 
-# Decode batch sizes (graph buckets) where PDL won or tied in-call A/Bs on an H200 (8B shape,
-# context 512) once o/down kept one program per SM: per step, -65 us at batch 1, -25 to -55 at
-# 2, -5 at 4, -28 at 8, -200 at 48, -165 at 64, and -30 at 32 once o/down kept one program per
-# SM up to 32 rows too (it lost 630 us before: two programs shared SMs). 16 lost 40 us until the
-# decode attention loaded its first K/V tile before its wait; then it won 230 us. Left out: every
-# size past the skinny GEMM's 64 rows (bench/results/README.md, "One program per SM; PDL where
-# it wins", "Gate/up and SiLU in one kernel" and "K/V before the wait").
-AUTO_PDL_ROWS = frozenset({1, 2, 4, 8, 16, 32, 48, 64})
+# Decode batch sizes (graph buckets) where PDL won or tied in-call A/Bs on an H200 (8B shape)
+# once o/down kept one program per SM: per step at context 512, -65 us at batch 1, -25 to -55 at
+# 2, -5 at 4, -28 at 8, -200 at 48, -165 at 64; 16 lost 40 us until the decode attention loaded
+# its first K/V tile before its wait, then won 230 us. At 4,096-token contexts PDL wins or ties
+# at 1, 16, 48 and 64. Left out: 32, which lost 40 us at context 512 and 320 us at 4,096 (it had
+# won 30 us at 512 with a K/V preload that cost ~1 ms at 4,096), and every size past the skinny
+# GEMM's 64 rows (bench/results/README.md, "One program per SM; PDL where it wins", "Gate/up and
+# SiLU in one kernel", "K/V before the wait" and "Segments per sequence").
+AUTO_PDL_ROWS = frozenset({1, 2, 4, 8, 16, 48, 64})
 
 
 def pdl_for_rows(mode: str, rows: int) -> bool:
