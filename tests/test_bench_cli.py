@@ -224,6 +224,27 @@ def test_critical_path_counts_what_each_kernel_adds():
     assert critical_path_us(spans, num_steps=1) == {"gemm": 10.0, "attention": 5.0, "norm": 2.0}
 
 
+def test_critical_path_by_role_tells_one_kernels_roles_apart():
+    from ember.bench.step_profile import critical_path_by_role
+
+    # Two layers of: gemm (q/k/v), attn, gemm (o), gemm (gate/up), gemm (down); each kernel
+    # launched early (PDL) except o, which starts 1 us after attention ends.
+    layer = [("gemm", 0, 10), ("attn", 8, 14), ("gemm", 15, 20), ("gemm", 18, 50), ("gemm", 45, 60)]
+    spans = layer + [(name, start + 60, end + 60) for name, start, end in layer]
+    rows = critical_path_by_role(spans, num_steps=1)
+    by_role = {(tuple(r["before"]), r["kernel"], r["next"]): r for r in rows}
+    assert by_role[(("gemm", "gemm"), "gemm", "attn")]["critical_us_each"] == 10  # 2nd q/k/v
+    assert by_role[(("gemm", "attn"), "gemm", "gemm")]["critical_us_each"] == 5  # o: 15-20
+    attention = by_role[(("gemm", "gemm"), "attn", "gemm")]
+    assert attention["critical_us_each"] == 4  # 8-14, past q/k/v's end at 10
+    assert by_role[(("attn", "gemm"), "gemm", "gemm")]["critical_us_per_step"] == 60  # gate/up
+    assert by_role[(("gemm", "gemm"), "gemm", "")]["critical_us_each"] == 10  # the last down
+    assert sum(r["critical_us_per_step"] for r in rows) == 118  # busy 0-120 less two 1 us gaps
+    assert [r["critical_us_per_step"] for r in rows] == sorted(
+        (r["critical_us_per_step"] for r in rows), reverse=True
+    )
+
+
 def test_profile_logic_runs_on_a_cpu(tiny_bench, tmp_path):
     """The profiler benchmark's request bookkeeping on a tiny model (no CUDA kernels to count)."""
     from ember.bench.step_profile import profile_decode, profile_mixed

@@ -104,6 +104,39 @@ def by_predecessor(spans: list[tuple[str, float, float]], num_steps: int, top: i
     return sorted(rows, key=lambda row: -row["us_per_step"])[:top]
 
 
+def critical_path_by_role(
+    spans: list[tuple[str, float, float]], num_steps: int, top: int = 30
+) -> list[dict]:
+    """What each kernel adds to the stream's busy time (as `critical_path_us`), keyed by its role:
+    the two kernels before it and the one after it. One name has several roles in a decode step
+    that only its neighbours tell apart (after attention the skinny GEMM is o; after o it is
+    gate/up, after gate/up it is down, and the one before attention is q/k/v), so this splits the
+    GEMMs `by_predecessor` lumps together. Per role: launches per step, and the critical time
+    each and per step."""
+    ordered = sorted(spans, key=lambda span: span[1])
+    names = [name[:60] for name, _, _ in ordered]
+    stats: dict[tuple[str, str, str, str], list[float]] = defaultdict(lambda: [0, 0.0])
+    previous_end = float("-inf")
+    for i, (_, start, end) in enumerate(ordered):
+        added = max(0.0, end - max(previous_end, start))
+        previous_end = max(previous_end, end)
+        role = (
+            names[i - 2] if i >= 2 else "",
+            names[i - 1] if i >= 1 else "",
+            names[i],
+            names[i + 1] if i + 1 < len(names) else "",
+        )
+        stats[role][0] += 1
+        stats[role][1] += added
+    rows = [
+        {"before": [before2, before1], "kernel": kernel, "next": after,
+         "launches_per_step": n / num_steps, "critical_us_each": added / n,
+         "critical_us_per_step": added / num_steps}
+        for (before2, before1, kernel, after), (n, added) in stats.items()
+    ]  # fmt: skip
+    return sorted(rows, key=lambda row: -row["critical_us_per_step"])[:top]
+
+
 def _kernel_events(prof) -> list[tuple[str, float, float]]:
     """(name, start us, end us) of every CUDA kernel and copy the profiler saw."""
     events = []
@@ -133,6 +166,7 @@ def profile_steps(bench: StepBench, steps: int, trace_path: Path | None) -> dict
     summary = summarize_kernels([(name, end - start) for name, start, end in spans], steps)
     summary["critical_path_us_per_step"] = critical_path_us(spans, steps)
     summary["by_predecessor"] = by_predecessor(spans, steps)
+    summary["critical_path_by_role"] = critical_path_by_role(spans, steps)
     summary["wall_us_per_step"] = wall / steps * 1e6
     summary["gpu_busy_fraction"] = summary["gpu_us_per_step"] / summary["wall_us_per_step"]
     inst.scheduler.check_invariants()
