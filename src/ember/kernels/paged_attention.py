@@ -542,12 +542,18 @@ def choose_num_kv_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num
     return max(1, min(wanted, by_length, _MAX_SPLITS))
 
 
+def _under_one_wave(num_seqs: int, num_kv_heads: int, num_sms: int) -> bool:
+    """Whether a decode's unsplit programs (one per sequence and KV head) leave SMs idle."""
+    return num_seqs * num_kv_heads < num_sms
+
+
 def min_tokens_per_split(num_seqs: int, num_kv_heads: int, num_sms: int) -> int:
     """The shortest KV segment worth its own program: one tile while the ``num_seqs *
     num_kv_heads`` programs are under one wave, ``_MIN_TOKENS_PER_SPLIT`` once they fill it. The
     kernel applies it per sequence too, so a grid cut for a longer bound splits no further."""
-    under_one_wave = num_seqs * num_kv_heads < num_sms
-    return _MIN_TOKENS_PER_SPLIT_UNDER_ONE_WAVE if under_one_wave else _MIN_TOKENS_PER_SPLIT
+    if _under_one_wave(num_seqs, num_kv_heads, num_sms):
+        return _MIN_TOKENS_PER_SPLIT_UNDER_ONE_WAVE
+    return _MIN_TOKENS_PER_SPLIT
 
 
 def _preloads_kv(pdl: bool, split_kv: bool, under_one_wave: bool) -> bool:
@@ -762,7 +768,7 @@ def paged_attention(
         PDL=pdl,
         PRELOAD_KV=rope is not None
         and (
-            _preloads_kv(pdl, split_kv, num_seqs * num_kv_heads < sms)
+            _preloads_kv(pdl, split_kv, _under_one_wave(num_seqs, num_kv_heads, sms))
             if preload_kv is None
             else preload_kv
         ),
