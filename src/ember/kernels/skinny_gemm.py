@@ -143,11 +143,11 @@ def default_config(
 
     Output projections (N >= 16 K) are long weight streams that want wide column tiles as M
     grows; so do the fused gate/up (N = 7 K: 128 x 128 on 8 warps, 8% over 32 x 256) and q/k/v
-    (N = 1.5 K: 64-column tiles), which take this kernel under programmatic launch. Up to 8 rows
-    gate/up takes 256 x 128 tiles on 3 stages (204 KiB): 112 programs in one wave, 58.6 us per
-    launch against 59.8 for 224 programs in 1.7 waves, -36 to -40 us per step at batch 1-8 (the
-    same tiles on 64-wide K steps and 4 stages lost 75 us; bench/results/README.md, "Gate/up in
-    one wave"). The square
+    (N = 1.5 K: 64-column tiles), which take this kernel under programmatic launch. Up to 32
+    rows gate/up takes 256 x 128 tiles on 3 stages (204-216 KiB): 112 programs in one wave, 58.6
+    us per launch at batch 1 against 59.8 for 224 programs in 1.7 waves; per step -40 us at batch
+    1-8, -30 at 16, -118 at 32 (the same tiles on 64-wide K steps and 4 stages lost 75 us at
+    batch 1; bench/results/README.md, "Gate/up in one wave"). The square
     and K-major shapes (o, down) ran best on 32 x 256 tiles with 4 stages, and with 6 stages up
     to 16 rows: 144 KiB of shared memory leaves room for one program per SM, so the 128 programs
     land on 128 SMs even while the previous kernel still holds some (two 96 KiB programs could
@@ -165,9 +165,9 @@ def default_config(
             (32, 128, 6, 4) if m <= 8 else (64, 128, 4, 4) if m <= 16 else (128, 128, 4, 8)
         )
     elif n >= 4 * k:
-        # Up to 8 rows, 256-column tiles: the fused gate/up (N = 7 K) in 112 programs, one wave of
-        # one per SM, not 224 in 1.7 waves (see the docstring).
-        block_n, block_k, stages, warps = (256, 128, 3, 8) if m <= 8 else (128, 128, 4, 8)
+        # Up to 32 rows, 256-column tiles: the fused gate/up (N = 7 K) in 112 programs, one wave
+        # of one per SM, not 224 in 1.7 waves (see the docstring).
+        block_n, block_k, stages, warps = (256, 128, 3, 8) if m <= 32 else (128, 128, 4, 8)
     elif n > k:
         block_n, block_k, stages, warps = (64, 256, 4, 4) if m <= 32 else (64, 128, 4, 4)
     elif m <= 32:
