@@ -715,6 +715,8 @@ def paged_attention(
             raise ValueError("split-KV attention only serves decode-only steps (max_query_len 1)")
         splits = 1
     split_kv = splits > 1
+    if preload_kv is None:
+        preload_kv = _preloads_kv(pdl, split_kv, _under_one_wave(num_seqs, num_kv_heads, sms))
     config = tile_config or _tile_config(
         group, decode_only, head_dim, k_cache.element_size(), split_kv
     )
@@ -766,12 +768,7 @@ def paged_attention(
         ROW_NORM=rope is not None and rope.row_norm is not None,
         BLOCK_P=block_p,
         PDL=pdl,
-        PRELOAD_KV=rope is not None
-        and (
-            _preloads_kv(pdl, split_kv, _under_one_wave(num_seqs, num_kv_heads, sms))
-            if preload_kv is None
-            else preload_kv
-        ),
+        PRELOAD_KV=rope is not None and preload_kv,
         launch_pdl=pdl,
         **config,
     )  # fmt: skip

@@ -147,15 +147,17 @@ def default_config(
     rows gate/up takes 256 x 128 tiles on 3 stages (204-216 KiB): 112 programs in one wave, 58.6
     us per launch at batch 1 against 59.8 for 224 programs in 1.7 waves; per step -40 us at batch
     1-8, -30 at 16, -118 at 32 (the same tiles on 64-wide K steps and 4 stages lost 75 us at
-    batch 1; bench/results/README.md, "Gate/up in one wave"). The square
-    and K-major shapes (o, down) ran best on 32 x 256 tiles with 4 stages, and with 6 stages up
-    to 16 rows: 144 KiB of shared memory leaves room for one program per SM, so the 128 programs
-    land on 128 SMs even while the previous kernel still holds some (two 96 KiB programs could
-    share an SM, and under programmatic launch down then took 7 us longer). In-call A/B on an
-    H200: -37 to -43 us per step at batch 1-16, and it made programmatic launch a win at batch 1
-    (bench/results/README.md, "One program per SM; PDL where it wins"). The same up to 32 rows
-    (192 KiB) turned PDL at batch 32 from +630 us per step into -30 us ("Gate/up and SiLU in one
-    kernel"; plain launches at 17-32 rows on these tiles were not measured).
+    batch 1; bench/results/README.md, "Gate/up in one wave").
+
+    The square and K-major shapes (o, down) ran best on 32 x 256 tiles with 4 stages, and with
+    6 stages up to 16 rows: 144 KiB of shared memory leaves room for one program per SM, so the
+    128 programs land on 128 SMs even while the previous kernel still holds some (two 96 KiB
+    programs could share an SM, and under programmatic launch down then took 7 us longer).
+    In-call A/B on an H200: -37 to -43 us per step at batch 1-16, and it made programmatic
+    launch a win at batch 1 (bench/results/README.md, "One program per SM; PDL where it wins").
+    The same up to 32 rows (192 KiB) turned PDL at batch 32 from +630 us per step into -30 us
+    ("Gate/up and SiLU in one kernel"; plain launches at 17-32 rows on these tiles were not
+    measured).
 
     ``gated`` (`skinny_gemm_silu`; ``n`` counts gate and up): the same tiles, each program's
     columns split between a gate and an up tile, so a stage moves as many weight bytes.
