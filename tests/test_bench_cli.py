@@ -93,6 +93,13 @@ def test_step_bench_logic_runs_on_a_cpu(tiny_bench):
     assert row["step_ms"] > 0 and 0 < row["fraction_of_roofline"]
     assert row["sequential_roofline_ms"] >= row["roofline_ms"] * (1 - 1e-9)
     assert row["gpu_only_ms"] is None  # no graphs on a CPU
+    host = row["host_ms_per_step"]
+    assert set(host) == {"schedule", "launch", "wait", "collect", "update"}
+    assert min(host["schedule"], host["launch"], host["update"]) > 0
+    assert host["wait"] == 0  # a CPU step has no event to wait on
+    assert sum(host.values()) <= row["step_ms"] * 1.05
+    # The timed wrappers are gone again: the classes' methods show through.
+    assert "schedule" not in vars(inst.scheduler) and "launch" not in vars(inst.runner)
     assert bench.decode(batch=4, context=250)["skipped"].startswith("KV for")
     prefill = bench.prefill(chunk=16, repeat=1)
     assert prefill["tokens_per_s"] > 0

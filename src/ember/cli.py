@@ -59,6 +59,12 @@ BENCH_COMMANDS: dict[str, BenchCommand] = {
         "run",
         "sweep GEMM (cuBLAS vs skinny Triton) and decode-attention tiles on a GPU",
     ),
+    "head-split": BenchCommand(
+        "ember.bench.head_split",
+        "add_arguments",
+        "run",
+        "attention overlapped with the q/k/v and o GEMMs by KV-head groups, against the chain",
+    ),
     "targets": BenchCommand(
         "ember.bench.targets",
         "add_arguments",

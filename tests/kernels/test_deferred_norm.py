@@ -172,3 +172,30 @@ def test_the_skinny_epilogue_path_gives_the_reference_tokens(tmp_path, device, m
     got, llm = _greedy_tokens(path, device, "triton")
     assert llm.instance.model.defers_norms and routed
     assert got == expected
+
+
+def test_passes_past_the_deferral_limit_run_the_plain_form_on_folded_weights(tmp_path, monkeypatch):
+    """Above ``defer_norms_max_rows`` a pass runs the plain form on the folded weights (the
+    norms' weights of ones): the same tokens as the model that never folded. The steps of up to
+    16 prompt tokens take the plain form, the decodes of 3 rows the deferred one."""
+    import dataclasses
+
+    path = make_tiny_model("LlamaForCausalLM", tmp_path)
+    plain, _ = _greedy_tokens(path, "cpu", "reference")
+    instance_module = importlib.import_module("ember.engine.model_instance")
+    llama_module = importlib.import_module("ember.models.llama")
+    limited = dataclasses.replace(reference_ops(True), defer_norms_max_rows=8)
+    monkeypatch.setattr(instance_module, "select_ops", lambda *a, **k: limited)
+    forms = []
+    start_stream = llama_module.start_stream
+
+    def spy(ops, hidden, eps, deferred):
+        forms.append((hidden.shape[0], deferred))
+        return start_stream(ops, hidden, eps, deferred)
+
+    monkeypatch.setattr(llama_module, "start_stream", spy)
+    mixed, llm = _greedy_tokens(path, "cpu", "reference")
+    assert llm.instance.model.defers_norms
+    assert {deferred for rows, deferred in forms} == {True, False}
+    assert all(deferred == (rows <= 8) for rows, deferred in forms)
+    assert mixed == plain

@@ -41,20 +41,22 @@ def decode_attention_bytes(shape: AttentionShape, batch: int, context: int, elem
     return kv + q_and_out + tables
 
 
-def decode_inputs(shape: AttentionShape, batch: int, context: int, dtype: torch.dtype):
+def decode_inputs(
+    shape: AttentionShape, batch: int, context: int, dtype: torch.dtype, device: str = "cuda"
+):
     """A decode step over a shuffled block pool (block 0 left unused, as in the engine)."""
     blocks_per_seq = -(-context // shape.block_size)
     num_blocks = 1 + batch * blocks_per_seq
     cache_shape = (num_blocks, shape.block_size, shape.num_kv_heads, shape.head_dim)
-    k_cache = torch.randn(cache_shape, dtype=dtype, device="cuda")
-    v_cache = torch.randn(cache_shape, dtype=dtype, device="cuda")
-    ids = torch.randperm(num_blocks - 1, device="cuda", dtype=torch.int32) + 1
+    k_cache = torch.randn(cache_shape, dtype=dtype, device=device)
+    v_cache = torch.randn(cache_shape, dtype=dtype, device=device)
+    ids = torch.randperm(num_blocks - 1, device=device, dtype=torch.int32) + 1
     return {
-        "q": torch.randn(batch, shape.num_q_heads, shape.head_dim, dtype=dtype, device="cuda"),
+        "q": torch.randn(batch, shape.num_q_heads, shape.head_dim, dtype=dtype, device=device),
         "k_cache": k_cache,
         "v_cache": v_cache,
-        "query_start_loc": torch.arange(batch + 1, dtype=torch.int32, device="cuda"),
-        "seq_lens": torch.full((batch,), context, dtype=torch.int32, device="cuda"),
+        "query_start_loc": torch.arange(batch + 1, dtype=torch.int32, device=device),
+        "seq_lens": torch.full((batch,), context, dtype=torch.int32, device=device),
         "block_tables": ids.view(batch, blocks_per_seq),
     }
 

@@ -44,6 +44,9 @@ class Ops:
     # Deferred RMSNorm (ember.layers.row_norm): whether a model on these ops folds its decoder
     # norms' weights into the projections they feed, where its architecture allows.
     defer_norms: bool = False
+    # The most rows (tokens) of a forward pass that runs the deferred form; larger ones run the
+    # plain form (norm kernels, with the folded norms' weights of ones). None: no limit.
+    defer_norms_max_rows: int | None = None
     # (x, weight, residual) -> float32 [T, P]: residual += x @ weight.T, and the new rows'
     # partial sums of squares (RowNorm.parts).
     linear_add: Callable[..., torch.Tensor] | None = None
@@ -96,6 +99,7 @@ def triton_ops(
     from ember import kernels
     from ember.config import PDL_MODES
     from ember.kernels.pdl import pdl_for_rows
+    from ember.kernels.skinny_gemm import MAX_M as SKINNY_MAX_M
 
     if programmatic_launch not in PDL_MODES:
         raise ValueError(
@@ -126,6 +130,10 @@ def triton_ops(
         capturable=True,
         programmatic_launch=programmatic_launch,
         defer_norms=defer_norms,
+        # Deferring pays where the skinny GEMM's epilogues take the norms' work (no kernel of
+        # their own). Past it, cuBLAS runs either form with as many kernels, and the plain one
+        # measured faster at batch 256 (bench/results/README.md, "Norms past the skinny GEMM").
+        defer_norms_max_rows=SKINNY_MAX_M,
         linear_add=chained(kernels.linear_add),
         add_and_sum_squares=chained(kernels.add_and_sum_squares),
     )

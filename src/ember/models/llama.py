@@ -131,10 +131,18 @@ class LlamaForCausalLM(nn.Module):
         kv_cache: torch.Tensor,
     ) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
-        stream = start_stream(self.ops, hidden, self.cfg.rms_norm_eps, self.defers_norms)
+        stream = start_stream(
+            self.ops, hidden, self.cfg.rms_norm_eps, self._defers_norms_for(hidden)
+        )
         for i, layer in enumerate(self.layers):
             stream = layer(stream, ctx, cos_sin_cache, kv_cache[i, 0], kv_cache[i, 1])
         return final_norm(self.ops, stream, self.norm)
+
+    def _defers_norms_for(self, hidden: torch.Tensor) -> bool:
+        """Whether this pass runs the deferred form. The folded weights serve both: the plain
+        form's norms have weights of ones, and ``W diag(g)`` then reads ``x / rms``."""
+        limit = self.ops.defer_norms_max_rows
+        return self.defers_norms and (limit is None or hidden.shape[0] <= limit)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in the model's dtype, as Hugging Face's are: greedy decoding takes the argmax
