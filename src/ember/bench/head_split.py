@@ -11,6 +11,10 @@ weights and KV cache, the plain chain against the two-group schedule on two stre
 The q/k/v weight of the two-group schedule is stored per group, ``[q_A k_A v_A q_B k_B v_B]``,
 so each group's GEMM reads one contiguous block of rows; a group's heads are views of its GEMM's
 output with the strides the attention kernel takes as they are.
+
+On an H200 the schedule lost 14-27 us a layer at batch 32-256 (bench/results/README.md, "Batch
+256: the attention gap, the host, a head split, and norms past the skinny GEMM"): the kernels
+did not run side by side. Kept to measure an attention kernel that leaves SMs to the GEMMs.
 """
 
 from __future__ import annotations

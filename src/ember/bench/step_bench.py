@@ -118,8 +118,10 @@ class StepBench:
 
     def _gpu_only_step_seconds(self, batch: int, replays: int = 5) -> float | None:
         """Replays the decode graph back to back: the step's GPU time with no CPU in between.
-        Each timing spans ``replays`` replays queued at once; one replay timed alone, with a sync
-        before the next, read up to 10% above the engine loop's whole step at batch 128."""
+        Each timing spans ``replays`` replays queued at once (one replay timed alone, with a sync
+        before the next, read up to 10% above the engine loop's whole step at batch 128). Queued
+        replays still read above the loop at some batches (batch 64 in r12), so the idle
+        fraction taken from them is an estimate; ``host_ms_per_step`` is the direct measure."""
         graphs = self.inst.runner.graphs
         bucket = graphs.bucket_for(batch) if graphs else None
         if bucket is None or bucket not in graphs.captured:

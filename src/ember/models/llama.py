@@ -7,7 +7,9 @@ time; the linear products, attention, norms and activation go through the instan
 Where the ops defer the RMSNorm (`Ops.defer_norms`; not with a q/k/v bias or a q/k norm, which
 sit between the projection and its reader), each decoder norm's weight is folded into the
 projection it feeds at load and the residual stream runs in its deferred form
-(`ember.layers.residual`): no norm kernel inside the decoder.
+(`ember.layers.residual`): no norm kernel inside the decoder. A pass of more rows than
+`Ops.defer_norms_max_rows` runs the plain form on the same folded weights (the norms' weights are
+then ones), which measured faster where cuBLAS takes the products.
 """
 
 from __future__ import annotations
