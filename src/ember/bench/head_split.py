@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -90,8 +91,7 @@ def gemms_only(x, w: BlockWeights, k_cache, v_cache, meta, shape, max_seq_len):
 
 class Streams:
     """The two-group schedule's streams: GEMMs on a high-priority stream (so their CTAs take
-    SMs first as attention's retire), attention on a low-priority one; None runs in order on
-    the current stream (the CPU)."""
+    SMs first as attention's retire), attention on a low-priority one (or both at the default priority)."""
 
     def __init__(self, prioritise_gemms: bool = True) -> None:
         low, high = torch.cuda.Stream.priority_range()
@@ -114,8 +114,6 @@ def _record(stream):
 
 
 def _on(stream):
-    from contextlib import nullcontext
-
     return torch.cuda.stream(stream) if stream is not None else nullcontext()
 
 
@@ -124,7 +122,8 @@ def grouped_block(x, w: BlockWeights, k_cache, v_cache, meta, shape, max_seq_len
     """The same block over ``groups`` KV-head groups: group g's q/k/v GEMM, its attention on its
     heads' views, and its share of o (the o GEMM split over its input columns, accumulated).
     With ``streams`` the GEMMs and the attention run on two streams joined by events, so one
-    group's GEMMs overlap another group's attention."""
+    group's GEMMs overlap another group's attention; None runs all in order on the current
+    stream (the CPU)."""
     n, head, kv_heads = x.shape[0], shape.head_dim, shape.num_kv_heads
     group_kv, group_q = kv_heads // groups, shape.num_q_heads // groups
     rows_per_group = (group_q + 2 * group_kv) * head

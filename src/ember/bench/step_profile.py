@@ -225,6 +225,7 @@ def run_profile(
         "programmatic_launch": inst.ops.programmatic_launch,
         "decode_rope_in_attention": inst.config.decode_rope_in_attention,
         "defer_norms": inst.model.defers_norms,
+        "defer_norms_max_rows": inst.ops.defer_norms_max_rows,
         "rows": rows,
     }
     (out_dir / "step_profile.json").write_text(json.dumps(result, indent=2))

@@ -132,7 +132,8 @@ def triton_ops(
         defer_norms=defer_norms,
         # Deferring pays where the skinny GEMM's epilogues take the norms' work (no kernel of
         # their own). Past it, cuBLAS runs either form with as many kernels, and the plain one
-        # measured faster at batch 256 (bench/results/README.md, "Norms past the skinny GEMM").
+        # measured faster at batch 256 (bench/results/README.md, "Batch 256: ... norms past the
+        # skinny GEMM").
         defer_norms_max_rows=SKINNY_MAX_M,
         linear_add=chained(kernels.linear_add),
         add_and_sum_squares=chained(kernels.add_and_sum_squares),
