@@ -14,7 +14,13 @@ from helpers.eager_graphs import EagerStepGraphs
 from helpers.tiny_models import make_tiny_model
 
 from ember import LLM, SamplingParams
-from ember.runner.cuda_graphs import decode_buckets, mixed_token_buckets
+from ember.kernels.paged_attention import choose_num_kv_splits
+from ember.runner.cuda_graphs import (
+    StepGraphs,
+    decode_buckets,
+    decode_length_classes,
+    mixed_token_buckets,
+)
 
 
 def test_buckets_cover_every_batch_size():
@@ -30,6 +36,69 @@ def test_token_buckets_cover_every_step_size(max_tokens):
     assert buckets == sorted(set(buckets)) and buckets[-1] == max_tokens
     for tokens in range(1, max_tokens + 1):
         assert any(t >= tokens for t in buckets)
+
+
+def test_length_classes_are_powers_of_two_up_to_the_model_length():
+    assert decode_length_classes(8320) == [512, 1024, 2048, 4096, 8192, 8320]
+    assert decode_length_classes(4096) == [512, 1024, 2048, 4096]
+    assert decode_length_classes(128) == [128]
+
+
+def _h200_like_graphs(max_seq_len: int) -> StepGraphs:
+    """Graph keys only (nothing captured): 8 KV heads on a CPU, where the split heuristic
+    assumes an H200's 132 SMs."""
+    kv_cache = torch.zeros(2, 1, 16, 8, 16)
+    return StepGraphs(None, None, kv_cache, None, max_batch=256, max_seq_len=max_seq_len)
+
+
+def test_a_decode_graph_splits_as_its_length_class_does():
+    """A step takes the graph of the smallest length class holding its longest sequence, or one
+    that splits the KV exactly as that class would; classes that split alike share a graph."""
+    graphs = _h200_like_graphs(8320)
+
+    def splits(batch, length):
+        return choose_num_kv_splits(batch, 8, length, 132)
+
+    keys = set(graphs.all_keys)
+    for batch in (1, 2, 3, 8, 17, 32, 64, 256):
+        for length in (1, 300, 512, 513, 560, 1024, 1500, 3000, 8320):
+            key = graphs.bucket_for(batch, length)
+            assert key in keys and key.num_seqs >= batch and key.max_seq_len >= length
+            holding = next(c for c in graphs.length_classes if c >= length)
+            assert splits(key.num_seqs, key.max_seq_len) == splits(key.num_seqs, holding)
+    # Batch 1 at 560 tokens: 16 segments, not the 32 a graph cut for 8,320 runs; batch 32 at
+    # 560: one segment where the full length splits in two; batch 64 never splits: one graph.
+    assert splits(1, graphs.bucket_for(1, 560).max_seq_len) == 16
+    assert splits(32, graphs.bucket_for(32, 560).max_seq_len) == 1
+    assert graphs.bucket_for(32, 3000).max_seq_len == 8320
+    assert {k.max_seq_len for k in keys if k.decode and k.num_seqs == 64} == {8320}
+    assert graphs.bucket_for(1) == graphs.bucket_for(1, 8320)
+    # No two graphs of one bucket split alike.
+    decode = [k for k in keys if k.decode]
+    assert len({(k.num_seqs, splits(k.num_seqs, k.max_seq_len)) for k in decode}) == len(decode)
+
+
+def test_steps_that_outgrow_a_length_class_move_to_the_next_graph(tmp_path):
+    """Sequences that grow past 512 tokens while decoding switch graphs; a graph's bound must
+    hold every sequence it sees (the reference attention reads keys only up to it)."""
+    path = make_tiny_model("LlamaForCausalLM", tmp_path, max_position_embeddings=2048)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 4000, (n,), generator=g).tolist() for n in (500, 506, 40)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+    def run(use_graphs: bool):
+        llm = LLM(str(path), device="cpu", max_model_len=1100, max_num_seqs=4,
+                  max_num_batched_tokens=512)  # fmt: skip
+        if use_graphs:
+            EagerStepGraphs.install(llm, max_tokens=512)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        return [o.outputs[0].token_ids for o in outs], llm
+
+    plain, _ = run(use_graphs=False)
+    classed, llm = run(use_graphs=True)
+    assert classed == plain
+    bounds = {k.max_seq_len for k, _ in llm.instance.runner.graphs.replayed if k.decode}
+    assert {512, 1024} <= bounds or {512, 1100} <= bounds
 
 
 @pytest.mark.parametrize("overlap", [False, True])

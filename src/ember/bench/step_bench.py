@@ -87,7 +87,7 @@ class StepBench:
                 inst.step()
             self.sync()
             step_s = (time.perf_counter() - start) / steps
-        gpu_s = self._gpu_only_step_seconds(batch)
+        gpu_s = self._gpu_only_step_seconds(batch, context + warmup + steps)
         self.drain(ids)
         ctx = context + (warmup + steps / 2)
         kv_bytes = batch * ctx * self.kv_bytes_per_token
@@ -116,14 +116,17 @@ class StepBench:
             "flops": flops,
         }
 
-    def _gpu_only_step_seconds(self, batch: int, replays: int = 5) -> float | None:
-        """Replays the decode graph back to back: the step's GPU time with no CPU in between.
-        Each timing spans ``replays`` replays queued at once (one replay timed alone, with a sync
-        before the next, read up to 10% above the engine loop's whole step at batch 128). Queued
-        replays still read above the loop at some batches (batch 64 in r12), so the idle
-        fraction taken from them is an estimate; ``host_ms_per_step`` is the direct measure."""
+    def _gpu_only_step_seconds(
+        self, batch: int, max_seq_len: int, replays: int = 5
+    ) -> float | None:
+        """Replays the decode graph of the loop's last steps (their length class) back to back:
+        the step's GPU time with no CPU in between. Each timing spans ``replays`` replays queued
+        at once (one replay timed alone, with a sync before the next, read up to 10% above the
+        engine loop's whole step at batch 128). Queued replays still read above the loop at
+        some batches (batch 64 in r12), so the idle fraction taken from them is an estimate;
+        ``host_ms_per_step`` is the direct measure."""
         graphs = self.inst.runner.graphs
-        bucket = graphs.bucket_for(batch) if graphs else None
+        bucket = graphs.bucket_for(batch, max_seq_len) if graphs else None
         if bucket is None or bucket not in graphs.captured:
             return None
 

@@ -566,7 +566,8 @@ def _preloads_kv(pdl: bool, split_kv: bool, under_one_wave: bool) -> bool:
     return pdl and split_kv and under_one_wave
 
 
-def _device_sm_count(device: torch.device) -> int:
+def device_sm_count(device: torch.device) -> int:
+    """The device's SM count, or an H200's (132) off CUDA: what the split heuristic sizes for."""
     if device.type != "cuda":
         return _DEFAULT_NUM_SMS
     return torch.cuda.get_device_properties(device).multi_processor_count
@@ -704,7 +705,7 @@ def paged_attention(
     decode_only = max_query_len == 1
     if rope is not None:
         _check_decode_rope(rope, q, k_cache, decode_only)
-    sms = num_sms if num_sms is not None else _device_sm_count(q.device)
+    sms = num_sms if num_sms is not None else device_sm_count(q.device)
     if num_kv_splits is None:
         splits = choose_num_kv_splits(num_seqs, num_kv_heads, max_seq_len, sms)
         min_split_tokens = min_tokens_per_split(num_seqs, num_kv_heads, sms)

@@ -2,16 +2,26 @@
 
 Two families share one memory pool per model instance:
 
-* decode steps (one query token per sequence), keyed by the padded batch size; a graph replays
-  the forward pass and the logits projection;
+* decode steps (one query token per sequence), keyed by the padded batch size and a bound on the
+  step's longest sequence; a graph replays the forward pass and the logits projection;
 * mixed steps (prefill chunks, possibly beside decodes), keyed by the padded token count with
   the sequence count padded to the scheduler's maximum; a graph replays the forward pass and
   gathers the hidden rows to sample, and the logits of the real rows are computed after it.
 
 Padded tokens write no KV (slot -1) and their rows are never read. Padded decode rows are
 1-token sequences on scratch block 0; padded mixed-step sequences are empty (no query tokens),
-so attention skips them. Without graphs, a step is ~3x slower at batch 64 on an H200: the
-launches of ~400 small kernels cost more CPU time than the GPU spends on them.
+so attention skips them.
+
+A decode graph fixes attention's KV split count, chosen from the longest sequence the graph may
+see. Cut for the model's whole length, a step of short sequences would run the split kernel's
+surplus programs (batch 1: 32 segments for 8 that hold keys) or split where it should not
+(batch 17-32 at 512 tokens: two segments where one is faster). So each batch bucket has a graph
+per length class (powers of two from 512 to the model's length) whose split count differs; a
+step takes the smallest class that holds its longest sequence (in-call on an H200: -23 us per
+step at batch 1, -66 at batch 32, at 512 tokens; bench/results/README.md).
+
+Without graphs, a step is ~3x slower at batch 64 on an H200: the launches of ~400 small kernels
+cost more CPU time than the GPU spends on them.
 """
 
 from __future__ import annotations
@@ -21,6 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ember.kernels.paged_attention import choose_num_kv_splits, device_sm_count
 from ember.layers.forward_context import ForwardContext
 from ember.runner.input_buffers import InputBuffers
 
@@ -28,6 +39,9 @@ logger = logging.getLogger(__name__)
 
 # Mixed steps below this many tokens are padded to a power of two; above, to a multiple of it.
 _MIXED_TOKEN_STEP = 256
+# The shortest decode length class: at 512 tokens batch 1 already splits into the 8 segments of
+# one KV tile each that its minimum segment allows.
+_SHORTEST_LENGTH_CLASS = 512
 
 
 def decode_buckets(max_batch: int) -> list[int]:
@@ -37,6 +51,16 @@ def decode_buckets(max_batch: int) -> list[int]:
     if sizes[-1] != max_batch:
         sizes.append(max_batch)
     return sizes
+
+
+def decode_length_classes(max_seq_len: int) -> list[int]:
+    """Bounds on a decode step's longest sequence that may get their own graph: powers of two
+    from 512 below ``max_seq_len``, then ``max_seq_len``."""
+    classes, bound = [], _SHORTEST_LENGTH_CLASS
+    while bound < max_seq_len:
+        classes.append(bound)
+        bound *= 2
+    return classes + [max_seq_len]
 
 
 def mixed_token_buckets(max_tokens: int) -> list[int]:
@@ -50,11 +74,13 @@ def mixed_token_buckets(max_tokens: int) -> list[int]:
 
 @dataclass(frozen=True)
 class GraphKey:
-    """A graph's padded shape: ``num_seqs`` sequences holding ``num_tokens`` query tokens."""
+    """A graph's padded shape: ``num_seqs`` sequences holding ``num_tokens`` query tokens, none
+    longer than ``max_seq_len`` (what attention cuts its KV splits for)."""
 
     decode: bool
     num_seqs: int
     num_tokens: int
+    max_seq_len: int
 
 
 class StepGraphs:
@@ -75,6 +101,9 @@ class StepGraphs:
         self.max_batch = max_batch
         self.max_seq_len = max_seq_len
         self.buckets = decode_buckets(max_batch)
+        self.length_classes = decode_length_classes(max_seq_len)
+        self._num_kv_heads = kv_cache.shape[-2]
+        self._num_sms = device_sm_count(kv_cache.device)
         # Mixed graphs only where the step can have more tokens than sequences.
         self.token_buckets = mixed_token_buckets(max_tokens) if max_tokens else []
         self._graphs: dict[GraphKey, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -82,11 +111,12 @@ class StepGraphs:
 
     # -- choosing a graph ---------------------------------------------------------------------
 
-    def bucket_for(self, batch: int) -> GraphKey | None:
-        """The decode graph for ``batch`` one-token sequences, or None past the largest."""
+    def bucket_for(self, batch: int, max_seq_len: int | None = None) -> GraphKey | None:
+        """The decode graph for ``batch`` one-token sequences none longer than ``max_seq_len``
+        (None: the model's length), or None past the largest batch."""
         for size in self.buckets:
             if size >= batch:
-                return GraphKey(True, size, size)
+                return GraphKey(True, size, size, self._length_bound(size, max_seq_len))
         return None
 
     def mixed_bucket_for(self, num_tokens: int, num_seqs: int) -> GraphKey | None:
@@ -95,13 +125,36 @@ class StepGraphs:
             return None
         for size in self.token_buckets:
             if size >= num_tokens:
-                return GraphKey(False, self.max_batch, size)
+                return GraphKey(False, self.max_batch, size, self.max_seq_len)
         return None
+
+    def _length_bound(self, batch: int, max_seq_len: int | None) -> int:
+        """The graph's length bound for a step whose longest sequence is ``max_seq_len``: the
+        smallest class that holds it, raised to the largest class with the same KV split count
+        (the same graph), so classes that split alike share one capture."""
+        classes = self.length_classes
+        i = 0
+        while i < len(classes) - 1 and (max_seq_len is None or classes[i] < max_seq_len):
+            i += 1
+        splits = self._kv_splits(batch, classes[i])
+        while i < len(classes) - 1 and self._kv_splits(batch, classes[i + 1]) == splits:
+            i += 1
+        return classes[i]
+
+    def _kv_splits(self, batch: int, max_seq_len: int) -> int:
+        return choose_num_kv_splits(batch, self._num_kv_heads, max_seq_len, self._num_sms)
 
     @property
     def all_keys(self) -> list[GraphKey]:
-        decode = [GraphKey(True, b, b) for b in self.buckets]
-        return decode + [GraphKey(False, self.max_batch, t) for t in self.token_buckets]
+        """Every graph: each batch bucket once per distinct length bound, then the mixed ones."""
+        decode = {
+            GraphKey(True, b, b, self._length_bound(b, bound))
+            for b in self.buckets
+            for bound in self.length_classes
+        }
+        decode = sorted(decode, key=lambda k: (k.num_seqs, k.max_seq_len))
+        mixed = [GraphKey(False, self.max_batch, t, self.max_seq_len) for t in self.token_buckets]
+        return decode + mixed
 
     @property
     def captured(self) -> list[GraphKey]:
@@ -136,7 +189,7 @@ class StepGraphs:
             block_tables=buf["block_tables"][:s],
             # Only "one query per sequence or not" matters to the kernels (their tile choice).
             max_query_len=1 if key.decode else t,
-            max_seq_len=self.max_seq_len,
+            max_seq_len=key.max_seq_len,
             split_kv_counters=self.buffers.split_kv_counters,
         )
 

@@ -304,7 +304,7 @@ class ModelRunner:
         if self.graphs is None:
             return None
         if plan.max_query_len == 1 and len(plan.sampling_states) == plan.num_seqs:
-            key = self.graphs.bucket_for(plan.num_seqs)
+            key = self.graphs.bucket_for(plan.num_seqs, plan.max_seq_len)
         else:
             key = self.graphs.mixed_bucket_for(plan.num_tokens, plan.num_seqs)
         return key if key is not None and self.buffers.block(key.decode) is buf else None
