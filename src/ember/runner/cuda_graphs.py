@@ -27,6 +27,7 @@ cost more CPU time than the GPU spends on them.
 from __future__ import annotations
 
 import logging
+from bisect import bisect_left
 from dataclasses import dataclass
 
 import torch
@@ -102,8 +103,12 @@ class StepGraphs:
         self.max_seq_len = max_seq_len
         self.buckets = decode_buckets(max_batch)
         self.length_classes = decode_length_classes(max_seq_len)
-        self._num_kv_heads = kv_cache.shape[-2]
-        self._num_sms = device_sm_count(kv_cache.device)
+        # Per batch bucket, the bound each length class's steps run on (derived once: the
+        # lookup is on every step's path).
+        self._class_bounds = {
+            b: self._graph_bounds(b, kv_cache.shape[-2], device_sm_count(kv_cache.device))
+            for b in self.buckets
+        }
         # Mixed graphs only where the step can have more tokens than sequences.
         self.token_buckets = mixed_token_buckets(max_tokens) if max_tokens else []
         self._graphs: dict[GraphKey, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -114,9 +119,11 @@ class StepGraphs:
     def bucket_for(self, batch: int, max_seq_len: int | None = None) -> GraphKey | None:
         """The decode graph for ``batch`` one-token sequences none longer than ``max_seq_len``
         (None: the model's length), or None past the largest batch."""
+        classes = self.length_classes
+        i = min(bisect_left(classes, max_seq_len or classes[-1]), len(classes) - 1)
         for size in self.buckets:
             if size >= batch:
-                return GraphKey(True, size, size, self._length_bound(size, max_seq_len))
+                return GraphKey(True, size, size, self._class_bounds[size][i])
         return None
 
     def mixed_bucket_for(self, num_tokens: int, num_seqs: int) -> GraphKey | None:
@@ -128,31 +135,28 @@ class StepGraphs:
                 return GraphKey(False, self.max_batch, size, self.max_seq_len)
         return None
 
-    def _length_bound(self, batch: int, max_seq_len: int | None) -> int:
-        """The graph's length bound for a step whose longest sequence is ``max_seq_len``: the
-        smallest class that holds it, raised to the largest class with the same KV split count
-        (the same graph), so classes that split alike share one capture."""
+    def _graph_bounds(self, batch: int, num_kv_heads: int, num_sms: int) -> list[int]:
+        """For each length class, the bound of the graph its steps take at ``batch``: the
+        largest class whose KV split count is the same (the same graph), so classes that split
+        alike share one capture."""
         classes = self.length_classes
-        i = 0
-        while i < len(classes) - 1 and (max_seq_len is None or classes[i] < max_seq_len):
-            i += 1
-        splits = self._kv_splits(batch, classes[i])
-        while i < len(classes) - 1 and self._kv_splits(batch, classes[i + 1]) == splits:
-            i += 1
-        return classes[i]
-
-    def _kv_splits(self, batch: int, max_seq_len: int) -> int:
-        return choose_num_kv_splits(batch, self._num_kv_heads, max_seq_len, self._num_sms)
+        splits = [choose_num_kv_splits(batch, num_kv_heads, c, num_sms) for c in classes]
+        bounds = []
+        for i in range(len(classes)):
+            j = i
+            while j + 1 < len(classes) and splits[j + 1] == splits[i]:
+                j += 1
+            bounds.append(classes[j])
+        return bounds
 
     @property
     def all_keys(self) -> list[GraphKey]:
         """Every graph: each batch bucket once per distinct length bound, then the mixed ones."""
-        decode = {
-            GraphKey(True, b, b, self._length_bound(b, bound))
+        decode = [
+            GraphKey(True, b, b, bound)
             for b in self.buckets
-            for bound in self.length_classes
-        }
-        decode = sorted(decode, key=lambda k: (k.num_seqs, k.max_seq_len))
+            for bound in sorted(set(self._class_bounds[b]))
+        ]
         mixed = [GraphKey(False, self.max_batch, t, self.max_seq_len) for t in self.token_buckets]
         return decode + mixed
 

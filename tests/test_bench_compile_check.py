@@ -10,7 +10,7 @@ import sys
 
 _OVERSIZE = """
 import json
-from ember.kernels.compile_check import skinny_gemm_config
+from ember.bench.compile_check import skinny_gemm_config
 config = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 256, "STAGES": 6, "num_warps": 4}
 print(json.dumps(skinny_gemm_config("qkv", 64, config).shared_bytes))
 """
@@ -24,9 +24,9 @@ def _run(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_every_default_configuration_fits_an_h200():
-    from ember.kernels.compile_check import SM90_SHARED_MEMORY_LIMIT
+    from ember.bench.compile_check import SM90_SHARED_MEMORY_LIMIT
 
-    done = _run("-m", "ember.kernels.compile_check", "--json")
+    done = _run("-m", "ember.bench.compile_check", "--json")
     assert done.returncode == 0, done.stderr[-2000:]
     results = json.loads(done.stdout)
     cases = {(r["kernel"], r["case"]) for r in results}
@@ -39,7 +39,7 @@ def test_every_default_configuration_fits_an_h200():
 
 
 def test_the_check_catches_tiles_too_big_for_an_sm():
-    from ember.kernels.compile_check import SM90_SHARED_MEMORY_LIMIT
+    from ember.bench.compile_check import SM90_SHARED_MEMORY_LIMIT
 
     done = _run("-c", _OVERSIZE)
     assert done.returncode == 0, done.stderr[-2000:]

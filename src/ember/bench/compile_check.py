@@ -8,7 +8,7 @@ device: this compiles each kernel as the engine launches it (its default tiles f
 Llama-3.1-8B shapes; pointers and sizes divisible by 16, as Triton specializes them at launch)
 for sm_90 and reads the shared memory the compiled kernel asks for.
 
-    TRITON_INTERPRET=0 python -m ember.kernels.compile_check [--json]
+    TRITON_INTERPRET=0 python -m ember.bench.compile_check [--json]
 
 Exits 1 if a configuration does not fit. Needs ``TRITON_INTERPRET=0`` (interpreted kernels
 cannot be compiled) and Triton's bundled ``ptxas``; about 1-2 s per configuration.
@@ -24,14 +24,10 @@ from dataclasses import asdict, dataclass
 # An sm_90 block's shared memory ceiling (opt-in), as Triton reports it on an H200.
 SM90_SHARED_MEMORY_LIMIT = 232448
 
-# Llama-3.1-8B's decode GEMMs (N, K, gated), as the engine fuses them.
-_GEMM_SHAPES = {
-    "qkv": (6144, 4096, False),
-    "o": (4096, 4096, False),
-    "gate_up": (28672, 4096, True),
-    "down": (4096, 14336, False),
-    "lm_head": (128256, 4096, False),
-}
+# The checkpoint preset whose decode GEMMs (`ember.bench.tune.linear_shapes`) are compiled.
+_PRESET = "llama-3.1-8b"
+# The fused gate/up: its epilogue applies SiLU-and-multiply.
+_GATED_SHAPE = "gate_up"
 # Row counts at which the skinny GEMM's default tiles change (see its default_config).
 _GEMM_ROWS = (1, 16, 32, 64)
 
@@ -76,7 +72,7 @@ def skinny_gemm_config(name: str, m: int, config: dict[str, int]) -> CompiledCon
     on ``config`` (its tiles)."""
     from ember.kernels.skinny_gemm import _skinny_gemm_kernel
 
-    gated = _GEMM_SHAPES[name][2]
+    gated = name == _GATED_SHAPE
     config = dict(config)
     num_warps = config.pop("num_warps")
     row_norm = name in ("qkv", "gate_up")  # the deferred RMSNorm's readers
@@ -96,11 +92,12 @@ def skinny_gemm_config(name: str, m: int, config: dict[str, int]) -> CompiledCon
 
 def skinny_gemm_configs() -> list[CompiledConfig]:
     """Every 8B projection at each row count where its default tiles change."""
+    from ember.bench.tune import linear_shapes
     from ember.kernels.skinny_gemm import default_config
 
     return [
-        skinny_gemm_config(name, m, default_config(m, n, k, 2, gated))
-        for name, (n, k, gated) in _GEMM_SHAPES.items()
+        skinny_gemm_config(name, m, default_config(m, n, k, 2, gated=name == _GATED_SHAPE))
+        for name, n, k in linear_shapes(_PRESET)
         for m in _GEMM_ROWS
     ]
 
