@@ -148,6 +148,49 @@ def test_mixed_prefill_and_decode(gen, device, group, dtype):
     assert_close(*run_both(step), dtype)
 
 
+@pytest.mark.parametrize("separate_decodes", [True, False])
+def test_mixed_step_either_launch_plan(gen, device, separate_decodes):
+    """Decodes before, between and after chunks, a one-token chunk mid-sequence (a decode's
+    launch serves it), and a padding sequence: both plans give the reference's output."""
+    contexts = [40, 0, 12, 100, 3, 0, 64]
+    q_lens = [1, 33, 1, 1, 18, 0, 1]
+    seq_lens = [c + n for c, n in zip(contexts, q_lens)]
+    step = make_step(gen, device, q_lens, seq_lens, num_kv_heads=2, group=4, head_dim=64,
+                     dtype=torch.bfloat16)  # fmt: skip
+    assert_close(*run_both(step, separate_decodes=separate_decodes), torch.bfloat16)
+
+
+@pytest.mark.parametrize("group", [1, 8])
+def test_mixed_step_launches_serve_their_own_sequences(gen, device, group):
+    """Each launch of a mixed step writes the rows of its own kind of sequence and no other:
+    the single-token launch leaves every chunk row as it was (a chunk's first row written on
+    decode tiles would be wrong, and hidden by the other launch's rewrite), the multi-token
+    launch every decode row."""
+    from ember.kernels.paged_attention import (
+        _MULTI_TOKEN,
+        _SINGLE_TOKEN,
+        _launch_kernel,
+        _tile_config,
+    )
+
+    contexts, q_lens = [30, 0, 7, 50], [1, 20, 1, 5]
+    seq_lens = [c + n for c, n in zip(contexts, q_lens)]
+    step = make_step(gen, device, q_lens, seq_lens, num_kv_heads=2, group=group, head_dim=32)
+    _, expected = run_both(step)
+    decode_rows = torch.tensor([n == 1 for n in q_lens]).repeat_interleave(torch.tensor(q_lens))
+    scale = step.q.shape[-1] ** -0.5
+    for sequences, decode_only, served in [(_SINGLE_TOKEN, True, decode_rows),
+                                           (_MULTI_TOKEN, False, ~decode_rows)]:  # fmt: skip
+        out = torch.full_like(step.q, float("nan"))
+        config = _tile_config(group, decode_only, 32, step.q.element_size())
+        _launch_kernel(step.q, step.k_cache, step.v_cache, out, step.query_start_loc,
+                       step.seq_lens, step.block_tables, scale, None, False, config, decode_only,
+                       sequences, 1, 1, None, False)  # fmt: skip
+        out = out.cpu()
+        assert out[~served].isnan().all(), "a launch wrote rows of the other kind"
+        assert_close(out[served], expected[served], torch.float32)
+
+
 def test_prefill_long_chunk_head_dim_128(gen, device):
     """A chunk spanning several query tiles and key tiles, mid-sequence, head_dim 128."""
     step = make_step(gen, device, [150, 2], [170, 40], num_kv_heads=1, group=4, head_dim=128,

@@ -103,10 +103,17 @@ def skinny_gemm_configs() -> list[CompiledConfig]:
 
 
 def attention_configs() -> list[CompiledConfig]:
-    """The paged attention's three tile choices for the 8B shape (GQA 4, head 128, bf16):
-    decode split and unsplit (with RoPE, the deferred norm and the K/V preload: the most state
-    a program holds) and a mixed step's prefill tiles."""
-    from ember.kernels.paged_attention import _paged_attention_kernel, _tile_config
+    """The paged attention's launches for the 8B shape (GQA 4, head 128, bf16): decode split
+    and unsplit (with RoPE, the deferred norm and the K/V preload: the most state a program
+    holds), prefill tiles for all sequences, and a mixed step's two launches (its decodes on
+    decode tiles, its chunks on prefill tiles)."""
+    from ember.kernels.paged_attention import (
+        _ALL_SEQUENCES,
+        _MULTI_TOKEN,
+        _SINGLE_TOKEN,
+        _paged_attention_kernel,
+        _tile_config,
+    )
 
     pointers = ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr", "rope_k_ptr", "rope_v_ptr")
     int_pointers = ("query_start_loc_ptr", "seq_lens_ptr", "block_tables_ptr",
@@ -117,15 +124,21 @@ def attention_configs() -> list[CompiledConfig]:
     divisible = {*pointers, *int_pointers, *fp32_pointers, "stride_q_tok", "stride_o_tok",
                  "stride_cache_block", "stride_cache_slot", "stride_table"}  # fmt: skip
     results = []
-    for case, decode, split in (("decode split", True, True), ("decode", True, False),
-                                ("prefill", False, False)):  # fmt: skip
+    cases = (("decode split", True, True, _ALL_SEQUENCES), ("decode", True, False, _ALL_SEQUENCES),
+             ("prefill", False, False, _ALL_SEQUENCES),
+             ("mixed decodes", True, False, _SINGLE_TOKEN),
+             ("mixed chunks", False, False, _MULTI_TOKEN))  # fmt: skip
+    for case, decode, split, sequences in cases:
+        sequences = sequences.value
+        rope = decode and sequences == _ALL_SEQUENCES.value  # a mixed step writes its cache first
         config = _tile_config(4, decode, 128, 2, split)
         num_warps = config.pop("num_warps")
         constexprs = {
             "GROUP": 4, "HEAD_DIM": 128, "PAGE": 16, "DECODE_ONLY": decode, "SPLIT_KV": split,
             "DOT_PRECISION": "tf32", "BLOCK_SPLITS": 32 if split else 1, "GROUP_P2": 4,
-            "MERGE_CHUNK": 8 if split else 1, "ROPE": decode, "ROW_NORM": decode,
-            "BLOCK_P": 128, "PDL": True, "PRELOAD_KV": decode and split, **config,
+            "MERGE_CHUNK": 8 if split else 1, "ROPE": rope, "ROW_NORM": rope,
+            "BLOCK_P": 128, "PDL": True, "PRELOAD_KV": rope and split,
+            "SEQUENCES": sequences, **config,
         }  # fmt: skip
         shared = compile_for_sm90(_paged_attention_kernel, types, divisible, constexprs, num_warps)
         results.append(CompiledConfig("paged_attention", case, constexprs, num_warps, shared))

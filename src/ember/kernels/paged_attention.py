@@ -5,6 +5,10 @@ tokens of one sequence; its rows are (query token, query head of the GQA group) 
 tiles it streams are read once for all the group's query heads. Scores go through tensor cores
 (``tl.dot``), softmax is online in fp32 in the log2 domain.
 
+A mixed step launches the kernel twice: its single-token sequences (decodes) on decode tiles,
+its chunks on prefill tiles, each launch skipping the other's sequences on the GPU (so the plan
+holds in a CUDA graph whatever the step's mix).
+
 Decode-only steps (every ``q_len == 1``) can also take the split-KV ("flash-decoding") path:
 each sequence's KV range is cut into segments handled by separate programs that write partial
 (max, sum, acc) triples, merged by the last program of each (sequence, KV head) to finish (it
@@ -17,6 +21,7 @@ Layouts and metadata follow docs/CONTRACTS.md ("Paged KV cache layout", "Attenti
 
 from __future__ import annotations
 
+from functools import partial
 from typing import NamedTuple
 
 import torch
@@ -49,6 +54,11 @@ _MAX_SPLITS = 32
 _MAX_MERGE_CHUNK = 8
 # Used when there is no CUDA device to ask (the CPU interpreter): an H200's SM count.
 _DEFAULT_NUM_SMS = 132
+# Which sequences a launch serves (the kernel's SEQUENCES): all of them, or, in a mixed step's
+# two launches, those of one query token (decode tiles) or those of more (prefill tiles).
+_ALL_SEQUENCES = tl.constexpr(0)
+_SINGLE_TOKEN = tl.constexpr(1)
+_MULTI_TOKEN = tl.constexpr(2)
 
 
 @triton.jit
@@ -67,6 +77,18 @@ def _find_sequence(query_start_loc_ptr, num_seqs, tile_id, BLOCK_Q: tl.constexpr
         lo = tl.where(is_at_or_before, mid, lo)
         hi = tl.where(is_at_or_before, hi, mid)
     return lo
+
+
+@triton.jit
+def _left_to_other_launch(q_len, SEQUENCES: tl.constexpr):
+    """Whether a launch serving ``SEQUENCES`` leaves a sequence of ``q_len`` query tokens to the
+    mixed step's other launch (single-token sequences on decode tiles, longer ones not)."""
+    if SEQUENCES == _SINGLE_TOKEN:
+        return q_len != 1
+    elif SEQUENCES == _MULTI_TOKEN:
+        return q_len == 1
+    else:
+        return q_len < 0  # every sequence: none left
 
 
 @triton.jit
@@ -270,6 +292,7 @@ def _paged_attention_kernel(
     BLOCK_P: tl.constexpr,
     PDL: tl.constexpr,
     PRELOAD_KV: tl.constexpr,
+    SEQUENCES: tl.constexpr,
 ):
     # Until the wait, a program reads only what no kernel of this step writes: the step's
     # metadata and the cache's keys of earlier steps. Under PDL that runs under the previous
@@ -340,8 +363,12 @@ def _paged_attention_kernel(
         tile_lo_loop = tile_lo
 
     wait_for_producer(PDL)
-    if (tile_q_start >= seq_q_end) | (split >= seq_splits):
-        return  # a sequence's spare tile or segment, or an empty (padding) sequence
+    # A spare tile or segment, an empty (padding) sequence, or one the other launch of a mixed
+    # step serves (`_left_to_other_launch`). Every program exits after the wait, so a mixed
+    # step's second launch waits for its first: the next kernel's PDL wait covers both.
+    if ((tile_q_start >= seq_q_end) | (split >= seq_splits)
+            | _left_to_other_launch(seq_q_end - seq_q_start, SEQUENCES)):  # fmt: skip
+        return
 
     if ROPE and ROW_NORM:  # issued first: the row's statistics gate every use of q, k and v
         row_parts = load_row_parts(parts_ptr, tile_q_start, num_parts, BLOCK_P)
@@ -652,6 +679,7 @@ def paged_attention(
     rope: DecodeRope | None = None,
     pdl: bool = False,
     preload_kv: bool | None = None,
+    separate_decodes: bool = True,
 ) -> torch.Tensor:
     """Causal attention of this step's queries over the paged KV cache; writes and returns ``out``.
 
@@ -683,12 +711,15 @@ def paged_attention(
         pdl: launch with programmatic dependent launch (`ember.kernels.pdl`).
         preload_kv: with ``rope``, load each program's first K/V tile before the PDL wait (so
             under the previous kernel's tail). None: as `_preloads_kv` rules.
+        separate_decodes: a mixed step runs its single-token sequences in a launch of their own,
+            on decode tiles (unsplit), and its chunks on prefill tiles; False: one launch on
+            prefill tiles for all (what ``tile_config`` also asks).
 
     The split path allocates its fp32 partials (``num_seqs * num_q_heads * splits * (head_dim+2)``
     floats) with ``torch.empty``: no sync and capturable, but the only scratch this op uses.
     """
     num_tokens, num_q_heads, head_dim = q.shape
-    _, page, num_kv_heads, _ = k_cache.shape
+    num_kv_heads = k_cache.shape[2]
     num_seqs = seq_lens.shape[0]
     group = num_q_heads // num_kv_heads
     if num_q_heads != group * num_kv_heads:
@@ -715,17 +746,41 @@ def paged_attention(
         if num_kv_splits is not None:
             raise ValueError("split-KV attention only serves decode-only steps (max_query_len 1)")
         splits = 1
-    split_kv = splits > 1
-    if preload_kv is None:
-        preload_kv = _preloads_kv(pdl, split_kv, _under_one_wave(num_seqs, num_kv_heads, sms))
-    config = tile_config or _tile_config(
-        group, decode_only, head_dim, k_cache.element_size(), split_kv
-    )
-
     if split_counters is not None and (
         split_counters.dtype != torch.int32 or split_counters.numel() < num_seqs * num_kv_heads
     ):
         raise ValueError(f"split_counters must be int32 with >= {num_seqs * num_kv_heads} entries")
+    if preload_kv is None:
+        preload_kv = _preloads_kv(pdl, splits > 1, _under_one_wave(num_seqs, num_kv_heads, sms))
+    launch = partial(_launch_kernel, q, k_cache, v_cache, out, query_start_loc, seq_lens,
+                     block_tables, scale, split_counters, pdl)  # fmt: skip
+    elem_bytes = k_cache.element_size()
+    if decode_only or tile_config is not None or not separate_decodes:
+        config = tile_config or _tile_config(group, decode_only, head_dim, elem_bytes, splits > 1)
+        launch(config, decode_only, _ALL_SEQUENCES, splits, min_split_tokens, rope, preload_kv)
+        return out
+    # A mixed step: the decodes on decode tiles (a program per sequence and KV head, 16 rows),
+    # the prefill chunks on prefill tiles (128 query rows a program). On prefill tiles alone, a
+    # decode's program computed 4 of its 128 rows, 128-key tiles on 8 warps: 200 decodes
+    # at 512 tokens beside a 512-token chunk took 304 us a layer on an H200, where the decodes
+    # alone take 127 (bench/results/README.md, "Mixed steps"). Unsplit, so the numbers do not
+    # depend on how many sequences a CUDA graph pads the step to.
+    launch(_tile_config(group, True, head_dim, elem_bytes), True, _SINGLE_TOKEN, 1, 1, None, False)
+    launch(_tile_config(group, False, head_dim, elem_bytes), False, _MULTI_TOKEN, 1, 1, None,
+           False)  # fmt: skip
+    return out
+
+
+def _launch_kernel(
+    q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, scale, split_counters, pdl,
+    config, decode_only, sequences, splits, min_split_tokens, rope, preload_kv,
+):  # fmt: skip
+    """One launch of `_paged_attention_kernel` over the step with one tile configuration, for
+    the sequences of one kind (``sequences``)."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    num_seqs = seq_lens.shape[0]
+    split_kv = splits > 1
     if split_kv:
         if split_counters is None:
             split_counters = torch.zeros(num_seqs * num_kv_heads, dtype=torch.int32,
@@ -735,12 +790,12 @@ def paged_attention(
         part_acc = torch.empty(num_seqs * num_q_heads * splits * head_dim, device=q.device)
     else:
         part_max = part_sum = part_acc = out  # unused by the kernel when SPLIT_KV is off
-
     row_args, block_p = row_norm_args(rope.row_norm if rope is not None else None, q)
     if decode_only:
         num_tiles = num_seqs
     else:
         num_tiles = num_tokens // config["BLOCK_Q"] + num_seqs  # see _find_sequence
+    group = num_q_heads // num_kv_heads
     _paged_attention_kernel[(num_tiles, num_kv_heads, splits)](
         q, k_cache, v_cache, out,
         query_start_loc, seq_lens, block_tables,
@@ -749,7 +804,8 @@ def paged_attention(
         *((rope.k, rope.v, rope.positions, rope.cos_sin_cache, rope.slot_mapping)
           if rope is not None else (q, q, seq_lens, q, seq_lens)),
         *row_args,
-        scale * _LOG2E, num_seqs, splits, triton.cdiv(min_split_tokens, config["BLOCK_N"]),
+        scale * _LOG2E, num_seqs, splits,
+        triton.cdiv(min_split_tokens, config["BLOCK_N"]),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0),
@@ -757,7 +813,7 @@ def paged_attention(
           if rope is not None else (0, 0, 0, 0)),
         GROUP=group,
         HEAD_DIM=head_dim,
-        PAGE=page,
+        PAGE=k_cache.shape[1],
         DECODE_ONLY=decode_only,
         SPLIT_KV=split_kv,
         # fp32 inputs must not silently drop to tf32 on the tensor cores.
@@ -770,7 +826,7 @@ def paged_attention(
         BLOCK_P=block_p,
         PDL=pdl,
         PRELOAD_KV=rope is not None and preload_kv,
+        SEQUENCES=sequences.value,
         launch_pdl=pdl,
         **config,
     )  # fmt: skip
-    return out
