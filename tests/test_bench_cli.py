@@ -105,6 +105,11 @@ def test_step_bench_logic_runs_on_a_cpu(tiny_bench):
     assert prefill["tokens_per_s"] > 0
     eager = bench.eager_vs_graph(batch=2, context=32)
     assert eager["eager_step_ms"] > 0
+    mixed = bench.mixed(batch=2, context=32, chunk=20, steps=3, warmup=1)
+    assert mixed["step_ms"] > 0 and mixed["prompts"] == 4
+    # Every prompt went through its prefill beside the decodes (the last may be in flight).
+    assert mixed["prompts_prefilled"] >= 3
+    assert bench.mixed(batch=4, context=250, chunk=20)["skipped"].startswith("KV for")
     inst.scheduler.check_invariants()
     assert inst.kv_manager.num_free_blocks == inst.kv_manager.pool.capacity
 

@@ -2,7 +2,9 @@
 
 Decode steps are measured through the real engine loop (scheduler, runner, CUDA graphs, overlap):
 B requests start with L-1 tokens of context already in a KV cache filled with random values, so
-every timed step is a pure decode at context ~L. Prefill is one chunk of C prompt tokens.
+every timed step is a pure decode at context ~L. Prefill is one chunk of C prompt tokens. A mixed
+step, serving's usual one, is B such decodes beside a prompt of C tokens that arrives before
+every step.
 """
 
 from __future__ import annotations
@@ -24,6 +26,10 @@ from ember.sampling_params import SamplingParams
 DECODE_BATCHES = (1, 8, 32, 64, 128, 256)
 DECODE_CONTEXTS = (512, 4096)
 PREFILL_CHUNKS = (512, 1024, 2048, 4096, 8192)
+# (decodes, their context, prompt chunk): the profile's serving-like step at several batches,
+# and a few long decodes beside a chunk (where one attention launch per step kind queues the
+# decodes before the chunk).
+MIXED_STEPS = ((8, 512, 512), (64, 512, 512), (200, 512, 512), (1, 4096, 512), (4, 4096, 2048))
 
 
 class StepBench:
@@ -116,6 +122,48 @@ class StepBench:
             "flops": flops,
         }
 
+    def mixed(self, batch: int, context: int, chunk: int, steps: int = 12, warmup: int = 3) -> dict:
+        """Steps of ``batch`` decodes at ~``context`` tokens, each beside a new prompt of
+        ``chunk`` tokens (added before the step; it ends with its prefill: max_tokens 1)."""
+        inst = self.inst
+        row = {"batch": batch, "context": context, "chunk": chunk}
+        need = batch * (context + steps + warmup + 2) + 2 * chunk
+        capacity = inst.kv_manager.pool.capacity * inst.kv_manager.block_size
+        if need > capacity:
+            return {**row, "skipped": f"KV for {need} tokens exceeds the pool"}
+        ids = [self.add_warm_request(context, steps + warmup + 4) for _ in range(batch)]
+        prompts = []
+
+        def step_beside_a_new_prompt() -> None:
+            self._ids += 1
+            tokens = torch.randint(3, self.cfg.vocab_size, (chunk,)).tolist()
+            params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+            prompts.append(inst.add_request(f"prompt-{self._ids}", tokens, params))
+            inst.step()
+
+        for _ in range(warmup):
+            step_beside_a_new_prompt()
+        self.sync()
+        with host_phases(inst) as host:
+            start = time.perf_counter()
+            for _ in range(steps):
+                step_beside_a_new_prompt()
+            self.sync()
+            step_s = (time.perf_counter() - start) / steps
+        prefilled = sum(p.num_computed_tokens >= chunk for p in prompts)
+        self.drain(ids + [p.request_id for p in prompts])
+        return {
+            **row,
+            "step_ms": step_s * 1e3,
+            "decode_tokens_per_s": batch / step_s,
+            "prefill_tokens_per_s": chunk / step_s,
+            "host_ms_per_step": {name: sec / steps * 1e3 for name, sec in host.items()},
+            # How many of the prompts were through their prefill when the timing ended (all but
+            # the last step's, which may still be in flight): each timed step was mixed.
+            "prompts_prefilled": prefilled,
+            "prompts": len(prompts),
+        }
+
     def _gpu_only_step_seconds(
         self, batch: int, max_seq_len: int, replays: int = 5
     ) -> float | None:
@@ -203,7 +251,7 @@ def bench_instance(
     return inst, ceilings
 
 
-SECTIONS = ("attention", "decode", "graphs_vs_eager", "prefill")
+SECTIONS = ("attention", "decode", "graphs_vs_eager", "prefill", "mixed")
 
 
 def run_step_bench(
@@ -254,6 +302,7 @@ def run_step_bench(
         ],
         "graphs_vs_eager": lambda: [_row(bench.eager_vs_graph, b) for b in (1, 64)],
         "prefill": lambda: [_row(bench.prefill, c) for c in PREFILL_CHUNKS],
+        "mixed": lambda: [_row(bench.mixed, *case) for case in MIXED_STEPS],
     }
     for name in engine_sections:
         result[name] = measures[name]()
