@@ -29,6 +29,7 @@ from aiohttp import web
 from ember.bench import datasets, launch, serve
 from ember.bench.client import RequestResult
 from ember.bench.datasets import SampledRequest, is_valid_pair, sample_random, sample_sharegpt
+from ember.bench.engine_steps import STEP_MIX_FIELDS, parse_step_counts, step_mix
 from ember.bench.stats import output_tokens_per_second, summarize
 
 FAKE_MODEL = "fake-model"
@@ -65,6 +66,7 @@ REPORT_FIELDS = [
     "server_command",
     "started_at",
     "output_throughput_per_s",
+    *STEP_MIX_FIELDS,
 ]
 
 
@@ -335,6 +337,7 @@ def test_run_against_a_stand_in_server_reports_every_field(tmp_path, sharegpt_pa
     assert report["server_cpu_seconds"] > 0 and report["server_command"] is None
     assert sum(report["output_throughput_per_s"]) == pytest.approx(report["total_output_tokens"])
     assert all(report[name] is not None for name in LATENCY_FIELDS)
+    assert all(report[name] is None for name in STEP_MIX_FIELDS)  # no /metrics there
     assert out.with_suffix(".png").read_bytes().startswith(b"\x89PNG")
 
     # The server's /tokenize did the counting, and it picked what a local tokenizer would have.
@@ -443,6 +446,41 @@ def test_launch_runs_the_default_model_end_to_end(tmp_path):
     assert report["total_output_tokens"] == 16 * 32
     assert "ember.cli serve" in report["server_command"]
     assert report["server_cpu_seconds"] > 0
+    # The server's step counts over the run: every prompt token fed once (no preemption at
+    # this load), and every output token after a request's first came from a decode.
+    assert report["scheduled_prefill_tokens"] == report["total_input_tokens"]
+    assert report["scheduled_decode_tokens"] >= report["total_output_tokens"] - 16
+    assert 1 <= report["steps_with_prefill"] <= 16
+    assert report["steps_decode_only"] >= 31  # 32 tokens a request, 4 at a time
+
+
+_EXPOSITION = """\
+# TYPE ember:engine_steps_total counter
+ember:engine_steps_total{kind="decode_only",model_name="m"} 90.0
+ember:engine_steps_total{kind="with_prefill",model_name="m"} 30.0
+ember:engine_steps_total{kind="decode_only",model_name="other"} 5.0
+# TYPE ember:scheduled_tokens_total counter
+ember:scheduled_tokens_total{kind="decode",model_name="m"} 2400.0
+ember:scheduled_tokens_total{kind="prefill",model_name="m"} 6000.0
+"""
+
+
+def test_step_mix_from_two_scrapes():
+    before = parse_step_counts(_EXPOSITION, "m")
+    assert before == {"steps_decode_only": 90, "steps_with_prefill": 30,
+                      "scheduled_decode_tokens": 2400, "scheduled_prefill_tokens": 6000}  # fmt: skip
+    assert parse_step_counts(_EXPOSITION, "other") is None  # not every series: no figures
+    after = {"steps_decode_only": 150, "steps_with_prefill": 70,
+             "scheduled_decode_tokens": 6400, "scheduled_prefill_tokens": 16000}  # fmt: skip
+    mix = step_mix(before, after)
+    assert (mix["steps_decode_only"], mix["steps_with_prefill"]) == (60, 40)
+    assert mix["steps_with_prefill_fraction"] == pytest.approx(0.4)
+    assert mix["mean_decodes_per_step"] == pytest.approx(4000 / 100)
+    assert mix["mean_prefill_tokens_per_prefill_step"] == pytest.approx(10000 / 40)
+    assert step_mix(None, after) == dict.fromkeys(STEP_MIX_FIELDS)
+    report = {**dict.fromkeys(REPORT_FIELDS, 0), "model": "m", **mix}
+    summary = serve.format_summary(report)
+    assert "engine steps" in summary and "100 / 40" in summary
 
 
 # ----------------------------------------------------------------------------- transformers peer

@@ -55,6 +55,23 @@ def test_decodes_first_then_prompt_chunks_under_budget():
     assert second.total_num_scheduled_tokens <= 10
 
 
+def test_step_counts_tell_decode_steps_from_prompt_steps():
+    """Steps that feed any prompt token count as prefill steps, the rest as decode-only; a
+    decode feeds one token, a prompt's last one-token chunk is still prompt."""
+    kv = KVCacheManager(num_blocks=64, block_size=4)
+    s = Scheduler(SchedulerConfig(max_num_batched_tokens=10, max_num_seqs=8), kv)
+    s.add_request(make_request("a", 3, max_tokens=4))
+    s.add_request(make_request("b", 18, max_tokens=2))
+    outs = run_to_completion(s)
+    counts = s.step_counts
+    # a: 3 prompt tokens, then 3 decodes; b: 18 prompt tokens in chunks of 7, 9 and 2 (the
+    # 10-token budget less a's decode), then 1 decode: three steps with prompt tokens, then one
+    # of decodes only.
+    assert [sum(o.num_scheduled_tokens.values()) for o in outs] == [10, 10, 3, 2]
+    assert (counts.prefill_tokens, counts.decode_tokens) == (3 + 18, 3 + 1)
+    assert (counts.prefill_steps, counts.decode_only_steps) == (3, 1)
+
+
 def test_several_prompts_share_one_step():
     kv = KVCacheManager(num_blocks=64, block_size=4)
     s = Scheduler(SchedulerConfig(max_num_batched_tokens=32, max_num_seqs=8), kv)

@@ -12,6 +12,8 @@ METRIC_NAMES = (
     "ember:prompt_tokens_total",
     "ember:generation_tokens_total",
     "ember:num_preemptions_total",
+    "ember:engine_steps_total",
+    "ember:scheduled_tokens_total",
     "ember:time_to_first_token_seconds_bucket",
     "ember:time_per_output_token_seconds_bucket",
     "ember:e2e_request_latency_seconds_bucket",
@@ -57,6 +59,39 @@ def test_metrics_change_after_requests(server, client, model_name):
         "ember:time_per_output_token_seconds_count",
     ):
         assert total(after, name) == total(before, name) + 1, name
+
+
+def test_metrics_count_the_engine_steps_by_kind(server, client, model_name):
+    """A 3-token completion adds its prompt's tokens and a step with them, then decodes; the
+    engine's counters reach the front end with its stats (every ~0.5 s, and when it idles)."""
+    import time
+
+    def counts(samples):
+        found = {}
+        for key, value in samples.items():
+            name = key.split("{")[0]
+            if name in ("ember:engine_steps_total", "ember:scheduled_tokens_total"):
+                found[(name, key.split('kind="')[1].split('"')[0])] = value
+        return found
+
+    before = counts(server.metrics())
+    assert len(before) == 4
+    reply = client.completions.create(model=model_name, prompt="Hello there", max_tokens=3,
+                                      temperature=0)  # fmt: skip
+    deadline, after = time.monotonic() + 5, before
+    while time.monotonic() < deadline:  # until the counts have moved and settled
+        time.sleep(0.3)
+        latest = counts(server.metrics())
+        if latest == after != before:
+            break
+        after = latest
+    added = {key: after[key] - before[key] for key in before}
+    assert added[("ember:scheduled_tokens_total", "prefill")] == reply.usage.prompt_tokens
+    assert added[("ember:engine_steps_total", "with_prefill")] == 1
+    # The two tokens after the first are decodes (with CPU/GPU overlap, a decode may be
+    # scheduled for a token that the end of the request makes unneeded).
+    assert added[("ember:scheduled_tokens_total", "decode")] >= 2
+    assert added[("ember:engine_steps_total", "decode_only")] >= 2
 
 
 def test_tokenize_and_detokenize_round_trip(http, model_name):

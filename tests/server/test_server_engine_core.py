@@ -19,6 +19,7 @@ from ember.engine.ipc import (
     Shutdown,
     StepOutputs,
 )
+from ember.engine.scheduler import StepCounts
 from ember.engine.step_types import RequestUpdate
 from ember.sampling_params import SamplingParams
 
@@ -29,7 +30,8 @@ class FakeInstance:
     def __init__(self, vocab_size: int = 100) -> None:
         self.vocab_size = vocab_size
         self.requests: dict[str, list] = {}
-        self.scheduler = SimpleNamespace(running=[], waiting=[], num_preemptions=0)
+        self.scheduler = SimpleNamespace(running=[], waiting=[], num_preemptions=0,
+                                         step_counts=StepCounts())  # fmt: skip
         self.kv_manager = SimpleNamespace(pool=SimpleNamespace(capacity=10), num_free_blocks=10)
 
     def add_request(self, request_id, prompt_token_ids, params):

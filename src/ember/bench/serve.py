@@ -17,7 +17,7 @@ import math
 import shlex
 import sys
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -40,6 +40,7 @@ from ember.bench.datasets import (
     add_dataset_arguments,
     sample_requests,
 )
+from ember.bench.engine_steps import settled_step_counts, step_mix
 from ember.bench.launch import LaunchedServer, LaunchSpec, ServerStartError
 from ember.bench.plots import save_benchmark_plot
 from ember.bench.stats import (
@@ -162,6 +163,11 @@ def measure(
         print(f"warning: only {len(requests)} requests pass the filters", file=sys.stderr)
 
     monitor = CostMonitor(server_pid, args.gpu_index, args.sample_interval)
+    counts_before: list[dict | None] = []
+
+    async def before_timed_load() -> None:  # after the probe: its steps are not the run's
+        counts_before.append(await asyncio.to_thread(settled_step_counts, base_url, model))
+
     run = asyncio.run(
         drive_load(
             ServerTarget(base_url, model, args.endpoint),
@@ -171,8 +177,10 @@ def measure(
             args.seed,
             monitor,
             show_progress=not args.disable_tqdm,
+            before_timed_load=before_timed_load,
         )
     )
+    mix = step_mix(counts_before[0], settled_step_counts(base_url, model))
     figures = summarize(run.results, run.duration_s)
     report = {
         "model": model,
@@ -186,6 +194,7 @@ def measure(
         "tokenizer": getattr(counter, "path", "server /tokenize"),
         **figures,
         **monitor.report(figures["total_output_tokens"]).as_dict(),
+        **mix,
         "server_command": server_command,
         "started_at": started_at,
         "output_throughput_per_s": output_tokens_per_second(run.results, run.start_s),
@@ -202,9 +211,11 @@ async def drive_load(
     seed: int,
     monitor: CostMonitor,
     show_progress: bool = True,
+    before_timed_load: Callable[[], Awaitable[None]] | None = None,
 ) -> LoadRun:
     """Send every request (Poisson arrivals at `request_rate`, at most `max_concurrency` in
-    flight) after one short probe request; costs are sampled over the timed part only."""
+    flight) after one short probe request; costs are sampled over the timed part only.
+    ``before_timed_load`` runs between the probe and the timed part."""
     # aiohttp caps a session at 100 connections by default, which would cap the concurrency.
     connector = aiohttp.TCPConnector(limit=max_concurrency or 0)
     async with aiohttp.ClientSession(connector=connector) as session:
@@ -212,6 +223,8 @@ async def drive_load(
         probe = await client.send(requests[0], max_tokens=PROBE_MAX_TOKENS)
         if not probe.success:
             raise BenchmarkError(f"the probe request failed: {probe.error}")
+        if before_timed_load is not None:
+            await before_timed_load()
 
         gate = asyncio.Semaphore(max_concurrency) if max_concurrency else None
         with tqdm(total=len(requests), disable=not show_progress, unit="req") as bar, monitor:
@@ -307,8 +320,19 @@ def format_summary(report: dict) -> str:
             "%",
         ),
         line("GPU memory used (max)", report["gpu_mem_used_max_mib"], "MiB"),
-        "=" * 60,
     ]
+    if report.get("steps_with_prefill") is not None:
+        steps = report["steps_decode_only"] + report["steps_with_prefill"]
+        lines += [
+            f"{' engine steps (server /metrics) ':-^60}",
+            line("Steps / with a prompt chunk", f"{steps:,} / {report['steps_with_prefill']:,}"),
+            line("Decodes per step (mean)", report["mean_decodes_per_step"]),
+            line(
+                "Prompt tokens per chunk step (mean)",
+                report["mean_prefill_tokens_per_prefill_step"],
+            ),
+        ]
+    lines.append("=" * 60)
     return "\n".join(lines)
 
 

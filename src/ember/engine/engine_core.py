@@ -117,7 +117,7 @@ class EngineCore:
         result = []
         for name, instance in self.instances.items():
             scheduler, kv = instance.scheduler, instance.kv_manager
-            capacity = kv.pool.capacity
+            capacity, steps = kv.pool.capacity, scheduler.step_counts
             result.append(
                 ModelStats(
                     model=name,
@@ -126,6 +126,10 @@ class EngineCore:
                     kv_blocks_used=capacity - kv.num_free_blocks,
                     kv_blocks_total=capacity,
                     num_preemptions=scheduler.num_preemptions,
+                    decode_only_steps=steps.decode_only_steps,
+                    prefill_steps=steps.prefill_steps,
+                    decode_tokens=steps.decode_tokens,
+                    prefill_tokens=steps.prefill_tokens,
                 )
             )
         return result

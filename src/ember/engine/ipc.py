@@ -92,6 +92,11 @@ class ModelStats(msgspec.Struct, array_like=True):
     kv_blocks_used: int
     kv_blocks_total: int
     num_preemptions: int  # cumulative since start
+    # The scheduler's `StepCounts`, cumulative since start.
+    decode_only_steps: int = 0
+    prefill_steps: int = 0
+    decode_tokens: int = 0
+    prefill_tokens: int = 0
 
 
 class StepOutputs(msgspec.Struct, tag="outputs", array_like=True):

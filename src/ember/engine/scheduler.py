@@ -14,6 +14,7 @@ sampled ids on its side.
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
 
 from ember.config import SchedulerConfig
 from ember.engine.kv_cache_manager import KVCacheManager
@@ -27,6 +28,18 @@ from ember.engine.step_types import (
 )
 
 
+@dataclass
+class StepCounts:
+    """What the scheduler has fed the model since it started: steps with prompt tokens (a
+    chunk, or a preempted request's recomputation) and steps of decodes only, and the tokens
+    of each kind (a decode feeds one). For /metrics: which kind of step a workload runs."""
+
+    decode_only_steps: int = 0
+    prefill_steps: int = 0
+    decode_tokens: int = 0
+    prefill_tokens: int = 0
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager) -> None:
         self.config = config
@@ -38,6 +51,7 @@ class Scheduler:
         self._known_to_runner: set[str] = set()
         self._runner_must_forget: set[str] = set()
         self.num_preemptions = 0
+        self.step_counts = StepCounts()
 
     # -- requests in and out -------------------------------------------------------------------
 
@@ -63,6 +77,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        prefill_tokens_before = self.step_counts.prefill_tokens
 
         # Decodes first, then the prompt chunks of running requests, each in arrival order.
         decodes = [r for r in self.running if self._is_decoding(r)]
@@ -103,6 +118,11 @@ class Scheduler:
         # Sent last so that requests preempted in this very step are included; the runner drops
         # these before it adds this step's new requests.
         out.finished_request_ids, self._runner_must_forget = self._runner_must_forget, set()
+        if out.num_scheduled_tokens:
+            if self.step_counts.prefill_tokens > prefill_tokens_before:
+                self.step_counts.prefill_steps += 1
+            else:
+                self.step_counts.decode_only_steps += 1
         return out
 
     def _schedule_running(self, request: Request, budget: int, out: SchedulerOutput) -> int:
@@ -129,6 +149,11 @@ class Scheduler:
 
     def _commit(self, request: Request, num_new: int, out: SchedulerOutput) -> None:
         out.num_scheduled_tokens[request.request_id] = num_new
+        # `_is_decoding` inlined: this runs for every request of every step.
+        if num_new == 1 and request.num_computed_tokens >= request.num_prompt_tokens:
+            self.step_counts.decode_tokens += 1
+        else:
+            self.step_counts.prefill_tokens += num_new
         request.num_computed_tokens += num_new
         if request.num_computed_tokens == self._num_tokens_known(request):
             self._pending[request.request_id] = self._pending.get(request.request_id, 0) + 1

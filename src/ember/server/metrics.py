@@ -1,8 +1,8 @@
 """Prometheus metrics, named like vLLM's with an `ember:` prefix and a `model_name` label.
 
 Two sources: the front end observes requests (token counters, latency histograms) as they
-finish; the engine's scheduler state (running, waiting, KV usage, preemptions) arrives with its
-outputs and is read at scrape time by a custom collector. Each app owns its registry, so two
+finish; the engine's scheduler state (running, waiting, KV usage, preemptions, steps and tokens
+by kind) arrives with its outputs and is read at scrape time by a custom collector. Each app owns its registry, so two
 apps in one process (tests) never share a metric.
 """
 
@@ -46,6 +46,16 @@ class EngineStatsCollector(Collector):
         preemptions = CounterMetricFamily(
             "ember:num_preemptions", "Requests preempted to free KV blocks.", labels=labels
         )
+        steps = CounterMetricFamily(
+            "ember:engine_steps",
+            "Engine steps: decode_only, or with_prefill (prompt chunks or recomputation).",
+            labels=[*labels, "kind"],
+        )
+        tokens = CounterMetricFamily(
+            "ember:scheduled_tokens",
+            "Tokens fed to the model: decode (one per decoding sequence a step) or prefill.",
+            labels=[*labels, "kind"],
+        )
         for stats in self._snapshot():
             label = [stats.model]
             running.add_metric(label, stats.num_running)
@@ -53,7 +63,11 @@ class EngineStatsCollector(Collector):
             usage.add_metric(label, stats.kv_blocks_used / max(1, stats.kv_blocks_total))
             blocks.add_metric(label, stats.kv_blocks_used)
             preemptions.add_metric(label, stats.num_preemptions)
-        return [running, waiting, usage, blocks, preemptions]
+            steps.add_metric([*label, "decode_only"], stats.decode_only_steps)
+            steps.add_metric([*label, "with_prefill"], stats.prefill_steps)
+            tokens.add_metric([*label, "decode"], stats.decode_tokens)
+            tokens.add_metric([*label, "prefill"], stats.prefill_tokens)
+        return [running, waiting, usage, blocks, preemptions, steps, tokens]
 
 
 class ServerMetrics:
