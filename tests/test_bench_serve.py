@@ -467,8 +467,12 @@ ember:scheduled_tokens_total{kind="prefill",model_name="m"} 6000.0
 
 def test_step_mix_from_two_scrapes():
     before = parse_step_counts(_EXPOSITION, "m")
-    assert before == {"steps_decode_only": 90, "steps_with_prefill": 30,
-                      "scheduled_decode_tokens": 2400, "scheduled_prefill_tokens": 6000}  # fmt: skip
+    assert before == {
+        "steps_decode_only": 90,
+        "steps_with_prefill": 30,
+        "scheduled_decode_tokens": 2400,
+        "scheduled_prefill_tokens": 6000,
+    }
     assert parse_step_counts(_EXPOSITION, "other") is None  # not every series: no figures
     after = {"steps_decode_only": 150, "steps_with_prefill": 70,
              "scheduled_decode_tokens": 6400, "scheduled_prefill_tokens": 16000}  # fmt: skip

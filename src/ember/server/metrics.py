@@ -2,8 +2,8 @@
 
 Two sources: the front end observes requests (token counters, latency histograms) as they
 finish; the engine's scheduler state (running, waiting, KV usage, preemptions, steps and tokens
-by kind) arrives with its outputs and is read at scrape time by a custom collector. Each app owns its registry, so two
-apps in one process (tests) never share a metric.
+by kind) arrives with its outputs and is read at scrape time by a custom collector. Each app
+owns its registry, so two apps in one process (tests) never share a metric.
 """
 
 from __future__ import annotations
