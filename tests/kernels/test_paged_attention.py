@@ -185,7 +185,7 @@ def test_mixed_step_launches_serve_their_own_sequences(gen, device, group):
         config = _tile_config(group, decode_only, 32, step.q.element_size())
         _launch_kernel(step.q, step.k_cache, step.v_cache, out, step.query_start_loc,
                        step.seq_lens, step.block_tables, scale, None, False, config, decode_only,
-                       sequences, 1, 1, None, False)  # fmt: skip
+                       sequences)  # fmt: skip
         out = out.cpu()
         assert out[~served].isnan().all(), "a launch wrote rows of the other kind"
         assert_close(out[served], expected[served], torch.float32)

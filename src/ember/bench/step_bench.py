@@ -75,24 +75,34 @@ class StepBench:
         while self.inst.has_work():
             self.inst.step()
 
-    def decode(self, batch: int, context: int, steps: int = 40, warmup: int = 8) -> dict:
+    def _kv_shortfall(self, need: int) -> str | None:
+        """Why a row of ``need`` KV tokens is skipped, or None if the pool holds them."""
         inst = self.inst
-        need = batch * (context + steps + warmup + 2)
-        capacity = inst.kv_manager.pool.capacity * inst.kv_manager.block_size
-        row = {"batch": batch, "context": context}
-        if need > capacity:
-            gib = need * self.kv_bytes_per_token / 2**30
-            return {**row, "skipped": f"KV for {need} tokens ({gib:.0f} GiB) exceeds the pool"}
-        ids = [self.add_warm_request(context, steps + warmup + 4) for _ in range(batch)]
+        if need <= inst.kv_manager.pool.capacity * inst.kv_manager.block_size:
+            return None
+        gib = need * self.kv_bytes_per_token / 2**30
+        return f"KV for {need} tokens ({gib:.0f} GiB) exceeds the pool"
+
+    def _timed_steps(self, step, steps: int, warmup: int) -> tuple[float, dict[str, float]]:
+        """``step()`` ``warmup`` times, then ``steps`` timed times through the engine loop:
+        seconds per step, and the host's ms per step by phase."""
         for _ in range(warmup):
-            inst.step()
+            step()
         self.sync()
-        with host_phases(inst) as host:
+        with host_phases(self.inst) as host:
             start = time.perf_counter()
             for _ in range(steps):
-                inst.step()
+                step()
             self.sync()
             step_s = (time.perf_counter() - start) / steps
+        return step_s, {name: sec / steps * 1e3 for name, sec in host.items()}
+
+    def decode(self, batch: int, context: int, steps: int = 40, warmup: int = 8) -> dict:
+        row = {"batch": batch, "context": context}
+        if shortfall := self._kv_shortfall(batch * (context + steps + warmup + 2)):
+            return {**row, "skipped": shortfall}
+        ids = [self.add_warm_request(context, steps + warmup + 4) for _ in range(batch)]
+        step_s, host_ms = self._timed_steps(self.inst.step, steps, warmup)
         gpu_s = self._gpu_only_step_seconds(batch, context + warmup + steps)
         self.drain(ids)
         ctx = context + (warmup + steps / 2)
@@ -113,7 +123,7 @@ class StepBench:
             "gpu_idle_fraction": (1 - gpu_s / step_s) if gpu_s else None,
             "tokens_per_s": batch / step_s,
             # The host's busy time per step is step_ms less the wait: at step_ms it is the bound.
-            "host_ms_per_step": {name: sec / steps * 1e3 for name, sec in host.items()},
+            "host_ms_per_step": host_ms,
             "roofline_ms": floor * 1e3,
             "fraction_of_roofline": floor / step_s,
             "sequential_roofline_ms": sequential_floor * 1e3,
@@ -127,10 +137,8 @@ class StepBench:
         ``chunk`` tokens (added before the step; it ends with its prefill: max_tokens 1)."""
         inst = self.inst
         row = {"batch": batch, "context": context, "chunk": chunk}
-        need = batch * (context + steps + warmup + 2) + 2 * chunk
-        capacity = inst.kv_manager.pool.capacity * inst.kv_manager.block_size
-        if need > capacity:
-            return {**row, "skipped": f"KV for {need} tokens exceeds the pool"}
+        if shortfall := self._kv_shortfall(batch * (context + steps + warmup + 2) + 2 * chunk):
+            return {**row, "skipped": shortfall}
         ids = [self.add_warm_request(context, steps + warmup + 4) for _ in range(batch)]
         prompts = []
 
@@ -141,15 +149,7 @@ class StepBench:
             prompts.append(inst.add_request(f"prompt-{self._ids}", tokens, params))
             inst.step()
 
-        for _ in range(warmup):
-            step_beside_a_new_prompt()
-        self.sync()
-        with host_phases(inst) as host:
-            start = time.perf_counter()
-            for _ in range(steps):
-                step_beside_a_new_prompt()
-            self.sync()
-            step_s = (time.perf_counter() - start) / steps
+        step_s, host_ms = self._timed_steps(step_beside_a_new_prompt, steps, warmup)
         prefilled = sum(p.num_computed_tokens >= chunk for p in prompts)
         self.drain(ids + [p.request_id for p in prompts])
         return {
@@ -157,7 +157,7 @@ class StepBench:
             "step_ms": step_s * 1e3,
             "decode_tokens_per_s": batch / step_s,
             "prefill_tokens_per_s": chunk / step_s,
-            "host_ms_per_step": {name: sec / steps * 1e3 for name, sec in host.items()},
+            "host_ms_per_step": host_ms,
             # How many of the prompts were through their prefill when the timing ended (all but
             # the last step's, which may still be in flight): each timed step was mixed.
             "prompts_prefilled": prefilled,

@@ -757,7 +757,8 @@ def paged_attention(
     elem_bytes = k_cache.element_size()
     if decode_only or tile_config is not None or not separate_decodes:
         config = tile_config or _tile_config(group, decode_only, head_dim, elem_bytes, splits > 1)
-        launch(config, decode_only, _ALL_SEQUENCES, splits, min_split_tokens, rope, preload_kv)
+        launch(config, decode_only, _ALL_SEQUENCES, splits=splits,
+               min_split_tokens=min_split_tokens, rope=rope, preload_kv=preload_kv)  # fmt: skip
         return out
     # A mixed step: the decodes on decode tiles (a program per sequence and KV head, 16 rows),
     # the prefill chunks on prefill tiles (128 query rows a program). On prefill tiles alone, a
@@ -765,18 +766,17 @@ def paged_attention(
     # at 512 tokens beside a 512-token chunk took 304 us a layer on an H200, where the decodes
     # alone take 127 (bench/results/README.md, "Mixed steps"). Unsplit, so the numbers do not
     # depend on how many sequences a CUDA graph pads the step to.
-    launch(_tile_config(group, True, head_dim, elem_bytes), True, _SINGLE_TOKEN, 1, 1, None, False)
-    launch(_tile_config(group, False, head_dim, elem_bytes), False, _MULTI_TOKEN, 1, 1, None,
-           False)  # fmt: skip
+    launch(_tile_config(group, True, head_dim, elem_bytes), True, _SINGLE_TOKEN)
+    launch(_tile_config(group, False, head_dim, elem_bytes), False, _MULTI_TOKEN)
     return out
 
 
 def _launch_kernel(
     q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, scale, split_counters, pdl,
-    config, decode_only, sequences, splits, min_split_tokens, rope, preload_kv,
+    config, decode_only, sequences, *, splits=1, min_split_tokens=1, rope=None, preload_kv=False,
 ):  # fmt: skip
     """One launch of `_paged_attention_kernel` over the step with one tile configuration, for
-    the sequences of one kind (``sequences``)."""
+    the sequences of one kind (``sequences``); unsplit, without RoPE unless asked."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     num_seqs = seq_lens.shape[0]
