@@ -160,6 +160,19 @@ def test_mixed_step_either_launch_plan(gen, device, separate_decodes):
     assert_close(*run_both(step, separate_decodes=separate_decodes), torch.bfloat16)
 
 
+def test_mixed_step_cuts_long_decodes_into_segments(gen, device):
+    """A mixed step's decodes past one segment's minimum are split and merged (a 2,200-token
+    decode: three segments), short ones are not; the chunk beside them is unaffected."""
+    from ember.kernels.paged_attention import _MIN_TOKENS_PER_SPLIT
+
+    contexts, q_lens = [2 * _MIN_TOKENS_PER_SPLIT + 151, 0, 40], [1, 24, 1]
+    seq_lens = [c + n for c, n in zip(contexts, q_lens)]
+    step = make_step(gen, device, q_lens, seq_lens, num_kv_heads=1, group=4, head_dim=32)
+    counters = torch.zeros(3, dtype=torch.int32, device=device)
+    assert_close(*run_both(step, split_counters=counters), torch.float32)
+    assert not counters.any(), "the merging program zeroes its counter again"
+
+
 @pytest.mark.parametrize("group", [1, 8])
 def test_mixed_step_launches_serve_their_own_sequences(gen, device, group):
     """Each launch of a mixed step writes the rows of its own kind of sequence and no other:

@@ -50,6 +50,8 @@ _PROGRAMS_PER_SM = 2
 _MIN_TOKENS_PER_SPLIT_UNDER_ONE_WAVE = 64
 _MIN_TOKENS_PER_SPLIT = 1024
 _MAX_SPLITS = 32
+# A mixed step's decodes: at most this many segments each (a grid constant, see paged_attention).
+_MIXED_DECODE_SPLITS = 4
 # Splits merged per unrolled chunk by the in-kernel merge (its loads stay in registers).
 _MAX_MERGE_CHUNK = 8
 # Used when there is no CUDA device to ask (the CPU interpreter): an H200's SM count.
@@ -764,9 +766,13 @@ def paged_attention(
     # the prefill chunks on prefill tiles (128 query rows a program). On prefill tiles alone, a
     # decode's program computed 4 of its 128 rows, 128-key tiles on 8 warps: 200 decodes
     # at 512 tokens beside a 512-token chunk took 304 us a layer on an H200, where the decodes
-    # alone take 127 (bench/results/README.md, "Mixed steps"). Unsplit, so the numbers do not
-    # depend on how many sequences a CUDA graph pads the step to.
-    launch(_tile_config(group, True, head_dim, elem_bytes), True, _SINGLE_TOKEN)
+    # alone take 127 (bench/results/README.md, "Mixed steps"). A long decode is cut into
+    # segments of at least _MIN_TOKENS_PER_SPLIT tokens, up to _MIXED_DECODE_SPLITS: a sequence's
+    # segments follow from its own length and the fixed grid, so the numbers do not depend on
+    # how many sequences a CUDA graph pads the step to. Unsplit, a lone decode at 4,096 tokens
+    # took ~114 us a layer, queued before the chunk's launch.
+    launch(_tile_config(group, True, head_dim, elem_bytes), True, _SINGLE_TOKEN,
+           splits=_MIXED_DECODE_SPLITS, min_split_tokens=_MIN_TOKENS_PER_SPLIT)  # fmt: skip
     launch(_tile_config(group, False, head_dim, elem_bytes), False, _MULTI_TOKEN)
     return out
 
