@@ -11,8 +11,9 @@
 #
 # EMBER_AB_STEP_ARGS: `ember bench step` arguments (default: decode steps at batch 1, 8, 64,
 # context 512). EMBER_AB_BRACKET=ends runs the baseline only first and last (not between
-# variants), a run saved per variant (~45 s) when several are tried. EMBER_AB_PROFILE=1 also
-# profiles the baseline and each variant at the batches of EMBER_AB_PROFILE_BATCHES ("1 64")
+# variants), a run saved per variant (~45 s) when several are tried; EMBER_AB_BRACKET=first only
+# first (for changes well above the ~1-2% drift within a call). EMBER_AB_PROFILE=1 also profiles
+# the baseline and each variant at the batches of EMBER_AB_PROFILE_BATCHES ("1 64")
 # and the context EMBER_AB_PROFILE_CONTEXT (512).
 # Results into $OUTDIR/ab.tar.gz (one step_bench.json per run, named baseline_1, PATCHNAME,
 # baseline_2, ...), the log beside it. The tree is restored whatever happens.
@@ -72,7 +73,7 @@ for variant in "$@"; do
     measure "$name" "${flags[@]}"
     git apply -R "$patch" && APPLIED=""
   fi
-  if [ "${EMBER_AB_BRACKET:-each}" != ends ]; then
+  if [ "${EMBER_AB_BRACKET:-each}" = each ]; then
     runs=$((runs + 1))
     measure "baseline_$runs"
   fi
