@@ -36,6 +36,14 @@ def test_token_buckets_cover_every_step_size(max_tokens):
     assert buckets == sorted(set(buckets)) and buckets[-1] == max_tokens
     for tokens in range(1, max_tokens + 1):
         assert any(t >= tokens for t in buckets)
+    for tokens in range(257, max_tokens + 1):  # above 256, padding adds at most 1/8
+        assert min(t for t in buckets if t >= tokens) <= tokens * 9 / 8
+
+
+def test_token_buckets_step_by_an_eighth_of_their_doubling():
+    assert mixed_token_buckets(1024) == [16, 32, 64, 128, 256, 288, 320, 352, 384, 416, 448,
+                                         480, 512, 576, 640, 704, 768, 832, 896, 960, 1024]  # fmt: skip
+    assert mixed_token_buckets(40) == [16, 32, 40]
 
 
 def test_length_classes_are_powers_of_two_up_to_the_model_length():
@@ -162,3 +170,19 @@ def test_start_up_capture_runs_every_bucket_over_a_padded_empty_step(tmp_path):
     assert {k for k in graphs.captured} == set(graphs.all_keys)
     assert llm.generate([prompt], params)[0].outputs[0].token_ids == plain
     assert llm.instance.kv_manager.num_free_blocks == llm.instance.kv_manager.pool.capacity
+
+
+def test_a_step_with_more_chunk_tiles_than_a_graph_holds_takes_a_larger_one(tmp_path):
+    """A mixed graph's chunk launch has a fixed grid: its tokens' tiles plus a partial tile for
+    each of a few chunks. A step of many short chunks needs more: it takes a larger graph whose
+    grid holds them, or runs eagerly past the largest."""
+    from ember.runner.cuda_graphs import _CHUNK_TILE_SLACK
+
+    path = make_tiny_model("LlamaForCausalLM", tmp_path)
+    llm = LLM(str(path), device="cpu", max_model_len=128, max_num_seqs=16,
+              max_num_batched_tokens=40)  # fmt: skip
+    graphs = EagerStepGraphs.install(llm, max_tokens=40, chunk_tile_tokens=4)
+    assert graphs.chunk_tile_grid(16) == 4 + _CHUNK_TILE_SLACK
+    assert graphs.mixed_bucket_for(10, 4, graphs.chunk_tile_grid(16)).num_tokens == 16
+    assert graphs.mixed_bucket_for(10, 4, graphs.chunk_tile_grid(16) + 1).num_tokens == 32
+    assert graphs.mixed_bucket_for(10, 4, graphs.chunk_tile_grid(40) + 1) is None

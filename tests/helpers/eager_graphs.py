@@ -25,12 +25,13 @@ class EagerStepGraphs(StepGraphs):
         return self._forward(key)
 
     @classmethod
-    def install(cls, llm, max_tokens: int) -> EagerStepGraphs:
+    def install(cls, llm, max_tokens: int, **graph_options) -> EagerStepGraphs:
         """Replace ``llm``'s runner graphs (None on a CPU) with eager ones; returns them."""
         runner, config = llm.instance.runner, llm.instance.config.scheduler
+        graph_options.setdefault("chunk_tile_tokens", runner.chunk_tile_tokens)
         runner.graphs = cls(
             llm.instance.model, runner.buffers, runner.kv_cache, runner.cos_sin_cache,
             max_batch=config.max_num_seqs, max_seq_len=llm.instance.max_model_len,
-            max_tokens=max_tokens,
+            max_tokens=max_tokens, **graph_options,
         )  # fmt: skip
         return runner.graphs

@@ -173,6 +173,49 @@ def test_mixed_step_cuts_long_decodes_into_segments(gen, device):
     assert not counters.any(), "the merging program zeroes its counter again"
 
 
+def test_chunk_tile_map_covers_each_chunk_once():
+    """One entry per query tile of each multi-token sequence, in order; decodes (one token) and
+    padding (none) get no tile, the entries past the count are left as they were."""
+    import numpy as np
+
+    from ember.kernels.paged_attention import chunk_tile_map
+
+    q_lens = [1, 33, 1, 1, 64, 2, 0, 1]
+    qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    out = np.full(12, -7, dtype=np.int32)
+    n = chunk_tile_map(qsl, len(q_lens), 32, out)
+    pairs = [(int(e) >> 16, int(e) & 0xFFFF) for e in out[:n]]
+    assert pairs == [(1, 0), (1, 1), (4, 0), (4, 1), (5, 0)]
+    assert (out[n:] == -7).all()
+    with pytest.raises(ValueError, match="do not fit"):
+        chunk_tile_map(qsl, len(q_lens), 32, np.zeros(4, dtype=np.int32))
+
+
+@pytest.mark.parametrize("group", [1, 4])
+def test_mixed_step_over_a_chunk_tile_map(gen, device, group):
+    """The chunk launch over the host's tile map, its grid padded with spare (-1) programs as in
+    a CUDA graph: decodes between chunks, a one-token chunk, a padding sequence, and a chunk
+    longer than one tile."""
+    import numpy as np
+
+    from ember.kernels.paged_attention import ChunkTiles, chunk_tile_map, prefill_query_tile
+
+    contexts = [40, 0, 12, 100, 3, 0, 64, 9]
+    q_lens = [1, 70, 1, 1, 18, 0, 1, 2]
+    seq_lens = [c + n for c, n in zip(contexts, q_lens)]
+    num_kv_heads = 2
+    step = make_step(gen, device, q_lens, seq_lens, num_kv_heads=num_kv_heads, group=group,
+                     head_dim=32, dtype=torch.bfloat16)  # fmt: skip
+    block_q = prefill_query_tile(num_kv_heads * group, num_kv_heads)
+    tiles = np.full(16, -1, dtype=np.int32)
+    count = chunk_tile_map(step.query_start_loc.cpu().numpy(), len(q_lens), block_q, tiles)
+    assert count == sum(-(-n // block_q) for n in q_lens if n > 1)
+    chunk_tiles = ChunkTiles(torch.from_numpy(tiles).to(device), count + 3, block_q)
+    assert_close(*run_both(step, chunk_tiles=chunk_tiles), torch.bfloat16)
+    with pytest.raises(ValueError, match="prefill tile"):
+        run_both(step, chunk_tiles=chunk_tiles._replace(block_q=block_q + 1))
+
+
 @pytest.mark.parametrize("group", [1, 8])
 def test_mixed_step_launches_serve_their_own_sequences(gen, device, group):
     """Each launch of a mixed step writes the rows of its own kind of sequence and no other:

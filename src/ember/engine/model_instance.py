@@ -134,6 +134,7 @@ class ModelInstance:
             max_model_len=self.max_model_len,
             use_cuda_graphs=not config.enforce_eager and self.ops.capturable,
             mixed_cuda_graphs=config.cuda_graph_mode == "full",
+            num_q_heads=cfg.num_heads,
         )
         # Overlap: launch step N+1 before collecting step N (on by default on a GPU).
         self.overlap = config.overlap if config.overlap is not None else self.device.type == "cuda"

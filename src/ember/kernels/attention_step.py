@@ -48,5 +48,5 @@ def rope_and_attention(
     return paged_attention(
         q, k_cache, v_cache, ctx.query_start_loc, ctx.seq_lens, ctx.block_tables, scale, out,
         max_query_len=ctx.max_query_len, max_seq_len=ctx.max_seq_len,
-        split_counters=ctx.split_kv_counters, rope=rope, pdl=pdl,
+        split_counters=ctx.split_kv_counters, rope=rope, pdl=pdl, chunk_tiles=ctx.chunk_tiles,
     )  # fmt: skip

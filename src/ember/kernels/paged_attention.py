@@ -24,6 +24,7 @@ from __future__ import annotations
 from functools import partial
 from typing import NamedTuple
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -61,6 +62,10 @@ _DEFAULT_NUM_SMS = 132
 _ALL_SEQUENCES = tl.constexpr(0)
 _SINGLE_TOKEN = tl.constexpr(1)
 _MULTI_TOKEN = tl.constexpr(2)
+# A chunk tile map's entry (`chunk_tile_map`): its sequence above these bits, the tile's index
+# within the sequence below.
+_TILE_BITS = tl.constexpr(16)
+_TILE_MASK = tl.constexpr((1 << 16) - 1)
 
 
 @triton.jit
@@ -256,6 +261,7 @@ def _paged_attention_kernel(
     positions_ptr,
     cos_sin_ptr,
     slot_mapping_ptr,
+    chunk_tiles_ptr,
     parts_ptr,
     num_parts,
     hidden,
@@ -295,6 +301,7 @@ def _paged_attention_kernel(
     PDL: tl.constexpr,
     PRELOAD_KV: tl.constexpr,
     SEQUENCES: tl.constexpr,
+    TILE_MAP: tl.constexpr,
 ):
     # Until the wait, a program reads only what no kernel of this step writes: the step's
     # metadata and the cache's keys of earlier steps. Under PDL that runs under the previous
@@ -303,9 +310,16 @@ def _paged_attention_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
 
+    no_tile = False
     if DECODE_ONLY:
         seq = tile_id
         local_tile = 0
+    elif TILE_MAP:
+        # The host's map of the chunks' tiles (`chunk_tile_map`); -1: a spare program.
+        entry = tl.load(chunk_tiles_ptr + tile_id)
+        no_tile = entry < 0
+        seq = tl.where(no_tile, 0, entry >> _TILE_BITS)
+        local_tile = tl.where(no_tile, 0, entry & _TILE_MASK)
     else:
         seq = _find_sequence(query_start_loc_ptr, num_seqs, tile_id, BLOCK_Q)
         local_tile = tile_id - (tl.load(query_start_loc_ptr + seq) // BLOCK_Q + seq)
@@ -368,7 +382,7 @@ def _paged_attention_kernel(
     # A spare tile or segment, an empty (padding) sequence, or one the other launch of a mixed
     # step serves (`_left_to_other_launch`). Every program exits after the wait, so a mixed
     # step's second launch waits for its first: the next kernel's PDL wait covers both.
-    if ((tile_q_start >= seq_q_end) | (split >= seq_splits)
+    if ((tile_q_start >= seq_q_end) | (split >= seq_splits) | no_tile
             | _left_to_other_launch(seq_q_end - seq_q_start, SEQUENCES)):  # fmt: skip
         return
 
@@ -602,6 +616,52 @@ def device_sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def _prefill_block_m(group: int) -> int:
+    """Rows of a prefill tile: 128 (query tokens x the GQA group), more for a group past it."""
+    return max(16, triton.next_power_of_2(group), 128)
+
+
+def prefill_query_tile(num_q_heads: int, num_kv_heads: int) -> int:
+    """Query tokens a prefill-tile program serves: what `chunk_tile_map` cuts chunks by."""
+    group = num_q_heads // num_kv_heads
+    return _prefill_block_m(group) // group
+
+
+class ChunkTiles(NamedTuple):
+    """A mixed step's map of its chunks' query tiles (`chunk_tile_map`), for the launch on
+    prefill tiles: one program per entry of ``tiles[:grid]`` (int32 on the device; -1 past the
+    step's own tiles), each ``block_q`` query tokens."""
+
+    tiles: torch.Tensor
+    grid: int
+    block_q: int
+
+
+def chunk_tile_map(query_start_loc: np.ndarray, num_seqs: int, block_q: int,
+                   out: np.ndarray) -> int:  # fmt: skip
+    """Write into ``out`` one entry per ``block_q``-token query tile of each sequence with more
+    than one query token (sequence << 16 | the tile's index within it); returns how many.
+
+    Without a map, the chunk launch's grid has a tile for every sequence, decodes and a CUDA
+    graph's padding included, and each program finds its sequence by a binary search: beside
+    200 decodes, ~1,800 programs of which 128 had work (bench/results/README.md, "Chunk tile
+    map").
+    """
+    bits = _TILE_BITS.value
+    if num_seqs >= 1 << (31 - bits):
+        raise ValueError(f"a chunk tile map holds fewer than {1 << (31 - bits)} sequences")
+    q_lens = np.diff(query_start_loc[: num_seqs + 1])
+    seqs = np.flatnonzero(q_lens > 1)
+    counts = -(-q_lens[seqs] // block_q)
+    total = int(counts.sum())
+    if total > len(out) or (total and counts.max() >= 1 << bits):
+        raise ValueError(f"{total} chunk tiles do not fit a map of {len(out)}")
+    first = np.cumsum(counts) - counts
+    within = np.arange(total) - np.repeat(first, counts)
+    out[:total] = (np.repeat(seqs, counts) << bits) | within
+    return total
+
+
 def _tile_config(
     group: int, decode_only: bool, head_dim: int, elem_bytes: int, split_kv: bool = False
 ) -> dict[str, int]:
@@ -619,7 +679,7 @@ def _tile_config(
         # H200 (2k/8k-token chunks at 229/347 TFLOP/s). One configuration for every mixed step,
         # whatever its longest chunk, so a step gives the same numbers eagerly and padded in a
         # CUDA graph.
-        block_m = max(min_rows, 128)
+        block_m = _prefill_block_m(group)
         config = {
             "BLOCK_M": block_m,
             "BLOCK_Q": block_m // group,
@@ -682,6 +742,7 @@ def paged_attention(
     pdl: bool = False,
     preload_kv: bool | None = None,
     separate_decodes: bool = True,
+    chunk_tiles: ChunkTiles | None = None,
 ) -> torch.Tensor:
     """Causal attention of this step's queries over the paged KV cache; writes and returns ``out``.
 
@@ -716,6 +777,9 @@ def paged_attention(
         separate_decodes: a mixed step runs its single-token sequences in a launch of their own,
             on decode tiles (unsplit), and its chunks on prefill tiles; False: one launch on
             prefill tiles for all (what ``tile_config`` also asks).
+        chunk_tiles: the step's `chunk_tile_map`, for the chunk launch of a mixed step with
+            separate decodes: one program per mapped tile instead of a tile per sequence found
+            by a search. None: the search.
 
     The split path allocates its fp32 partials (``num_seqs * num_q_heads * splits * (head_dim+2)``
     floats) with ``torch.empty``: no sync and capturable, but the only scratch this op uses.
@@ -773,16 +837,23 @@ def paged_attention(
     # took ~114 us a layer, queued before the chunk's launch.
     launch(_tile_config(group, True, head_dim, elem_bytes), True, _SINGLE_TOKEN,
            splits=_MIXED_DECODE_SPLITS, min_split_tokens=_MIN_TOKENS_PER_SPLIT)  # fmt: skip
-    launch(_tile_config(group, False, head_dim, elem_bytes), False, _MULTI_TOKEN)
+    prefill = _tile_config(group, False, head_dim, elem_bytes)
+    if chunk_tiles is not None and chunk_tiles.block_q != prefill["BLOCK_Q"]:
+        raise ValueError(f"chunk tiles of {chunk_tiles.block_q} query tokens, the prefill tile "
+                         f"serves {prefill['BLOCK_Q']}")  # fmt: skip
+    if chunk_tiles is None or chunk_tiles.grid > 0:
+        launch(prefill, False, _MULTI_TOKEN, chunk_tiles=chunk_tiles)
     return out
 
 
 def _launch_kernel(
     q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, scale, split_counters, pdl,
     config, decode_only, sequences, *, splits=1, min_split_tokens=1, rope=None, preload_kv=False,
+    chunk_tiles=None,
 ):  # fmt: skip
     """One launch of `_paged_attention_kernel` over the step with one tile configuration, for
-    the sequences of one kind (``sequences``); unsplit, without RoPE unless asked."""
+    the sequences of one kind (``sequences``); unsplit, without RoPE unless asked; over the
+    tiles of ``chunk_tiles`` when given."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     num_seqs = seq_lens.shape[0]
@@ -799,6 +870,8 @@ def _launch_kernel(
     row_args, block_p = row_norm_args(rope.row_norm if rope is not None else None, q)
     if decode_only:
         num_tiles = num_seqs
+    elif chunk_tiles is not None:
+        num_tiles = chunk_tiles.grid
     else:
         num_tiles = num_tokens // config["BLOCK_Q"] + num_seqs  # see _find_sequence
     group = num_q_heads // num_kv_heads
@@ -809,6 +882,7 @@ def _launch_kernel(
         split_counters if split_kv else seq_lens,
         *((rope.k, rope.v, rope.positions, rope.cos_sin_cache, rope.slot_mapping)
           if rope is not None else (q, q, seq_lens, q, seq_lens)),
+        chunk_tiles.tiles if chunk_tiles is not None else seq_lens,
         *row_args,
         scale * _LOG2E, num_seqs, splits,
         triton.cdiv(min_split_tokens, config["BLOCK_N"]),
@@ -833,6 +907,7 @@ def _launch_kernel(
         PDL=pdl,
         PRELOAD_KV=rope is not None and preload_kv,
         SEQUENCES=sequences.value,
+        TILE_MAP=chunk_tiles is not None,
         launch_pdl=pdl,
         **config,
     )  # fmt: skip

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from ember.kernels.paged_attention import ChunkTiles
 
 
 @dataclass
@@ -21,3 +25,6 @@ class ForwardContext:
     # Persistent int32 zeros (>= sequences x KV heads): split-KV attention's arrival counters
     # (the kernel re-zeroes them); None: zeros allocated per call.
     split_kv_counters: torch.Tensor | None = None
+    # A mixed step's map of its chunks' query tiles for the attention kernel; None: the kernel
+    # finds each tile's sequence itself.
+    chunk_tiles: ChunkTiles | None = None

@@ -32,14 +32,21 @@ from dataclasses import dataclass
 
 import torch
 
-from ember.kernels.paged_attention import choose_num_kv_splits, device_sm_count
+from ember.kernels.paged_attention import ChunkTiles, choose_num_kv_splits, device_sm_count
 from ember.layers.forward_context import ForwardContext
 from ember.runner.input_buffers import InputBuffers
 
 logger = logging.getLogger(__name__)
 
-# Mixed steps below this many tokens are padded to a power of two; above, to a multiple of it.
-_MIXED_TOKEN_STEP = 256
+# Mixed steps up to this many tokens are padded to a power of two (their GEMMs are bound by the
+# weights' bytes, so the padding rows cost little); above, to one of _MIXED_BUCKETS_PER_DOUBLING
+# sizes per doubling, since each padding row costs its share of a compute-bound GEMM.
+_MIXED_POWER_OF_TWO_UP_TO = 256
+_MIXED_BUCKETS_PER_DOUBLING = 8
+# Chunks a mixed graph's chunk launch has a partial tile for (beside a full tile per
+# chunk_tile_tokens of its tokens): a step's new prompts, a burst of arrivals included; its
+# spare programs exit at once.
+_CHUNK_TILE_SLACK = 16
 # The shortest decode length class: at 512 tokens batch 1 already splits into the 8 segments of
 # one KV tile each that its minimum segment allows.
 _SHORTEST_LENGTH_CLASS = 512
@@ -65,12 +72,18 @@ def decode_length_classes(max_seq_len: int) -> list[int]:
 
 
 def mixed_token_buckets(max_tokens: int) -> list[int]:
-    """Token counts that get a mixed-step graph: 16..256 by powers of two, then steps of 256."""
-    sizes = [t for t in (16, 32, 64, 128) if t < max_tokens]
-    sizes += list(range(_MIXED_TOKEN_STEP, max_tokens + 1, _MIXED_TOKEN_STEP))
-    if not sizes or sizes[-1] != max_tokens:
-        sizes.append(max_tokens)
-    return sizes
+    """Token counts that get a mixed-step graph: 16..256 by powers of two, then eight sizes per
+    doubling (256, 288, ..., 512, 576, ...), so a step pads at most 1/8 more rows than it has.
+    With steps of 256, 8 decodes beside a 512-token prompt ran as 768 rows."""
+    sizes = []
+    size = 16
+    while size < min(max_tokens, _MIXED_POWER_OF_TWO_UP_TO):
+        sizes.append(size)
+        size *= 2
+    while size < max_tokens:
+        sizes.append(size)
+        size += (1 << (size.bit_length() - 1)) // _MIXED_BUCKETS_PER_DOUBLING
+    return sizes + [max_tokens]
 
 
 @dataclass(frozen=True)
@@ -94,6 +107,7 @@ class StepGraphs:
         max_batch: int,
         max_seq_len: int,
         max_tokens: int | None = None,
+        chunk_tile_tokens: int | None = None,
     ) -> None:
         self.model = model
         self.buffers = buffers
@@ -111,6 +125,7 @@ class StepGraphs:
         }
         # Mixed graphs only where the step can have more tokens than sequences.
         self.token_buckets = mixed_token_buckets(max_tokens) if max_tokens else []
+        self.chunk_tile_tokens = chunk_tile_tokens
         self._graphs: dict[GraphKey, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = None
 
@@ -126,14 +141,25 @@ class StepGraphs:
                 return GraphKey(True, size, size, self._class_bounds[size][i])
         return None
 
-    def mixed_bucket_for(self, num_tokens: int, num_seqs: int) -> GraphKey | None:
-        """The mixed-step graph for this many tokens, or None past the largest."""
+    def mixed_bucket_for(
+        self, num_tokens: int, num_seqs: int, num_chunk_tiles: int = 0
+    ) -> GraphKey | None:
+        """The mixed-step graph for this many tokens and chunk tiles, or None past the
+        largest."""
         if num_seqs > self.max_batch:
             return None
         for size in self.token_buckets:
-            if size >= num_tokens:
+            if size >= num_tokens and (
+                not self.chunk_tile_tokens or self.chunk_tile_grid(size) >= num_chunk_tiles
+            ):
                 return GraphKey(False, self.max_batch, size, self.max_seq_len)
         return None
+
+    def chunk_tile_grid(self, num_tokens: int) -> int:
+        """Programs of a mixed graph's chunk launch (`chunk_tile_map`): the tiles of its tokens
+        plus a partial last tile for each of up to _CHUNK_TILE_SLACK chunks. A step with more
+        takes a larger graph, or runs eagerly."""
+        return num_tokens // self.chunk_tile_tokens + _CHUNK_TILE_SLACK
 
     def _graph_bounds(self, batch: int, num_kv_heads: int, num_sms: int) -> list[int]:
         """For each length class, the bound of the graph its steps take at ``batch``: the
@@ -195,6 +221,9 @@ class StepGraphs:
             max_query_len=1 if key.decode else t,
             max_seq_len=key.max_seq_len,
             split_kv_counters=self.buffers.split_kv_counters,
+            chunk_tiles=None
+            if key.decode or not self.chunk_tile_tokens
+            else ChunkTiles(buf["chunk_tiles"], self.chunk_tile_grid(t), self.chunk_tile_tokens),
         )
 
     def _forward(self, key: GraphKey) -> torch.Tensor:

@@ -38,6 +38,8 @@ def _layout(
         "sample_indices": ((s,), torch.int64),
         "gather_dst": ((s,), torch.int64),
         "gather_src": ((s,), torch.int64),
+        # A mixed step's chunk tiles (`chunk_tile_map`): a few rows used, sized for the worst.
+        "chunk_tiles": ((t,), torch.int32),
         "input_ids": ((t,), torch.int64),
         "positions": ((t,), torch.int64),
         "slot_mapping": ((t,), torch.int64),

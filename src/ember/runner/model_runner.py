@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from ember.engine.step_types import RunnerOutput, SchedulerOutput, TokenLogprobs
+from ember.kernels.paged_attention import ChunkTiles, chunk_tile_map, prefill_query_tile
 from ember.layers.forward_context import ForwardContext
 from ember.runner.cuda_graphs import GraphKey, StepGraphs
 from ember.runner.input_buffers import InputBlock, InputBuffers
@@ -75,6 +76,7 @@ class ModelRunner:
         max_model_len: int,
         use_cuda_graphs: bool,
         mixed_cuda_graphs: bool = True,
+        num_q_heads: int | None = None,
     ) -> None:
         self.model = model
         self.kv_cache = kv_cache
@@ -84,6 +86,11 @@ class ModelRunner:
         self.device = kv_cache.device
         self.stop_ids_until_min_tokens = stop_ids_until_min_tokens
         self.states: dict[str, RequestState] = {}
+        # Query tokens per tile of a mixed step's chunk tile map (None: no map; the kernel
+        # searches instead).
+        self.chunk_tile_tokens = (
+            prefill_query_tile(num_q_heads, kv_cache.shape[-2]) if num_q_heads else None
+        )
         self.buffers = InputBuffers(
             max_tokens=max(max_num_batched_tokens, max_num_seqs),
             max_seqs=max_num_seqs,
@@ -101,6 +108,7 @@ class ModelRunner:
                 max_num_seqs,
                 max_model_len,
                 max_tokens=max_num_batched_tokens if mixed_cuda_graphs else None,
+                chunk_tile_tokens=self.chunk_tile_tokens,
             )
         self._in_flight: StepHandle | None = None
 
@@ -296,6 +304,9 @@ class ModelRunner:
                 sample_idx[len(plan.sampling_states)] = t - 1
                 plan.sampling_states.append(state)
         plan.num_tokens, plan.num_seqs = t, len(scheduled.num_scheduled_tokens)
+        if plan.max_query_len > 1 and self.chunk_tile_tokens:
+            plan.num_chunk_tiles = chunk_tile_map(qsl, plan.num_seqs, self.chunk_tile_tokens,
+                                                  st.numpy("chunk_tiles"))  # fmt: skip
         return plan
 
     def _graph_bucket(self, plan: _StepPlan, buf: InputBlock) -> GraphKey | None:
@@ -306,14 +317,16 @@ class ModelRunner:
         if plan.max_query_len == 1 and len(plan.sampling_states) == plan.num_seqs:
             key = self.graphs.bucket_for(plan.num_seqs, plan.max_seq_len)
         else:
-            key = self.graphs.mixed_bucket_for(plan.num_tokens, plan.num_seqs)
+            key = self.graphs.mixed_bucket_for(plan.num_tokens, plan.num_seqs,
+                                               plan.num_chunk_tiles)  # fmt: skip
         return key if key is not None and self.buffers.block(key.decode) is buf else None
 
     def _pad_for_graph(self, st, plan: _StepPlan, key: GraphKey) -> _StepPlan:
         """Pad the staged inputs to the graph's shape; padding writes no KV and is never read.
 
         Decode: extra rows are 1-token sequences on scratch block 0. Mixed: extra tokens belong
-        to no sequence, extra sequences are empty, extra sample rows point at token 0.
+        to no sequence, extra sequences are empty, extra sample rows point at token 0, extra
+        chunk tiles are spare (-1).
         """
         t, s, n_samples = plan.num_tokens, plan.num_seqs, len(plan.sampling_states)
         st.numpy("input_ids")[t : key.num_tokens] = 0
@@ -332,6 +345,10 @@ class ModelRunner:
         padded = _StepPlan(**plan.__dict__)
         padded.num_tokens, padded.num_seqs = key.num_tokens, key.num_seqs
         padded.num_sample_rows = key.num_seqs
+        if not key.decode and self.graphs.chunk_tile_tokens:
+            grid = self.graphs.chunk_tile_grid(key.num_tokens)
+            st.numpy("chunk_tiles")[plan.num_chunk_tiles : grid] = -1
+            padded.num_chunk_tiles = grid
         return padded
 
     def _context(self, plan: _StepPlan, buf: InputBlock) -> ForwardContext:
@@ -344,6 +361,9 @@ class ModelRunner:
             max_query_len=plan.max_query_len,
             max_seq_len=plan.max_seq_len,
             split_kv_counters=self.buffers.split_kv_counters,
+            chunk_tiles=ChunkTiles(buf["chunk_tiles"], plan.num_chunk_tiles, self.chunk_tile_tokens)
+            if plan.num_chunk_tiles
+            else None,
         )
 
     def _sampling_row(self, state: RequestState) -> SamplingRow:
@@ -366,6 +386,7 @@ class _StepPlan:
     num_gathers: int = 0
     sampling_states: list[RequestState] = field(default_factory=list)
     num_sample_rows: int = 0  # sample_indices rows to upload beyond the sampled ones (padding)
+    num_chunk_tiles: int = 0  # chunk_tiles entries staged (a graph's grid when padded)
 
     @property
     def upload_counts(self) -> dict[str, int]:
@@ -379,4 +400,5 @@ class _StepPlan:
             "sample_indices": max(len(self.sampling_states), self.num_sample_rows),
             "gather_dst": self.num_gathers,
             "gather_src": self.num_gathers,
+            "chunk_tiles": self.num_chunk_tiles,
         }
