@@ -49,10 +49,11 @@ def test_views_are_aligned_disjoint_and_shaped_by_the_layout():
 
 def test_a_decode_step_uploads_in_one_copy_and_a_long_prefill_in_several():
     buffers = InputBuffers(max_tokens=8192, max_seqs=256, max_blocks_per_seq=256, device=CPU,
-                           num_kv_heads=8)  # fmt: skip
+                           num_kv_heads=8, chunk_tile_tokens=32)  # fmt: skip
     for batch in (1, 64, 256):
         assert len(buffers.decode.upload_runs(_decode_counts(batch, batch))) == 1
-    prefill = {**_decode_counts(2, 0), "input_ids": 3000, "positions": 3000, "slot_mapping": 3000}
+    prefill = {**_decode_counts(2, 0), "input_ids": 3000, "positions": 3000, "slot_mapping": 3000,
+               "chunk_tiles": 94}  # fmt: skip
     runs = buffers.general.upload_runs(prefill)
     assert 1 < len(runs) <= 4  # the token arrays' unused tails stay behind
     copied = sum(end - start for start, end in runs)

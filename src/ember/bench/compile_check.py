@@ -106,9 +106,11 @@ def attention_configs() -> list[CompiledConfig]:
     """The paged attention's launches for the 8B shape (GQA 4, head 128, bf16): decode split
     and unsplit (with RoPE, the deferred norm and the K/V preload: the most state a program
     holds), prefill tiles for all sequences, and a mixed step's two launches (its decodes on
-    decode tiles, its chunks on prefill tiles)."""
+    decode tiles, long ones in segments; its chunks on prefill tiles over the chunk tile map)."""
     from ember.kernels.paged_attention import (
         _ALL_SEQUENCES,
+        _MAX_SPLITS,
+        _MIXED_DECODE_SPLITS,
         _MULTI_TOKEN,
         _SINGLE_TOKEN,
         _paged_attention_kernel,
@@ -117,28 +119,31 @@ def attention_configs() -> list[CompiledConfig]:
 
     pointers = ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr", "rope_k_ptr", "rope_v_ptr")
     int_pointers = ("query_start_loc_ptr", "seq_lens_ptr", "block_tables_ptr",
-                    "split_counters_ptr", "positions_ptr", "slot_mapping_ptr")  # fmt: skip
+                    "split_counters_ptr", "positions_ptr", "slot_mapping_ptr",
+                    "chunk_tiles_ptr")  # fmt: skip
     fp32_pointers = ("part_max_ptr", "part_sum_ptr", "part_acc_ptr", "cos_sin_ptr", "parts_ptr")
     types = {**{p: "*bf16" for p in pointers}, **{p: "*i32" for p in int_pointers},
              **{p: "*fp32" for p in fp32_pointers}, "eps": "fp32", "qk_scale": "fp32"}  # fmt: skip
     divisible = {*pointers, *int_pointers, *fp32_pointers, "stride_q_tok", "stride_o_tok",
                  "stride_cache_block", "stride_cache_slot", "stride_table"}  # fmt: skip
     results = []
-    cases = (("decode split", True, True, _ALL_SEQUENCES), ("decode", True, False, _ALL_SEQUENCES),
-             ("prefill", False, False, _ALL_SEQUENCES),
-             ("mixed decodes", True, False, _SINGLE_TOKEN),
-             ("mixed chunks", False, False, _MULTI_TOKEN))  # fmt: skip
-    for case, decode, split, sequences in cases:
+    # (case, decode tiles, their split configuration, segments, sequences served, tile map)
+    cases = (("decode split", True, True, _MAX_SPLITS, _ALL_SEQUENCES, False),
+             ("decode", True, False, 1, _ALL_SEQUENCES, False),
+             ("prefill", False, False, 1, _ALL_SEQUENCES, False),
+             ("mixed decodes", True, False, _MIXED_DECODE_SPLITS, _SINGLE_TOKEN, False),
+             ("mixed chunks", False, False, 1, _MULTI_TOKEN, True))  # fmt: skip
+    for case, decode, split_tiles, splits, sequences, tile_map in cases:
         sequences = sequences.value
         rope = decode and sequences == _ALL_SEQUENCES.value  # a mixed step writes its cache first
-        config = _tile_config(4, decode, 128, 2, split)
+        config = _tile_config(4, decode, 128, 2, split_tiles)
         num_warps = config.pop("num_warps")
         constexprs = {
-            "GROUP": 4, "HEAD_DIM": 128, "PAGE": 16, "DECODE_ONLY": decode, "SPLIT_KV": split,
-            "DOT_PRECISION": "tf32", "BLOCK_SPLITS": 32 if split else 1, "GROUP_P2": 4,
-            "MERGE_CHUNK": 8 if split else 1, "ROPE": rope, "ROW_NORM": rope,
-            "BLOCK_P": 128, "PDL": True, "PRELOAD_KV": rope and split,
-            "SEQUENCES": sequences, **config,
+            "GROUP": 4, "HEAD_DIM": 128, "PAGE": 16, "DECODE_ONLY": decode,
+            "SPLIT_KV": splits > 1, "DOT_PRECISION": "tf32", "BLOCK_SPLITS": splits,
+            "GROUP_P2": 4, "MERGE_CHUNK": min(8, splits), "ROPE": rope, "ROW_NORM": rope,
+            "BLOCK_P": 128, "PDL": True, "PRELOAD_KV": rope and split_tiles,
+            "SEQUENCES": sequences, "TILE_MAP": tile_map, **config,
         }  # fmt: skip
         shared = compile_for_sm90(_paged_attention_kernel, types, divisible, constexprs, num_warps)
         results.append(CompiledConfig("paged_attention", case, constexprs, num_warps, shared))

@@ -7,9 +7,11 @@ tiles it streams are read once for all the group's query heads. Scores go throug
 
 A mixed step launches the kernel twice: its single-token sequences (decodes) on decode tiles,
 its chunks on prefill tiles, each launch skipping the other's sequences on the GPU (so the plan
-holds in a CUDA graph whatever the step's mix).
+holds in a CUDA graph whatever the step's mix). The chunks' launch can run over a host-built map
+of their query tiles (`chunk_tile_map`) instead of a tile per sequence.
 
-Decode-only steps (every ``q_len == 1``) can also take the split-KV ("flash-decoding") path:
+Decode-only steps (every ``q_len == 1``) can also take the split-KV ("flash-decoding") path, and
+a mixed step's long decodes take it with a few segments:
 each sequence's KV range is cut into segments handled by separate programs that write partial
 (max, sum, acc) triples, merged by the last program of each (sequence, KV head) to finish (it
 counts arrivals in the caller's counters, or in zeros allocated per call). That is what fills
@@ -637,6 +639,12 @@ class ChunkTiles(NamedTuple):
     block_q: int
 
 
+def chunk_tile_bound(num_tokens: int, num_seqs: int, block_q: int) -> int:
+    """The most chunk tiles a step of ``num_tokens`` query tokens in ``num_seqs`` sequences can
+    have: a tile per ``block_q`` tokens, and a partial one per chunk."""
+    return num_tokens // block_q + num_seqs
+
+
 def chunk_tile_map(query_start_loc: np.ndarray, num_seqs: int, block_q: int,
                    out: np.ndarray) -> int:  # fmt: skip
     """Write into ``out`` one entry per ``block_q``-token query tile of each sequence with more
@@ -644,8 +652,9 @@ def chunk_tile_map(query_start_loc: np.ndarray, num_seqs: int, block_q: int,
 
     Without a map, the chunk launch's grid has a tile for every sequence, decodes and a CUDA
     graph's padding included, and each program finds its sequence by a binary search: beside
-    200 decodes, ~1,800 programs of which 128 had work (bench/results/README.md, "Chunk tile
-    map").
+    200 decodes in a graph of 256 sequences, 2,240 programs of which 128 had work, 43.5 us a
+    layer on an H200; 21.3 with the map (bench/results/README.md, "Mixed steps: long decodes
+    in segments, a chunk tile map, finer mixed graphs").
     """
     bits = _TILE_BITS.value
     if num_seqs >= 1 << (31 - bits):
@@ -775,7 +784,7 @@ def paged_attention(
         preload_kv: with ``rope``, load each program's first K/V tile before the PDL wait (so
             under the previous kernel's tail). None: as `_preloads_kv` rules.
         separate_decodes: a mixed step runs its single-token sequences in a launch of their own,
-            on decode tiles (unsplit), and its chunks on prefill tiles; False: one launch on
+            on decode tiles (long ones in segments), and its chunks on prefill tiles; False: one launch on
             prefill tiles for all (what ``tile_config`` also asks).
         chunk_tiles: the step's `chunk_tile_map`, for the chunk launch of a mixed step with
             separate decodes: one program per mapped tile instead of a tile per sequence found

@@ -32,7 +32,12 @@ from dataclasses import dataclass
 
 import torch
 
-from ember.kernels.paged_attention import ChunkTiles, choose_num_kv_splits, device_sm_count
+from ember.kernels.paged_attention import (
+    ChunkTiles,
+    choose_num_kv_splits,
+    chunk_tile_bound,
+    device_sm_count,
+)
 from ember.layers.forward_context import ForwardContext
 from ember.runner.input_buffers import InputBuffers
 
@@ -157,9 +162,11 @@ class StepGraphs:
 
     def chunk_tile_grid(self, num_tokens: int) -> int:
         """Programs of a mixed graph's chunk launch (`chunk_tile_map`): the tiles of its tokens
-        plus a partial last tile for each of up to _CHUNK_TILE_SLACK chunks. A step with more
-        takes a larger graph, or runs eagerly."""
-        return num_tokens // self.chunk_tile_tokens + _CHUNK_TILE_SLACK
+        plus a partial last tile for each of up to _CHUNK_TILE_SLACK chunks (never more chunks
+        than sequences, so the map's buffer holds it). A step with more takes a larger graph,
+        or runs eagerly."""
+        spare = min(_CHUNK_TILE_SLACK, self.max_batch)
+        return chunk_tile_bound(num_tokens, spare, self.chunk_tile_tokens)
 
     def _graph_bounds(self, batch: int, num_kv_heads: int, num_sms: int) -> list[int]:
         """For each length class, the bound of the graph its steps take at ``batch``: the

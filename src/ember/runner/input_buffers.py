@@ -21,6 +21,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ember.kernels.paged_attention import chunk_tile_bound
+
 _ALIGN = 16
 # Copy the gap between two used runs rather than start another copy when it is this small:
 # ~20 KiB moves in the time a copy takes to start.
@@ -28,7 +30,7 @@ MERGE_GAP_BYTES = 16 * 1024
 
 
 def _layout(
-    t: int, s: int, max_blocks_per_seq: int
+    t: int, s: int, max_blocks_per_seq: int, chunk_tile_tokens: int
 ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """Inputs in layout order: the short per-sequence arrays first, then the per-token ones, the
     block tables (the widest rows) last, so a step's used rows form as few runs as possible."""
@@ -38,8 +40,9 @@ def _layout(
         "sample_indices": ((s,), torch.int64),
         "gather_dst": ((s,), torch.int64),
         "gather_src": ((s,), torch.int64),
-        # A mixed step's chunk tiles (`chunk_tile_map`): a few rows used, sized for the worst.
-        "chunk_tiles": ((t,), torch.int32),
+        # A mixed step's chunk tiles (`chunk_tile_map`). Sized to the bound, not to the tokens:
+        # its unused tail lies between short arrays and must stay under MERGE_GAP_BYTES.
+        "chunk_tiles": ((chunk_tile_bound(t, s, chunk_tile_tokens),), torch.int32),
         "input_ids": ((t,), torch.int64),
         "positions": ((t,), torch.int64),
         "slot_mapping": ((t,), torch.int64),
@@ -78,8 +81,8 @@ class InputBlock:
     """A step layout's inputs on the device, with two host staging sets."""
 
     def __init__(self, max_tokens: int, max_seqs: int, max_blocks_per_seq: int,
-                 device: torch.device) -> None:  # fmt: skip
-        self.layout = _layout(max_tokens, max_seqs, max_blocks_per_seq)
+                 device: torch.device, chunk_tile_tokens: int = 1) -> None:  # fmt: skip
+        self.layout = _layout(max_tokens, max_seqs, max_blocks_per_seq, chunk_tile_tokens)
         self.offsets: dict[str, int] = {}
         size = 0
         for name, (shape, dtype) in self.layout.items():
@@ -139,8 +142,11 @@ class InputBuffers:
         max_blocks_per_seq: int,
         device: torch.device,
         num_kv_heads: int,
+        chunk_tile_tokens: int = 1,
     ) -> None:
-        self.general = InputBlock(max_tokens, max_seqs, max_blocks_per_seq, device)
+        self.general = InputBlock(max_tokens, max_seqs, max_blocks_per_seq, device,
+                                  chunk_tile_tokens)  # fmt: skip
+        # Decode steps have no chunks: the decode block's map stays unused.
         self.decode = InputBlock(max_seqs, max_seqs, max_blocks_per_seq, device)
         # Split-KV attention's arrival counters: zero between launches (the kernel re-zeroes
         # them), never staged from the host.

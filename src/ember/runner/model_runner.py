@@ -97,6 +97,7 @@ class ModelRunner:
             max_blocks_per_seq=-(-max_model_len // block_size),
             device=self.device,
             num_kv_heads=kv_cache.shape[-2],
+            chunk_tile_tokens=self.chunk_tile_tokens or 1,
         )
         self.graphs = None
         if use_cuda_graphs and self.device.type == "cuda":
