@@ -201,3 +201,56 @@ def test_random_workload_never_leaks_blocks(seed):
         s.check_invariants()
     assert not s.has_unfinished()
     assert kv.num_free_blocks == kv.pool.capacity
+
+
+def _overlapped_run(seed: int, one_token_path: bool, monkeypatch) -> tuple[list, int]:
+    """A random workload scheduled one step ahead of its results (as the engine overlaps),
+    under KV pressure, with aborts; returns what every step scheduled and reported."""
+    rng = random.Random(seed)
+    kv = KVCacheManager(num_blocks=rng.randint(12, 40), block_size=rng.choice([1, 4, 16]))
+    cfg = SchedulerConfig(max_num_batched_tokens=rng.randint(8, 64), max_num_seqs=rng.randint(1, 8))
+    s = Scheduler(cfg, kv)
+    taken = []
+    one_token = s._feed_one_token
+
+    def feed_one_token(request, out) -> bool:
+        fed = one_token_path and one_token(request, out)
+        taken.append(fed)
+        return fed
+
+    monkeypatch.setattr(s, "_feed_one_token", feed_one_token)
+    limit = (kv.pool.capacity * kv.block_size) // 2
+    for i in range(30):
+        s.add_request(make_request(f"r{i}", rng.randint(1, limit - 8), rng.randint(1, 8), eos=(3,)))
+    trace, in_flight = [], []
+    for _ in range(5000):
+        if not s.has_unfinished() and not in_flight:
+            break
+        if rng.random() < 0.03 and s.requests:
+            s.abort(rng.choice(sorted(s.requests)))
+        before = dict(s._pending)
+        out = s.schedule()
+        sampled = [r for r in out.num_scheduled_tokens if s._pending.get(r, 0) > before.get(r, 0)]
+        trace.append((dict(out.num_scheduled_tokens), sorted(out.finished_request_ids),
+                      [(c.request_id, c.new_block_ids, c.num_computed_tokens)
+                       for c in out.cached_requests]))  # fmt: skip
+        in_flight.append((out, sampled))
+        if len(in_flight) == 2 or out.is_empty:
+            done, ids = in_flight.pop(0)
+            tokens = [rng.randint(0, 9) for _ in ids]
+            updates = s.update(done, RunnerOutput(ids, tokens))
+            trace.append([(u.request_id, u.new_token_ids, u.finish_reason) for u in updates])
+        s.check_invariants()
+    assert not s.has_unfinished() and kv.num_free_blocks == kv.pool.capacity
+    return trace + [vars(s.step_counts)], sum(taken)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_one_token_path_schedules_as_the_general_path(seed, monkeypatch):
+    """The decode fast path (`_feed_one_token`) changes the cost, not the schedule: a
+    workload with pending samples, preemptions, aborts and stop tokens gets the same steps,
+    blocks and results through the general path alone."""
+    fast, taken = _overlapped_run(seed, True, monkeypatch)
+    general, _ = _overlapped_run(seed, False, monkeypatch)
+    assert taken > 0
+    assert fast == general

@@ -80,13 +80,25 @@ class Scheduler:
         prefill_tokens_before = self.step_counts.prefill_tokens
 
         # Decodes first, then the prompt chunks of running requests, each in arrival order.
-        decodes = [r for r in self.running if self._is_decoding(r)]
-        prefills = [r for r in self.running if not self._is_decoding(r)]
-        for request in decodes + prefills:
+        decodes, prefills = [], []
+        for request in self.running:
+            # `_is_decoding`, inlined: this runs for every request of every step.
+            is_decoding = request.num_computed_tokens >= len(request.prompt_token_ids)
+            (decodes if is_decoding else prefills).append(request)
+        for request in decodes:
             if budget <= 0:
                 break
-            if request.status != RequestStatus.RUNNING:
+            if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
+            if self._feed_one_token(request, out):
+                budget -= 1
+            else:
+                budget -= self._schedule_running(request, budget, out)
+        for request in prefills:
+            if budget <= 0:
+                break
+            if request.status is not RequestStatus.RUNNING:
+                continue
             budget -= self._schedule_running(request, budget, out)
 
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
@@ -124,6 +136,29 @@ class Scheduler:
             else:
                 self.step_counts.decode_only_steps += 1
         return out
+
+    def _feed_one_token(self, request: Request, out: SchedulerOutput) -> bool:
+        """Schedule a decode's one token when it has exactly one to feed and a slot for it
+        without preempting: `_schedule_running` and `_commit` for that case, in one call (about
+        20 Python calls fewer per request and step: `schedule()` at 256 decodes went from 1.30
+        to 0.72 ms on the 2-core CI machine, bench/results/README.md). False: nothing was
+        scheduled; `_schedule_running` decides."""
+        request_id = request.request_id
+        pending = self._pending.get(request_id, 0)
+        num_output = len(request.output_token_ids)
+        computed = request.num_computed_tokens
+        if (num_output + pending >= request.max_tokens
+                or len(request.prompt_token_ids) + num_output + pending - computed != 1):  # fmt: skip
+            return False
+        new_blocks = self.kv_cache.allocate_slots(request_id, computed + 1)
+        if new_blocks is None:
+            return False
+        out.cached_requests.append(CachedRequestData(request_id, new_blocks, computed))
+        out.num_scheduled_tokens[request_id] = 1
+        self.step_counts.decode_tokens += 1
+        request.num_computed_tokens = computed + 1
+        self._pending[request_id] = pending + 1  # it now feeds every token it knows
+        return True
 
     def _schedule_running(self, request: Request, budget: int, out: SchedulerOutput) -> int:
         """Schedule one running request, preempting others if blocks run out; tokens used."""
@@ -197,15 +232,21 @@ class Scheduler:
     def update(self, scheduled: SchedulerOutput, result: RunnerOutput) -> list[RequestUpdate]:
         """Append the sampled tokens, finish requests that are done, report what changed."""
         updates = []
-        for i, request_id in enumerate(result.request_ids):
-            request = self.requests.get(request_id)
-            if request_id in self._pending:
-                self._pending[request_id] -= 1
-                if self._pending[request_id] == 0:
-                    del self._pending[request_id]
-            if request is None or request.status != RequestStatus.RUNNING:
+        # Locals: this loop runs for every request of every step.
+        requests, pending, running = self.requests, self._pending, RequestStatus.RUNNING
+        logprobs = result.logprobs or None
+        for i, (request_id, token_id) in enumerate(
+            zip(result.request_ids, result.sampled_token_ids, strict=True)
+        ):
+            request = requests.get(request_id)
+            left = pending.get(request_id)
+            if left is not None:
+                if left == 1:
+                    del pending[request_id]
+                else:
+                    pending[request_id] = left - 1
+            if request is None or request.status is not running:
                 continue  # aborted or preempted while the step ran: drop the token
-            token_id = result.sampled_token_ids[i]
             request.output_token_ids.append(token_id)
             reason = request.stop_reason_after(token_id)
             if reason is not None:
@@ -214,9 +255,9 @@ class Scheduler:
                 RequestUpdate(
                     request_id=request_id,
                     new_token_ids=[token_id],
-                    new_logprobs=[result.logprobs[i] if result.logprobs else None],
+                    new_logprobs=[logprobs[i] if logprobs else None],
                     finish_reason=reason.value if reason else None,
-                    num_prompt_tokens=request.num_prompt_tokens,
+                    num_prompt_tokens=len(request.prompt_token_ids),
                 )
             )
         return updates
