@@ -30,7 +30,7 @@ from ember.bench import datasets, launch, serve
 from ember.bench.client import RequestResult
 from ember.bench.datasets import SampledRequest, is_valid_pair, sample_random, sample_sharegpt
 from ember.bench.engine_steps import STEP_MIX_FIELDS, parse_step_counts, step_mix
-from ember.bench.stats import output_tokens_per_second, summarize
+from ember.bench.stats import full_load_output_throughput, output_tokens_per_second, summarize
 
 FAKE_MODEL = "fake-model"
 
@@ -53,6 +53,8 @@ REPORT_FIELDS = [
     "duration_s",
     "request_throughput",
     "output_throughput",
+    "full_load_output_throughput",
+    "full_load_window_s",
     "total_token_throughput",
     "total_input_tokens",
     "total_output_tokens",
@@ -311,6 +313,27 @@ def test_output_throughput_is_binned_per_second():
     assert output_tokens_per_second(results, start_s=0.0) == [2.0, 1.0, 4.0]
 
 
+def test_full_load_throughput_counts_the_window_at_full_concurrency():
+    """Concurrency 2, four requests: full load lasts from the second start (1.0) to the last
+    (3.0). Tokens streamed in that window count, spread over each request's chunks; the ramp
+    before it and the tail after it do not."""
+    results = [
+        _result(0.0, [0.5, 1.5, 2.5], tokens=6, prompt_len=4),  # 2 tokens a chunk: 4 inside
+        _result(1.0, [1.2, 2.0], tokens=2, prompt_len=4),  # both inside
+        _result(2.5, [2.9, 3.5], tokens=2, prompt_len=4),  # one inside, one in the tail
+        _result(3.0, [3.2, 4.0], tokens=2, prompt_len=4),  # all in the tail
+    ]
+    figures = full_load_output_throughput(results, max_concurrency=2)
+    assert figures["full_load_window_s"] == pytest.approx(2.0)
+    assert figures["full_load_output_throughput"] == pytest.approx((4 + 2 + 1) / 2.0)
+    empty = {"full_load_output_throughput": None, "full_load_window_s": None}
+    assert full_load_output_throughput(results, max_concurrency=4) == empty
+    failed = RequestResult(success=False, prompt_len=4, start_s=0.2, error="HTTP 500")
+    assert full_load_output_throughput([*results, failed], max_concurrency=2) == empty
+    assert full_load_output_throughput(results, max_concurrency=None) == empty
+    assert full_load_output_throughput(results, max_concurrency=2, request_rate=5.0) == empty
+
+
 # ----------------------------------------------------------------------------- full runs
 
 
@@ -336,6 +359,7 @@ def test_run_against_a_stand_in_server_reports_every_field(tmp_path, sharegpt_pa
     assert report["total_output_tokens"] == sum(body["max_tokens"] for body in bodies)
     assert report["server_cpu_seconds"] > 0 and report["server_command"] is None
     assert sum(report["output_throughput_per_s"]) == pytest.approx(report["total_output_tokens"])
+    assert report["full_load_window_s"] > 0 and report["full_load_output_throughput"] > 0
     assert all(report[name] is not None for name in LATENCY_FIELDS)
     assert all(report[name] is None for name in STEP_MIX_FIELDS)  # no /metrics there
     assert out.with_suffix(".png").read_bytes().startswith(b"\x89PNG")

@@ -36,7 +36,7 @@ from ember.bench.client import RequestResult
 from ember.bench.costs import CostMonitor
 from ember.bench.datasets import LocalTokenizer, SampledRequest, add_dataset_arguments
 from ember.bench.datasets import sample_requests as sample_dataset
-from ember.bench.stats import output_tokens_per_second, summarize
+from ember.bench.stats import full_load_output_throughput, output_tokens_per_second, summarize
 
 NO_EOS = -1  # transformers' request state ignores negative EOS ids: generation runs to the limit
 SWITCH_CHOICES = ("auto", "on", "off")
@@ -240,6 +240,7 @@ def run_peer(args: argparse.Namespace) -> dict:
         "interrupted": run.interrupted,
         **figures,
         **monitor.report(figures["total_output_tokens"]).as_dict(),
+        **full_load_output_throughput(run.results, args.max_concurrency),
         "started_at": started_at,
         "output_throughput_per_s": output_tokens_per_second(run.results, run.start_s),
     }

@@ -45,6 +45,7 @@ from ember.bench.launch import LaunchedServer, LaunchSpec, ServerStartError
 from ember.bench.plots import save_benchmark_plot
 from ember.bench.stats import (
     LATENCY_METRICS,
+    full_load_output_throughput,
     latency_samples_s,
     output_tokens_per_second,
     summarize,
@@ -195,6 +196,7 @@ def measure(
         **figures,
         **monitor.report(figures["total_output_tokens"]).as_dict(),
         **mix,
+        **full_load_output_throughput(run.results, args.max_concurrency, args.request_rate),
         "server_command": server_command,
         "started_at": started_at,
         "output_throughput_per_s": output_tokens_per_second(run.results, run.start_s),
@@ -299,6 +301,13 @@ def format_summary(report: dict) -> str:
         ),
         line("Request throughput", report["request_throughput"], "req/s"),
         line("Output token throughput", report["output_throughput"], "tok/s"),
+        line(
+            "  at full concurrency",
+            report.get("full_load_output_throughput"),
+            f"tok/s ({report['full_load_window_s']:.1f} s)"
+            if report.get("full_load_window_s")
+            else "",
+        ),
         line("Total token throughput", report["total_token_throughput"], "tok/s"),
     ]
     for metric in LATENCY_METRICS:

@@ -79,3 +79,34 @@ def output_tokens_per_second(results: Sequence[RequestResult], start_s: float) -
         seconds = np.floor(np.asarray(r.chunk_times_s) - start_s).astype(np.int64)
         np.add.at(per_second, seconds.clip(0, len(per_second) - 1), r.output_tokens / len(seconds))
     return [round(float(v), 3) for v in per_second]
+
+
+def full_load_output_throughput(
+    results: Sequence[RequestResult], max_concurrency: int | None, request_rate: float = math.inf
+) -> dict[str, float | None]:
+    """Output tok/s while the client kept ``max_concurrency`` requests in flight: from the
+    ``max_concurrency``-th request's start to the last request's start (after it, requests only
+    end). The whole-run figure also counts the ramp and the tail, where the batch is smaller;
+    this one is the server's rate at the load asked for. None when the load is not held by a
+    concurrency limit alone (no limit, or paced arrivals), when the window is empty (no more
+    requests than the concurrency), or when requests failed (a failure frees its slot early).
+
+    A request's tokens are spread evenly over its streamed chunks, as in
+    `output_tokens_per_second`.
+    """
+    empty = {"full_load_output_throughput": None, "full_load_window_s": None}
+    if (max_concurrency is None or math.isfinite(request_rate) or len(results) <= max_concurrency
+            or not all(r.success for r in results)):  # fmt: skip
+        return empty
+    starts = sorted(r.start_s for r in results)
+    window_start, window_end = starts[max_concurrency - 1], starts[-1]
+    if window_end <= window_start:
+        return empty
+    tokens = 0.0
+    for r in results:
+        if r.chunk_times_s:
+            times = np.asarray(r.chunk_times_s)
+            inside = np.count_nonzero((times >= window_start) & (times < window_end))
+            tokens += r.output_tokens * inside / len(times)
+    seconds = window_end - window_start
+    return {"full_load_output_throughput": tokens / seconds, "full_load_window_s": seconds}
