@@ -184,8 +184,8 @@ class Scheduler:
 
     def _commit(self, request: Request, num_new: int, out: SchedulerOutput) -> None:
         out.num_scheduled_tokens[request.request_id] = num_new
-        # `_is_decoding` inlined: this runs for every request of every step.
-        if num_new == 1 and request.num_computed_tokens >= request.num_prompt_tokens:
+        # Decodes take `_feed_one_token` in the common case; this counts the rest.
+        if num_new == 1 and self._is_decoding(request):
             self.step_counts.decode_tokens += 1
         else:
             self.step_counts.prefill_tokens += num_new

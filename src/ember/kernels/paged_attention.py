@@ -67,7 +67,7 @@ _MULTI_TOKEN = tl.constexpr(2)
 # A chunk tile map's entry (`chunk_tile_map`): its sequence above these bits, the tile's index
 # within the sequence below.
 _TILE_BITS = tl.constexpr(16)
-_TILE_MASK = tl.constexpr((1 << 16) - 1)
+_TILE_MASK = tl.constexpr((1 << _TILE_BITS.value) - 1)
 
 
 @triton.jit
