@@ -226,6 +226,7 @@ def run_profile(
         "decode_rope_in_attention": inst.config.decode_rope_in_attention,
         "defer_norms": inst.model.defers_norms,
         "defer_norms_max_rows": inst.ops.defer_norms_max_rows,
+        "split_k_gemm": inst.config.split_k_gemm,
         "rows": rows,
     }
     (out_dir / "step_profile.json").write_text(json.dumps(result, indent=2))
@@ -235,7 +236,7 @@ def run_profile(
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="checkpoint directory (see make-model)")
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 64, 200])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 64, 200, 256])
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--prefill-chunk", type=int, default=512)
     add_fast_path_arguments(parser)
