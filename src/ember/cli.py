@@ -204,12 +204,6 @@ def add_fast_path_arguments(parser: argparse.ArgumentParser) -> None:
         help="run each decoder RMSNorm as its own kernel instead of folding its weight into the "
         "next projection and deferring 1/rms to the kernel that reads it",
     )
-    parser.add_argument(
-        "--split-k-gemm",
-        action="store_true",
-        help="run the q/k/v, o and down products of 65-256 rows on the split-K Triton kernel "
-        "instead of cuBLAS",
-    )
 
 
 def fast_path_options(args: argparse.Namespace) -> dict:
@@ -218,7 +212,6 @@ def fast_path_options(args: argparse.Namespace) -> dict:
         "programmatic_launch": args.programmatic_launch,
         "decode_rope_in_attention": not args.separate_decode_rope,
         "defer_norms": not args.separate_norms,
-        "split_k_gemm": args.split_k_gemm,
     }
 
 

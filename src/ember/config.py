@@ -167,7 +167,4 @@ class EngineConfig:
     # projections they feed; the residual add and the norm's statistics ride in the GEMM that
     # adds to the stream, 1/rms in the kernel that reads the next projection.
     defer_norms: bool = True
-    # Mid-batch q/k/v, o and down products (65-256 rows) on the split-K Triton kernel
-    # (ember.kernels.split_k_gemm) instead of cuBLAS.
-    split_k_gemm: bool = False
     overlap: bool | None = None  # None: overlap CPU and GPU work when on a GPU

@@ -102,39 +102,6 @@ def skinny_gemm_configs() -> list[CompiledConfig]:
     ]
 
 
-# Row counts the split-K GEMM's tiles and splits are compiled at (`split_k_gemm.default_config`).
-_SPLIT_K_ROWS = (128, 256)
-# The narrow projections `ember.kernels.linear` routes to it.
-_SPLIT_K_SHAPES = ("qkv", "o", "down")
-
-
-def split_k_gemm_configs(num_sms: int = 132) -> list[CompiledConfig]:
-    """The split-K GEMM's default tiles for the 8B model's narrow projections on an H200's 132
-    SMs, and the one-slice form (which stores its tile directly)."""
-    from ember.bench.tune import linear_shapes
-    from ember.kernels.split_k_gemm import _split_k_gemm_kernel, default_config
-
-    pointers = ("x_ptr", "w_ptr", "bias_ptr", "out_ptr")
-    types = {**{p: "*bf16" for p in pointers}, "parts_ptr": "*fp32", "counters_ptr": "*i32"}
-    divisible = {*pointers, "parts_ptr", "counters_ptr", "N", "K", "stride_xm", "stride_wn",
-                 "stride_om", "k_per_split"}  # fmt: skip
-    results = []
-    for name, n, k in linear_shapes(_PRESET):
-        if name not in _SPLIT_K_SHAPES:
-            continue
-        for m in _SPLIT_K_ROWS:
-            config = default_config(m, n, k, num_sms)
-            for split in sorted({config["SPLIT_K"], 1}):
-                constexprs = {**config, "SPLIT_K": split, "HAS_BIAS": False,
-                              "DOT_PRECISION": "tf32", "PDL": False}  # fmt: skip
-                num_warps = constexprs.pop("num_warps")
-                shared = compile_for_sm90(_split_k_gemm_kernel, types, divisible, constexprs,
-                                          num_warps)  # fmt: skip
-                results.append(CompiledConfig("split_k_gemm", f"{name} m={m} x{split}",
-                                              constexprs, num_warps, shared))  # fmt: skip
-    return results
-
-
 def attention_configs() -> list[CompiledConfig]:
     """The paged attention's launches for the 8B shape (GQA 4, head 128, bf16): decode split
     and unsplit (with RoPE, the deferred norm and the K/V preload: the most state a program
@@ -187,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", action="store_true", help="one JSON list on stdout")
     args = parser.parse_args(argv)
-    results = skinny_gemm_configs() + split_k_gemm_configs() + attention_configs()
+    results = skinny_gemm_configs() + attention_configs()
     if args.json:
         print(json.dumps([{**asdict(r), "fits": r.fits} for r in results]))
     else:

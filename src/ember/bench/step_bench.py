@@ -292,7 +292,6 @@ def run_step_bench(
         decode_rope_in_attention=inst.config.decode_rope_in_attention,
         defer_norms=inst.model.defers_norms,
         defer_norms_max_rows=inst.ops.defer_norms_max_rows,
-        split_k_gemm=inst.config.split_k_gemm,
         weight_gib=bench.weight_bytes / 2**30,
         kv_pool_tokens=inst.kv_manager.pool.capacity * inst.kv_manager.block_size,
         load_seconds=inst.load_report.seconds,

@@ -226,7 +226,6 @@ def run_profile(
         "decode_rope_in_attention": inst.config.decode_rope_in_attention,
         "defer_norms": inst.model.defers_norms,
         "defer_norms_max_rows": inst.ops.defer_norms_max_rows,
-        "split_k_gemm": inst.config.split_k_gemm,
         "rows": rows,
     }
     (out_dir / "step_profile.json").write_text(json.dumps(result, indent=2))

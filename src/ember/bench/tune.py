@@ -7,10 +7,6 @@ engine runs its decode steps):
   gate/up, down, the output projection) and each batch M: cuBLAS (``torch.matmul``) against
   ``ember.kernels.skinny_gemm`` over a grid of tile configurations, each as bandwidth over the
   bytes the product must move.
-- **Split-K GEMMs at mid batch sizes.** The narrow projections (q/k/v, o, down) at 128-256
-  rows: cuBLAS against ``ember.kernels.split_k_gemm`` over tiles and split counts, each layer
-  timed as a step runs them (32 layers of distinct weights in one graph), as a fraction of
-  max(bytes, FLOPs) at the measured ceilings.
 - **Decode attention tiles.** ``paged_attention`` over (batch, context) points for a grid of
   (key tile, pipeline depth, warps) and KV split counts, so the decode tile and the split
   heuristic are checked against the best measured.
@@ -53,19 +49,6 @@ GEMM_CONFIGS = (
     (128, 128, 4, 8),
     (16, 128, 8, 2),
 )
-SPLIT_K_BATCHES = (128, 192, 256)
-SPLIT_K_SHAPES = ("qkv", "o", "down")
-# (BLOCK_M, BLOCK_N, BLOCK_K, STAGES, num_warps), each tried at every split of SPLIT_K_SPLITS.
-SPLIT_K_TILES = (
-    (128, 128, 64, 4, 4),
-    (128, 128, 64, 3, 4),
-    (128, 128, 64, 4, 8),
-    (64, 128, 64, 4, 4),
-    (128, 64, 64, 4, 4),
-    (128, 256, 64, 3, 8),
-    (256, 128, 64, 3, 8),
-)
-SPLIT_K_SPLITS = (1, 2, 4, 8)
 ATTENTION_POINTS = ((1, 512), (8, 512), (32, 512), (64, 512), (128, 512), (256, 512),
                     (1, 4096), (8, 4096), (32, 4096))  # fmt: skip
 # (BLOCK_N, KV_STAGES, num_warps)
@@ -215,56 +198,6 @@ def bench_gemms_in_sequence(
     return rows
 
 
-def bench_split_k_gemms(preset: str, ceilings, batches=SPLIT_K_BATCHES) -> list[dict]:
-    """q/k/v, o and down at mid batch sizes, one layer after another over 32 distinct weights
-    in one graph (`sequence_seconds`): cuBLAS, the split-K kernel's default tiles and the swept
-    ones. ``floor_us``: max(bytes, FLOPs) at ``ceilings`` (`ember.bench.roofline.Ceilings`)."""
-    from ember.kernels.split_k_gemm import SplitKWorkspace, default_config
-
-    workspace = SplitKWorkspace(torch.device("cuda"))
-    dims = {name: (n, k) for name, n, k in linear_shapes(preset)}
-    rows = []
-    for name in SPLIT_K_SHAPES:
-        n, k = dims[name]
-        weights = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") / k**0.5
-                   for _ in range(SEQUENCE_LAYERS)]  # fmt: skip
-        for m in batches:
-            x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
-            out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
-            configs = {"default": default_config(m, n, k, workspace.num_sms)}
-            for block_m, block_n, block_k, stages, warps in SPLIT_K_TILES:
-                for split in SPLIT_K_SPLITS:
-                    configs[f"m{block_m}_n{block_n}_s{stages}_w{warps}_x{split}"] = {
-                        "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k,
-                        "STAGES": stages, "num_warps": warps, "SPLIT_K": split,
-                    }  # fmt: skip
-            cublas = _sequence_us(partial(_cublas_layer, x, weights, out))
-            times = {
-                key: _sequence_us(partial(_split_k_layer, x, weights, out, workspace, config))
-                for key, config in configs.items()
-            }
-            timed = {key: us for key, us in times.items() if isinstance(us, float)}
-            best = min(timed, key=timed.get) if timed else None
-            floor_us = ceilings.floor_seconds(2 * (n * k + m * k + m * n), 2 * m * n * k) * 1e6
-            row = {"shape": name, "n": n, "k": k, "m": m, "floor_us": floor_us,
-                   "cublas_us": cublas, "default": configs["default"],
-                   "default_us": times["default"], "best": best, "best_us": timed.get(best),
-                   "cublas_fraction": floor_us / cublas if isinstance(cublas, float) else None,
-                   "best_fraction": floor_us / timed[best] if best else None,
-                   "us": times}  # fmt: skip
-            rows.append(row)
-            print(json.dumps({k_: v for k_, v in row.items() if k_ != "us"}), flush=True)
-        del weights
-    torch.cuda.empty_cache()
-    return rows
-
-
-def _split_k_layer(x, weights, out, workspace, config, layer: int) -> None:
-    from ember.kernels.split_k_gemm import split_k_gemm
-
-    split_k_gemm(x, weights[layer], workspace=workspace, out=out, config=config)
-
-
 def _cublas_layer(x, weights, out, layer: int) -> None:
     torch.matmul(x, weights[layer].t(), out=out)
 
@@ -321,9 +254,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     parser.add_argument("--skip-gemm", action="store_true")
     parser.add_argument("--skip-attention", action="store_true")
-    parser.add_argument("--split-k", action="store_true",
-                        help="also sweep the split-K GEMM against cuBLAS on the narrow "
-                        "projections at 128-256 rows")  # fmt: skip
     parser.add_argument("--in-sequence", action="store_true",
                         help="also time q/k/v and gate/up as a step runs them: after a norm, "
                         "32 layers of distinct weights in one graph")  # fmt: skip
@@ -340,13 +270,6 @@ def run(args: argparse.Namespace) -> int:
     path = args.out / "tune.json"
     if not args.skip_attention:
         result["attention"] = bench_attention_tiles(hbm)
-        path.write_text(json.dumps(result, indent=1))
-    if args.split_k:
-        from ember.bench.roofline import measure_ceilings
-
-        ceilings = measure_ceilings()
-        result["bf16_tflops"] = ceilings.bf16_flops_per_s / 1e12
-        result["split_k_gemm"] = bench_split_k_gemms(args.preset, ceilings)
         path.write_text(json.dumps(result, indent=1))
     if args.in_sequence:
         result["gemm_in_sequence"] = bench_gemms_in_sequence(args.preset)

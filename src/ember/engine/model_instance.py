@@ -94,7 +94,6 @@ class ModelInstance:
             config.programmatic_launch,
             config.decode_rope_in_attention,
             config.defer_norms,
-            config.split_k_gemm,
         )
         if config.cuda_graph_mode not in ("full", "decode"):
             raise ValueError(

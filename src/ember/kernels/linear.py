@@ -18,10 +18,6 @@ stream and sums the squares (no launch of its own); elsewhere cuBLAS and `add_an
 `gate_up_silu` is the gated MLP's gate/up product and SiLU-and-mul, in one launch where the
 fused kernel (`skinny_gemm_silu`) measured faster: under PDL it took 27-58 us off the step at
 batch 1-8.
-
-Past the skinny kernel's rows, the narrow projections (N <= 2 K: q/k/v, o, down) can take the
-split-K kernel (`ember.kernels.split_k_gemm`) when the caller passes its ``split_k`` workspace:
-cuBLAS fills few of the SMs there (see that module).
 """
 
 from __future__ import annotations
@@ -32,9 +28,6 @@ import torch.nn.functional as F
 from ember.kernels.activation import silu_and_mul
 from ember.kernels.rmsnorm import add_and_sum_squares
 from ember.kernels.skinny_gemm import MAX_M, skinny_gemm, skinny_gemm_add, skinny_gemm_silu
-from ember.kernels.split_k_gemm import MAX_M as SPLIT_K_MAX_M
-from ember.kernels.split_k_gemm import MIN_M as SPLIT_K_MIN_M
-from ember.kernels.split_k_gemm import SplitKWorkspace, split_k_gemm
 from ember.layers.row_norm import RowNorm
 
 _HALF_DTYPES = (torch.bfloat16, torch.float16)
@@ -49,14 +42,6 @@ def use_skinny_gemm(
     return pdl or n <= k or n >= 16 * k or (m <= 16 and n < 4 * k)
 
 
-def use_split_k_gemm(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether ``[m, k] x [n, k]^T`` goes to the split-K kernel: a narrow projection (N <= 2 K)
-    at mid batch, K in whole 64-wide steps."""
-    if device.type != "cuda" or dtype not in _HALF_DTYPES:
-        return False
-    return SPLIT_K_MIN_M <= m <= SPLIT_K_MAX_M and n <= 2 * k and k % 64 == 0
-
-
 def use_gated_skinny_gemm(
     m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, pdl: bool = False
 ) -> bool:
@@ -68,23 +53,13 @@ def use_gated_skinny_gemm(
 
 
 def linear(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    *,
-    pdl: bool = False,
-    split_k: SplitKWorkspace | None = None,
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, pdl: bool = False
 ) -> torch.Tensor:
     """``F.linear`` semantics for 2-D ``x``; ``pdl``: the step's kernels use programmatic
-    dependent launch; ``split_k``: the workspace that lets mid-batch products take the split-K
-    kernel (None: they stay on cuBLAS)."""
+    dependent launch."""
     m, k = x.shape
-    n = weight.shape[0]
-    if x.stride(1) == 1:
-        if use_skinny_gemm(m, n, k, weight.dtype, x.device, pdl):
-            return skinny_gemm(x, weight, bias, pdl=pdl)
-        if split_k is not None and use_split_k_gemm(m, n, k, weight.dtype, x.device):
-            return split_k_gemm(x, weight, bias, workspace=split_k, pdl=pdl)
+    if x.stride(1) == 1 and use_skinny_gemm(m, weight.shape[0], k, weight.dtype, x.device, pdl):
+        return skinny_gemm(x, weight, bias, pdl=pdl)
     return F.linear(x, weight, bias)
 
 

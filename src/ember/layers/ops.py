@@ -10,12 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING
 
 import torch
-
-if TYPE_CHECKING:
-    from ember.kernels.split_k_gemm import SplitKWorkspace
 
 
 @dataclass(frozen=True)
@@ -92,7 +88,6 @@ def triton_ops(
     programmatic_launch: str = "off",
     decode_rope_in_attention: bool = True,
     defer_norms: bool = True,
-    split_k: SplitKWorkspace | None = None,
 ) -> Ops:
     """The Triton kernels; ``programmatic_launch`` ("auto", "on", "off") launches the ones of a
     forward pass with PDL: "auto" at the step sizes where it measured faster (Hopper and later;
@@ -100,8 +95,7 @@ def triton_ops(
     mix PDL and plain launches: a kernel launched with PDL waits for the one before either way.
     ``decode_rope_in_attention`` lets decode steps rotate and write the cache inside the
     attention kernel; ``defer_norms``: models fold their decoder norms into the projections
-    (`ember.layers.row_norm`); ``split_k``: mid-batch narrow projections take the split-K kernel
-    on this workspace (`ember.kernels.split_k_gemm`; None: cuBLAS)."""
+    (`ember.layers.row_norm`)."""
     from ember import kernels
     from ember.config import PDL_MODES
     from ember.kernels.pdl import pdl_for_rows
@@ -123,9 +117,7 @@ def triton_ops(
 
     return Ops(
         name="triton",
-        linear=chained(
-            kernels.linear if split_k is None else partial(kernels.linear, split_k=split_k)
-        ),
+        linear=chained(kernels.linear),
         rms_norm=chained(kernels.rms_norm),
         fused_add_rms_norm=chained(kernels.fused_add_rms_norm),
         silu_and_mul=chained(kernels.silu_and_mul),
@@ -154,14 +146,12 @@ def select_ops(
     programmatic_launch: str = "off",
     decode_rope_in_attention: bool = True,
     defer_norms: bool = True,
-    split_k_gemm: bool = False,
 ) -> Ops:
     """Triton on CUDA unless asked otherwise; the reference everywhere else (its norms never
     deferred: it is the oracle the fast path is checked against).
 
     ``programmatic_launch`` "on" where the GPU does not support it is an error; "auto" there
-    launches plainly. ``split_k_gemm``: mid-batch narrow projections take the split-K kernel
-    (CUDA only; elsewhere they run as `ember.kernels.linear` routes them).
+    launches plainly.
     """
     if backend == "reference" or (backend == "auto" and device.type != "cuda"):
         return reference_ops()
@@ -175,9 +165,4 @@ def select_ops(
                 "programmatic dependent launch needs a CUDA GPU of compute capability 9+"
             )
         programmatic_launch = "off"
-    split_k = None
-    if split_k_gemm and device.type == "cuda":
-        from ember.kernels.split_k_gemm import SplitKWorkspace
-
-        split_k = SplitKWorkspace(device)
-    return triton_ops(programmatic_launch, decode_rope_in_attention, defer_norms, split_k)
+    return triton_ops(programmatic_launch, decode_rope_in_attention, defer_norms)
