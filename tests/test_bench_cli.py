@@ -33,6 +33,7 @@ def test_cpu_step_reports_every_phase():
     assert (
         abs(row["total_ms"] - row["schedule_ms"] - row["stage_inputs_ms"] - row["update_ms"]) < 1e-9
     )
+    assert row["gc"]["gen2_collections"] >= 0 and row["gc"]["gc_ms_per_step"] >= 0
 
 
 @pytest.mark.parametrize("benchmark", ["step", "profile", "tune"])
@@ -98,6 +99,7 @@ def test_step_bench_logic_runs_on_a_cpu(tiny_bench):
     assert min(host["schedule"], host["launch"], host["update"]) > 0
     assert host["wait"] == 0  # a CPU step has no event to wait on
     assert sum(host.values()) <= row["step_ms"] * 1.05
+    assert set(row["gc"]) == {"gc_ms_per_step", "gen2_collections", "gen2_pause_ms", "max_pause_ms"}
     # The timed wrappers are gone again: the classes' methods show through.
     assert "schedule" not in vars(inst.scheduler) and "launch" not in vars(inst.runner)
     assert bench.decode(batch=4, context=250)["skipped"].startswith("KV for")

@@ -15,6 +15,7 @@ import time
 import torch
 
 from ember.config import SchedulerConfig
+from ember.engine.gc_heap import GcPauses, freeze_startup_heap
 from ember.engine.kv_cache_manager import KVCacheManager
 from ember.engine.request import Request
 from ember.engine.scheduler import Scheduler
@@ -69,9 +70,10 @@ def measure(batch: int, context: int, steps: int = 200) -> dict:
     while any(len(r.output_token_ids) == 0 for r in scheduler.requests.values()):
         step()  # prefill
     totals = [0.0, 0.0, 0.0]
-    for _ in range(steps):
-        for i, seconds in enumerate(step()):
-            totals[i] += seconds
+    with GcPauses() as gc_pauses:
+        for _ in range(steps):
+            for i, seconds in enumerate(step()):
+                totals[i] += seconds
     schedule_ms, stage_ms, update_ms = (t / steps * 1e3 for t in totals)
     return {
         "batch": batch,
@@ -80,19 +82,28 @@ def measure(batch: int, context: int, steps: int = 200) -> dict:
         "stage_inputs_ms": stage_ms,
         "update_ms": update_ms,
         "total_ms": schedule_ms + stage_ms + update_ms,
+        # The collector's passes inside the timed steps (the phases above include them).
+        "gc": gc_pauses.summary(steps),
     }
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batches", default="1,8,32,64,128,256")
     parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--freeze-gc", action="store_true",
+                        help="freeze the heap first, as the engine process does once loaded")  # fmt: skip
     parser.add_argument("--output-json", default=None)
 
 
 def run(args: argparse.Namespace) -> int:
-    rows = [measure(int(b), args.context) for b in args.batches.split(",")]
+    frozen = freeze_startup_heap() if args.freeze_gc else 0
+    rows = [
+        {**measure(int(b), args.context, args.steps), "gc_frozen_objects": frozen}
+        for b in args.batches.split(",")
+    ]
     for row in rows:
-        print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}))
+        print(json.dumps(row, default=lambda v: round(v, 3)))
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(rows, f, indent=2)

@@ -20,6 +20,7 @@ from ember.bench.host_phases import host_phases
 from ember.bench.roofline import Ceilings, measure_ceilings, time_cuda
 from ember.cli import add_fast_path_arguments, fast_path_options
 from ember.config import CacheConfig, EngineConfig, SchedulerConfig
+from ember.engine.gc_heap import GcPauses, freeze_startup_heap
 from ember.engine.model_instance import ModelInstance
 from ember.sampling_params import SamplingParams
 
@@ -83,26 +84,28 @@ class StepBench:
         gib = need * self.kv_bytes_per_token / 2**30
         return f"KV for {need} tokens ({gib:.0f} GiB) exceeds the pool"
 
-    def _timed_steps(self, step, steps: int, warmup: int) -> tuple[float, dict[str, float]]:
+    def _timed_steps(self, step, steps: int, warmup: int) -> tuple[float, dict, dict]:
         """``step()`` ``warmup`` times, then ``steps`` timed times through the engine loop:
-        seconds per step, and the host's ms per step by phase."""
+        seconds per step, the host's ms per step by phase, and the garbage collector's passes
+        (`GcPauses.summary`: a generation-2 pass stalls the loop for its whole length)."""
         for _ in range(warmup):
             step()
         self.sync()
-        with host_phases(self.inst) as host:
+        with host_phases(self.inst) as host, GcPauses() as gc_pauses:
             start = time.perf_counter()
             for _ in range(steps):
                 step()
             self.sync()
             step_s = (time.perf_counter() - start) / steps
-        return step_s, {name: sec / steps * 1e3 for name, sec in host.items()}
+        host_ms = {name: sec / steps * 1e3 for name, sec in host.items()}
+        return step_s, host_ms, gc_pauses.summary(steps)
 
     def decode(self, batch: int, context: int, steps: int = 40, warmup: int = 8) -> dict:
         row = {"batch": batch, "context": context}
         if shortfall := self._kv_shortfall(batch * (context + steps + warmup + 2)):
             return {**row, "skipped": shortfall}
         ids = [self.add_warm_request(context, steps + warmup + 4) for _ in range(batch)]
-        step_s, host_ms = self._timed_steps(self.inst.step, steps, warmup)
+        step_s, host_ms, gc_pauses = self._timed_steps(self.inst.step, steps, warmup)
         gpu_s = self._gpu_only_step_seconds(batch, context + warmup + steps)
         self.drain(ids)
         ctx = context + (warmup + steps / 2)
@@ -124,6 +127,7 @@ class StepBench:
             "tokens_per_s": batch / step_s,
             # The host's busy time per step is step_ms less the wait: at step_ms it is the bound.
             "host_ms_per_step": host_ms,
+            "gc": gc_pauses,
             "roofline_ms": floor * 1e3,
             "fraction_of_roofline": floor / step_s,
             "sequential_roofline_ms": sequential_floor * 1e3,
@@ -149,7 +153,7 @@ class StepBench:
             prompts.append(inst.add_request(f"prompt-{self._ids}", tokens, params))
             inst.step()
 
-        step_s, host_ms = self._timed_steps(step_beside_a_new_prompt, steps, warmup)
+        step_s, host_ms, gc_pauses = self._timed_steps(step_beside_a_new_prompt, steps, warmup)
         prefilled = sum(p.num_computed_tokens >= chunk for p in prompts)
         self.drain(ids + [p.request_id for p in prompts])
         return {
@@ -158,6 +162,7 @@ class StepBench:
             "decode_tokens_per_s": batch / step_s,
             "prefill_tokens_per_s": chunk / step_s,
             "host_ms_per_step": host_ms,
+            "gc": gc_pauses,
             # How many of the prompts were through their prefill when the timing ended (all but
             # the last step's, which may still be in flight): each timed step was mixed.
             "prompts_prefilled": prefilled,
@@ -262,6 +267,7 @@ def run_step_bench(
     decode_batches: tuple[int, ...] = DECODE_BATCHES,
     decode_contexts: tuple[int, ...] = DECODE_CONTEXTS,
     engine_options: dict | None = None,
+    freeze_gc: bool = True,
 ) -> dict:
     ceilings = measure_ceilings()
     result: dict = {
@@ -287,7 +293,10 @@ def run_step_bench(
         engine_options=engine_options,
     )
     bench = StepBench(inst, ceilings)
+    # As the engine process does once loaded (ember.engine.gc_heap).
+    frozen = freeze_startup_heap() if freeze_gc else 0
     result.update(
+        gc_frozen_objects=frozen,
         programmatic_launch=inst.ops.programmatic_launch,
         decode_rope_in_attention=inst.config.decode_rope_in_attention,
         defer_norms=inst.model.defers_norms,
@@ -378,6 +387,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decode-batches", type=int, nargs="+", default=list(DECODE_BATCHES))
     parser.add_argument("--decode-contexts", type=int, nargs="+", default=list(DECODE_CONTEXTS))
     add_fast_path_arguments(parser)
+    parser.add_argument("--no-gc-freeze", action="store_true",
+                        help="leave the loaded heap in the garbage collector's passes (the "
+                        "engine process freezes it)")  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
@@ -392,5 +404,6 @@ def run(args: argparse.Namespace) -> int:
         tuple(args.decode_batches),
         tuple(args.decode_contexts),
         fast_path_options(args),
+        freeze_gc=not args.no_gc_freeze,
     )
     return 0

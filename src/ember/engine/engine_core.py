@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from ember.config import EngineConfig
+from ember.engine.gc_heap import freeze_startup_heap
 from ember.engine.ipc import (
     AbortRequests,
     AddRequest,
@@ -217,6 +218,10 @@ def run_engine(configs: list[EngineConfig], addresses: IpcAddresses) -> None:
     channel = EngineChannel(addresses, parent.sentinel if parent is not None else None)
     try:
         instances = load_instances(configs, channel.send)
+        # The loaded heap never becomes garbage; the collector's oldest pass must not walk it
+        # between steps (ember.engine.gc_heap).
+        frozen = freeze_startup_heap()
+        logger.info("froze %d start-up objects out of the collector's passes", frozen)
         channel.send(EngineReady([model_info(name, inst) for name, inst in instances.items()]))
         EngineCore(instances, channel).run()
     except BaseException as exc:

@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 
 from fastapi import FastAPI
 
+from ember.engine.gc_heap import freeze_startup_heap
 from ember.server.auth import APIKeyMiddleware
 from ember.server.body_limit import BodyLimitMiddleware
 from ember.server.config import ServerConfig
@@ -85,6 +86,9 @@ async def _await_engine(state: ServerState, progress: LoadProgressBar) -> None:
         return
     for model in state.models.loaded():
         model.info = state.client.model_infos.get(model.name)
+    # The front end's start-up heap (routes, tokenizers, templates) out of the collector's
+    # oldest passes, which would stall every stream (ember.engine.gc_heap).
+    freeze_startup_heap()
     state.lifecycle.models_ready = True
     for model in state.models.loaded():
         info = model.info
