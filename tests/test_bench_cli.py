@@ -270,3 +270,7 @@ def test_profile_logic_runs_on_a_cpu(tiny_bench, tmp_path):
     mixed = profile_mixed(bench, batch=2, context=16, chunk=24, trace=None)
     assert mixed["kind"] == "mixed" and mixed["prefill_tokens"] == 24
     assert inst.kv_manager.num_free_blocks == inst.kv_manager.pool.capacity
+    # A batch that fills every slot would profile a decode-only step under the mixed label.
+    full = inst.config.scheduler.max_num_seqs
+    with pytest.raises(ValueError, match="needs a slot"):
+        profile_mixed(bench, batch=full, context=16, chunk=24, trace=None)

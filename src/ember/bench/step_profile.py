@@ -185,6 +185,11 @@ def profile_decode(bench: StepBench, batch: int, context: int, steps: int, trace
 
 def profile_mixed(bench: StepBench, batch: int, context: int, chunk: int, trace: Path | None):
     """A decode batch with one prompt of `chunk` tokens arriving: its first step is mixed."""
+    max_seqs = bench.inst.config.scheduler.max_num_seqs
+    if batch + 1 > max_seqs:
+        # The prompt would wait for a free slot and the profiled step would be decode-only.
+        raise ValueError(f"a mixed step needs a slot beside {batch} decodes; max_num_seqs is "
+                         f"{max_seqs}")  # fmt: skip
     ids = [bench.add_warm_request(context, 40) for _ in range(batch)]
     for _ in range(6):
         bench.inst.step()
@@ -218,7 +223,9 @@ def run_profile(
         rows.append(profile_decode(bench, batch, context, steps=10, trace=trace))
         # What each category adds to the step (spans over-count under programmatic launch).
         print(json.dumps(rows[-1]["critical_path_us_per_step"]), flush=True)
-    rows.append(profile_mixed(bench, max(batches), context, chunk, out_dir / "profile_mixed.json"))
+    # The largest decode batch that leaves the prompt a slot (at 256 of 256 it would wait).
+    mixed_batch = max(b for b in [0, *batches] if b < inst.config.scheduler.max_num_seqs)
+    rows.append(profile_mixed(bench, mixed_batch, context, chunk, out_dir / "profile_mixed.json"))
     result = {
         "model": model,
         "gpu": torch.cuda.get_device_name(),
