@@ -486,6 +486,12 @@ ember:engine_steps_total{kind="decode_only",model_name="other"} 5.0
 # TYPE ember:scheduled_tokens_total counter
 ember:scheduled_tokens_total{kind="decode",model_name="m"} 2400.0
 ember:scheduled_tokens_total{kind="prefill",model_name="m"} 6000.0
+# TYPE engine_python_gc_collections_total counter
+engine_python_gc_collections_total{generation="0"} 700.0
+engine_python_gc_collections_total{generation="2"} 3.0
+# TYPE engine_python_gc_pause_seconds_total counter
+engine_python_gc_pause_seconds_total{generation="0"} 0.25
+engine_python_gc_pause_seconds_total{generation="2"} 0.5
 """
 
 
@@ -496,11 +502,19 @@ def test_step_mix_from_two_scrapes():
         "steps_with_prefill": 30,
         "scheduled_decode_tokens": 2400,
         "scheduled_prefill_tokens": 6000,
+        "engine_gc_gen2_passes": 3,
+        "engine_gc_pause_s": 0.75,  # every generation's pauses
     }
     assert parse_step_counts(_EXPOSITION, "other") is None  # not every series: no figures
     after = {"steps_decode_only": 150, "steps_with_prefill": 70,
-             "scheduled_decode_tokens": 6400, "scheduled_prefill_tokens": 16000}  # fmt: skip
+             "scheduled_decode_tokens": 6400, "scheduled_prefill_tokens": 16000,
+             "engine_gc_gen2_passes": 5, "engine_gc_pause_s": 1.0}  # fmt: skip
     mix = step_mix(before, after)
+    assert mix["engine_gc_gen2_passes"] == 2 and mix["engine_gc_pause_s"] == pytest.approx(0.25)
+    # A server without the collector series still gets its step mix.
+    no_gc = {k: v for k, v in before.items() if not k.startswith("engine_gc")}
+    assert step_mix(no_gc, after)["engine_gc_pause_s"] is None
+    assert step_mix(no_gc, after)["steps_with_prefill"] == 40
     assert (mix["steps_decode_only"], mix["steps_with_prefill"]) == (60, 40)
     assert mix["steps_with_prefill_fraction"] == pytest.approx(0.4)
     assert mix["mean_decodes_per_step"] == pytest.approx(4000 / 100)
@@ -509,6 +523,7 @@ def test_step_mix_from_two_scrapes():
     report = {**dict.fromkeys(REPORT_FIELDS, 0), "model": "m", **mix}
     summary = serve.format_summary(report)
     assert "engine steps" in summary and "100 / 40" in summary
+    assert "gen-2 passes / all pauses" in summary and "2 / 250.0 ms" in summary
 
 
 # ----------------------------------------------------------------------------- transformers peer

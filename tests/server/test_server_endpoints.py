@@ -14,6 +14,8 @@ METRIC_NAMES = (
     "ember:num_preemptions_total",
     "ember:engine_steps_total",
     "ember:scheduled_tokens_total",
+    "engine_python_gc_collections_total",
+    "engine_python_gc_pause_seconds_total",
     "ember:time_to_first_token_seconds_bucket",
     "ember:time_per_output_token_seconds_bucket",
     "ember:e2e_request_latency_seconds_bucket",

@@ -106,6 +106,28 @@ def test_steps_every_model_and_reports_tokens_until_done():
     assert channel.sent[-1].stats is not None
     assert {s.model: s.kv_blocks_used for s in channel.sent[-1].stats} == {"a": 0, "b": 0}
     assert channel.blocking_receives >= 1
+    # The process's collector passes ride with every stats message, and only with those.
+    assert all((m.gc is not None) == (m.stats is not None) for m in channel.sent)
+    gc = channel.sent[-1].gc
+    assert len(gc.passes) == len(gc.pause_seconds) == 3
+
+
+def test_collector_passes_during_the_loop_reach_the_stats():
+    """A generation-2 pass inside the loop (here forced by an instance's step) is counted in
+    the next stats message, and the counting stops with the loop."""
+    import gc as collector
+
+    class CollectingInstance(FakeInstance):
+        def step(self):
+            collector.collect(2)
+            return super().step()
+
+    channel = ScriptedChannel([[add("r1", "a", 2)]])
+    EngineCore({"a": CollectingInstance()}, channel).run()
+    assert channel.sent[-1].gc.passes[2] >= 2
+    assert channel.sent[-1].gc.pause_seconds[2] > 0
+    assert not any(getattr(cb, "__self__", None).__class__.__name__ == "GcPauses"
+                   for cb in collector.callbacks)  # fmt: skip
 
 
 def test_invalid_request_and_unknown_model_are_rejected_not_fatal():

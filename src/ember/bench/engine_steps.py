@@ -3,8 +3,10 @@
 An ember server counts its steps by kind (decode only, or with prompt tokens) and the tokens it
 fed of each kind (`ember:engine_steps_total`, `ember:scheduled_tokens_total`). Read before and
 after the timed load, the difference says which steps the run was made of: how many carried a
-prompt chunk, how many decodes a step held, how long the chunks were. Other servers lack the
-series and get no figures.
+prompt chunk, how many decodes a step held, how long the chunks were. The engine process's
+garbage-collector passes (`engine_python_gc_collections_total` and
+`engine_python_gc_pause_seconds_total`) ride along: a generation-2 pass stops the engine, so the run's count and pause time say whether
+the collector cost it steps. Other servers lack the series and get no figures.
 """
 
 from __future__ import annotations
@@ -22,26 +24,35 @@ _SERIES = {
     ("ember:scheduled_tokens", "decode"): "scheduled_decode_tokens",
     ("ember:scheduled_tokens", "prefill"): "scheduled_prefill_tokens",
 }
+_GC_PASSES, _GC_PAUSES = "engine_python_gc_collections", "engine_python_gc_pause_seconds"
 STEP_MIX_FIELDS = (
     *_SERIES.values(),
     "steps_with_prefill_fraction",
     "mean_decodes_per_step",
     "mean_prefill_tokens_per_prefill_step",
+    "engine_gc_gen2_passes",
+    "engine_gc_pause_s",
 )
 
 
 def parse_step_counts(metrics_text: str, model: str) -> dict[str, float] | None:
     """The four cumulative counts of ``model`` in a Prometheus exposition, or None if the
-    server does not export them."""
-    counts = {}
+    server does not export them; with the engine's collector passes where it exports those
+    (``engine_gc_gen2_passes``, and ``engine_gc_pause_s`` over every generation)."""
+    counts, gc = {}, {}
     for family in text_string_to_metric_families(metrics_text):
         for sample in family.samples:
-            if sample.labels.get("model_name") != model or not sample.name.endswith("_total"):
+            if not sample.name.endswith("_total"):
                 continue
-            key = _SERIES.get((family.name, sample.labels.get("kind")))
-            if key is not None:
-                counts[key] = sample.value
-    return counts if len(counts) == len(_SERIES) else None
+            if family.name == _GC_PASSES and sample.labels.get("generation") == "2":
+                gc["engine_gc_gen2_passes"] = sample.value
+            elif family.name == _GC_PAUSES:
+                gc["engine_gc_pause_s"] = gc.get("engine_gc_pause_s", 0.0) + sample.value
+            elif sample.labels.get("model_name") == model:
+                key = _SERIES.get((family.name, sample.labels.get("kind")))
+                if key is not None:
+                    counts[key] = sample.value
+    return {**counts, **gc} if len(counts) == len(_SERIES) else None
 
 
 def scrape_step_counts(base_url: str, model: str, timeout_s: float = 5.0) -> dict | None:
@@ -82,4 +93,11 @@ def step_mix(before: dict | None, after: dict | None) -> dict:
     mix["mean_prefill_tokens_per_prefill_step"] = (
         mix["scheduled_prefill_tokens"] / prefill_steps if prefill_steps else None
     )
+    gc_passes = _delta(before, after, "engine_gc_gen2_passes")
+    mix["engine_gc_gen2_passes"] = int(gc_passes) if gc_passes is not None else None
+    mix["engine_gc_pause_s"] = _delta(before, after, "engine_gc_pause_s")
     return mix
+
+
+def _delta(before: dict, after: dict, key: str) -> float | None:
+    return after[key] - before[key] if key in before and key in after else None

@@ -304,6 +304,10 @@ def run_step_bench(
         weight_gib=bench.weight_bytes / 2**30,
         kv_pool_tokens=inst.kv_manager.pool.capacity * inst.kv_manager.block_size,
         load_seconds=inst.load_report.seconds,
+        # Of the graphs' capture time at load: eager warm-up passes (first-time kernel
+        # compiles and cache loads) and the recording itself.
+        graph_warmup_seconds=inst.load_report.graph_warmup_seconds,
+        graph_record_seconds=inst.load_report.graph_record_seconds,
     )
     measures = {
         "decode": lambda: [

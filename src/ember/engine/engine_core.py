@@ -24,12 +24,13 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from ember.config import EngineConfig
-from ember.engine.gc_heap import freeze_startup_heap
+from ember.engine.gc_heap import GcPauses, freeze_startup_heap
 from ember.engine.ipc import (
     AbortRequests,
     AddRequest,
     EngineChannel,
     EngineFailed,
+    EngineGc,
     EngineReady,
     FrontendMessage,
     IpcAddresses,
@@ -57,9 +58,14 @@ class EngineCore:
         self._stats_sent_at = 0.0
         self._stats_dirty = True
         self._running = True
+        self._gc_pauses = GcPauses()
 
     def run(self) -> None:
         """Serve until told to shut down or the parent process dies."""
+        with self._gc_pauses:
+            self._loop()
+
+    def _loop(self) -> None:
         while self._running:
             busy = any(instance.has_work() for instance in self.instances.values())
             if not busy and self._stats_dirty:
@@ -112,6 +118,8 @@ class EngineCore:
         if message.stats is not None:
             self._stats_sent_at = time.monotonic()
             self._stats_dirty = False
+            gc_pauses = self._gc_pauses
+            message.gc = EngineGc(list(gc_pauses.collections), list(gc_pauses.pause_s))
         self.channel.send(message)
 
     def stats(self) -> list[ModelStats]:

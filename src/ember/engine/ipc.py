@@ -99,13 +99,22 @@ class ModelStats(msgspec.Struct, array_like=True):
     prefill_tokens: int = 0
 
 
+class EngineGc(msgspec.Struct, array_like=True):
+    """The engine process's garbage-collector passes since its loop started, per generation
+    (0, 1, 2), for /metrics: a generation-2 pass stops every model's steps while it runs."""
+
+    passes: list[int]
+    pause_seconds: list[float]
+
+
 class StepOutputs(msgspec.Struct, tag="outputs", array_like=True):
     """Everything one engine iteration produced: token updates of all models, rejections, and
-    (at most every ~0.5 s, and whenever the engine goes idle) fresh stats."""
+    (at most every ~0.5 s, and whenever the engine goes idle) fresh stats and collector passes."""
 
     updates: list[RequestUpdate]
     rejected: list[RequestRejected] = []
     stats: list[ModelStats] | None = None
+    gc: EngineGc | None = None
 
 
 EngineMessage = LoadProgress | EngineReady | EngineFailed | StepOutputs

@@ -42,6 +42,10 @@ class LoadReport:
     num_blocks: int
     graphs_captured: int = 0
     graph_capture_seconds: float = 0.0
+    # Of graph_capture_seconds: the graphs' eager warm-up passes (first-time kernel compiles
+    # and cache loads happen there) and the captures proper.
+    graph_warmup_seconds: float = 0.0
+    graph_record_seconds: float = 0.0
 
 
 def resolve_device(device: str) -> torch.device:
@@ -141,9 +145,12 @@ class ModelInstance:
         self._in_flight: tuple[SchedulerOutput, StepHandle] | None = None
         self._rng = random.Random(config.seed)
         graphs, capture_seconds = self._capture_graphs()
+        step_graphs = self.runner.graphs
         self.load_report = LoadReport(
             graphs_captured=graphs,
             graph_capture_seconds=capture_seconds,
+            graph_warmup_seconds=step_graphs.warmup_seconds if step_graphs else 0.0,
+            graph_record_seconds=step_graphs.record_seconds if step_graphs else 0.0,
             seconds=time.perf_counter() - start,
             weight_bytes=sum(p.numel() * p.element_size() for p in self.model.parameters()),
             kv_cache_bytes=self.kv_cache.numel() * self.kv_cache.element_size(),

@@ -27,6 +27,7 @@ cost more CPU time than the GPU spends on them.
 from __future__ import annotations
 
 import logging
+import time
 from bisect import bisect_left
 from dataclasses import dataclass
 
@@ -133,6 +134,10 @@ class StepGraphs:
         self.chunk_tile_tokens = chunk_tile_tokens
         self._graphs: dict[GraphKey, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = None
+        # Seconds of the captures' eager warm-up passes (where the kernels of a new shape are
+        # compiled or loaded from Triton's cache) and of the captures themselves, summed.
+        self.warmup_seconds = 0.0
+        self.record_seconds = 0.0
 
     # -- choosing a graph ---------------------------------------------------------------------
 
@@ -248,15 +253,20 @@ class StepGraphs:
     def _capture(self, key: GraphKey) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         # The buffers already hold this step's (padded) inputs, so warm-up and capture see
         # valid indices; the warm-up rewrites the same K/V the replay will write.
+        started = time.perf_counter()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             self._forward(key)
+        side.synchronize()  # the warm-up's time apart (the capture below syncs anyway)
         torch.cuda.current_stream().wait_stream(side)
+        warmed = time.perf_counter()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
             output = self._forward(key)
         if self._pool is None:
             self._pool = graph.pool()
+        self.warmup_seconds += warmed - started
+        self.record_seconds += time.perf_counter() - warmed
         logger.debug("captured a CUDA graph for %s", key)
         return graph, output

@@ -41,7 +41,9 @@ def build_app(config: ServerConfig, models: list[ServedModel]) -> FastAPI:
         client=client,
         models=ModelRegistry(list(config.models)),
         metrics=ServerMetrics(
-            [spec.name for spec in config.models], lambda: list(client.stats.values())
+            [spec.name for spec in config.models],
+            lambda: list(client.stats.values()),
+            lambda: client.engine_gc,
         ),
         lifecycle=Lifecycle(client, config.shutdown_timeout_s),
     )

@@ -27,6 +27,7 @@ from ember.engine.ipc import (
     AbortRequests,
     AddRequest,
     EngineFailed,
+    EngineGc,
     EngineMessage,
     EngineReady,
     IpcAddresses,
@@ -85,6 +86,7 @@ class EngineClient:
         self.failure: str | None = None
         self.model_infos: dict[str, ModelInfo] = {}
         self.stats: dict[str, ModelStats] = {}
+        self.engine_gc: EngineGc | None = None  # the engine process's collector passes
         self._on_progress = on_progress
         self._routes: dict[str, _Route] = {}
         self._num_waiting: dict[str, int] = {}
@@ -243,6 +245,8 @@ class EngineClient:
         if message.stats is not None:
             for stats in message.stats:
                 self.stats[stats.model] = stats
+        if message.gc is not None:
+            self.engine_gc = message.gc
         for rejected in message.rejected:
             route = self._routes.get(rejected.request_id)
             if route is not None:

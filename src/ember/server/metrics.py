@@ -1,8 +1,12 @@
-"""Prometheus metrics, named like vLLM's with an `ember:` prefix and a `model_name` label.
+"""Prometheus metrics, named like vLLM's with an `ember:` prefix and a `model_name` label; the
+engine process's own series (its garbage-collector passes, which stop every model's steps) are
+named like prometheus_client's `python_gc_*` process series, with an `engine_` prefix and no
+model label.
 
 Two sources: the front end observes requests (token counters, latency histograms) as they
 finish; the engine's scheduler state (running, waiting, KV usage, preemptions, steps and tokens
-by kind) arrives with its outputs and is read at scrape time by a custom collector. Each app
+by kind) and its process's garbage-collector passes arrive with its outputs and are read at
+scrape time by custom collectors. Each app
 owns its registry, so two apps in one process (tests) never share a metric.
 """
 
@@ -14,7 +18,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from ember.engine.ipc import ModelStats
+from ember.engine.ipc import EngineGc, ModelStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -70,11 +74,41 @@ class EngineStatsCollector(Collector):
         return [running, waiting, usage, blocks, preemptions, steps, tokens]
 
 
+class EngineGcCollector(Collector):
+    """The engine process's collector passes and their pauses, by generation, as
+    prometheus_client's `python_gc_collections_total` counts a process's (no model label: a
+    pass stops every model's steps). Zero until the engine's first stats arrive."""
+
+    def __init__(self, snapshot: Callable[[], EngineGc | None]) -> None:
+        self._snapshot = snapshot
+
+    def collect(self) -> Iterable[Metric]:
+        labels = ["generation"]
+        passes = CounterMetricFamily(
+            "engine_python_gc_collections",
+            "Garbage-collector passes in the engine process, by generation.",
+            labels=labels,
+        )
+        pauses = CounterMetricFamily(
+            "engine_python_gc_pause_seconds",
+            "Time the engine process spent stopped in garbage-collector passes.",
+            labels=labels,
+        )
+        gc = self._snapshot() or EngineGc([0, 0, 0], [0.0, 0.0, 0.0])
+        for generation, (count, seconds) in enumerate(zip(gc.passes, gc.pause_seconds)):
+            passes.add_metric([str(generation)], count)
+            pauses.add_metric([str(generation)], seconds)
+        return [passes, pauses]
+
+
 class ServerMetrics:
     """The app's metrics and its private registry."""
 
     def __init__(
-        self, model_names: Iterable[str], engine_stats: Callable[[], Iterable[ModelStats]]
+        self,
+        model_names: Iterable[str],
+        engine_stats: Callable[[], Iterable[ModelStats]],
+        engine_gc: Callable[[], EngineGc | None] = lambda: None,
     ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         labels = ["model_name"]
@@ -112,6 +146,7 @@ class ServerMetrics:
             registry=self.registry,
         )
         self.registry.register(EngineStatsCollector(engine_stats))
+        self.registry.register(EngineGcCollector(engine_gc))
         for name in model_names:  # every series exists (at zero) from the first scrape
             for metric in (
                 self.prompt_tokens,
