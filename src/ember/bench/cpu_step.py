@@ -91,8 +91,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batches", default="1,8,32,64,128,256")
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--freeze-gc", action="store_true",
-                        help="freeze the heap first, as the engine process does once loaded")  # fmt: skip
+    parser.add_argument(
+        "--freeze-gc",
+        action="store_true",
+        help="freeze the heap first, as the engine process does once loaded",
+    )
     parser.add_argument("--output-json", default=None)
 
 

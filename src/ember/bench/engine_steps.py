@@ -5,8 +5,9 @@ fed of each kind (`ember:engine_steps_total`, `ember:scheduled_tokens_total`). R
 after the timed load, the difference says which steps the run was made of: how many carried a
 prompt chunk, how many decodes a step held, how long the chunks were. The engine process's
 garbage-collector passes (`engine_python_gc_collections_total` and
-`engine_python_gc_pause_seconds_total`) ride along: a generation-2 pass stops the engine, so the run's count and pause time say whether
-the collector cost it steps. Other servers lack the series and get no figures.
+`engine_python_gc_pause_seconds_total`) ride along: a generation-2 pass stops the engine, so
+the run's count and pause time say whether the collector cost it steps. Other servers lack the
+series and get no figures.
 """
 
 from __future__ import annotations

@@ -343,8 +343,10 @@ def format_summary(report: dict) -> str:
         ]
         if report.get("engine_gc_gen2_passes") is not None:
             pause_ms = report["engine_gc_pause_s"] * 1e3
-            lines.append(line("Engine GC: gen-2 passes / all pauses",
-                              f"{report['engine_gc_gen2_passes']} / {pause_ms:,.1f} ms"))  # fmt: skip
+            passes = report["engine_gc_gen2_passes"]
+            lines.append(
+                line("Engine GC: gen-2 passes / all pauses", f"{passes} / {pause_ms:,.1f} ms")
+            )
     lines.append("=" * 60)
     return "\n".join(lines)
 

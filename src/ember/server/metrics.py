@@ -6,8 +6,8 @@ model label.
 Two sources: the front end observes requests (token counters, latency histograms) as they
 finish; the engine's scheduler state (running, waiting, KV usage, preemptions, steps and tokens
 by kind) and its process's garbage-collector passes arrive with its outputs and are read at
-scrape time by custom collectors. Each app
-owns its registry, so two apps in one process (tests) never share a metric.
+scrape time by custom collectors. Each app owns its registry, so two apps in one process
+(tests) never share a metric.
 """
 
 from __future__ import annotations
