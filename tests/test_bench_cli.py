@@ -100,8 +100,13 @@ def test_step_bench_logic_runs_on_a_cpu(tiny_bench):
     assert host["wait"] == 0  # a CPU step has no event to wait on
     assert sum(host.values()) <= row["step_ms"] * 1.05
     assert set(row["gc"]) == {"gc_ms_per_step", "gen2_collections", "gen2_pause_ms", "max_pause_ms"}
-    # The timed wrappers are gone again: the classes' methods show through.
+    parts = row["launch_parts_ms_per_step"]
+    assert min(parts["stage_inputs"], parts["sample"]) > 0 and parts["graph_replay"] == 0
+    assert sum(parts.values()) <= host["launch"] * 1.05  # parts of launch, timed inside it
+    # The timed wrappers are gone again: the classes' methods show through, the sampler is back.
     assert "schedule" not in vars(inst.scheduler) and "launch" not in vars(inst.runner)
+    assert "_stage_inputs" not in vars(inst.runner) and "_copy_to_host" not in vars(inst.runner)
+    assert type(inst.runner.sampler).__name__ == "Sampler"
     assert bench.decode(batch=4, context=250)["skipped"].startswith("KV for")
     prefill = bench.prefill(chunk=16, repeat=1)
     assert prefill["tokens_per_s"] > 0

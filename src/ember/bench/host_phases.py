@@ -63,3 +63,31 @@ def host_phases(inst: ModelInstance) -> Iterator[dict[str, float]]:
     finally:
         for owner, name in shadows:
             delattr(owner, name)  # the class's method shows through again
+
+
+# Parts of `launch` timed apart by `launch_parts`; the rest of `launch` (the graph bucket, the
+# upload's enqueue, the fed tokens' copy, bookkeeping) is its total less these.
+LAUNCH_PARTS = ("stage_inputs", "graph_replay", "sample", "copy_to_host")
+
+
+@contextmanager
+def launch_parts(inst: ModelInstance) -> Iterator[dict[str, float]]:
+    """Seconds spent in each of `LAUNCH_PARTS` inside the runner's ``launch`` while the block
+    runs, summed: which part grew when ``launch`` did. ``graph_replay`` stays 0 without graphs.
+
+    Like `host_phases`, the runner's methods (and its sampler) are shadowed for the duration."""
+    totals = dict.fromkeys(LAUNCH_PARTS, 0.0)
+    runner = inst.runner
+    methods = [(runner, "_stage_inputs", "stage_inputs"), (runner, "_copy_to_host", "copy_to_host")]
+    if runner.graphs is not None:
+        methods.append((runner.graphs, "replay", "graph_replay"))
+    for owner, name, part in methods:
+        setattr(owner, name, _timed(totals, part, getattr(owner, name)))
+    sampler = runner.sampler  # an attribute, not a method: put back as it was
+    runner.sampler = _timed(totals, "sample", sampler)
+    try:
+        yield totals
+    finally:
+        runner.sampler = sampler
+        for owner, name, _ in methods:
+            delattr(owner, name)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from ember.bench.host_phases import host_phases
+from ember.bench.host_phases import host_phases, launch_parts
 from ember.bench.roofline import Ceilings, measure_ceilings, time_cuda
 from ember.cli import add_fast_path_arguments, fast_path_options
 from ember.config import CacheConfig, EngineConfig, SchedulerConfig
@@ -84,28 +84,34 @@ class StepBench:
         gib = need * self.kv_bytes_per_token / 2**30
         return f"KV for {need} tokens ({gib:.0f} GiB) exceeds the pool"
 
-    def _timed_steps(self, step, steps: int, warmup: int) -> tuple[float, dict, dict]:
+    def _timed_steps(self, step, steps: int, warmup: int) -> tuple[float, dict, dict, dict]:
         """``step()`` ``warmup`` times, then ``steps`` timed times through the engine loop:
-        seconds per step, the host's ms per step by phase, and the garbage collector's passes
+        seconds per step, the host's ms per step by phase and by part of ``launch``
+        (`launch_parts`), and the garbage collector's passes
         (`GcPauses.summary`: a generation-2 pass stalls the loop for its whole length)."""
         for _ in range(warmup):
             step()
         self.sync()
-        with host_phases(self.inst) as host, GcPauses() as gc_pauses:
+        with (
+            host_phases(self.inst) as host,
+            launch_parts(self.inst) as parts,
+            GcPauses() as gc_pauses,
+        ):
             start = time.perf_counter()
             for _ in range(steps):
                 step()
             self.sync()
             step_s = (time.perf_counter() - start) / steps
         host_ms = {name: sec / steps * 1e3 for name, sec in host.items()}
-        return step_s, host_ms, gc_pauses.summary(steps)
+        parts_ms = {name: sec / steps * 1e3 for name, sec in parts.items()}
+        return step_s, host_ms, parts_ms, gc_pauses.summary(steps)
 
     def decode(self, batch: int, context: int, steps: int = 40, warmup: int = 8) -> dict:
         row = {"batch": batch, "context": context}
         if shortfall := self._kv_shortfall(batch * (context + steps + warmup + 2)):
             return {**row, "skipped": shortfall}
         ids = [self.add_warm_request(context, steps + warmup + 4) for _ in range(batch)]
-        step_s, host_ms, gc_pauses = self._timed_steps(self.inst.step, steps, warmup)
+        step_s, host_ms, launch_ms, gc_pauses = self._timed_steps(self.inst.step, steps, warmup)
         gpu_s = self._gpu_only_step_seconds(batch, context + warmup + steps)
         self.drain(ids)
         ctx = context + (warmup + steps / 2)
@@ -127,6 +133,7 @@ class StepBench:
             "tokens_per_s": batch / step_s,
             # The host's busy time per step is step_ms less the wait: at step_ms it is the bound.
             "host_ms_per_step": host_ms,
+            "launch_parts_ms_per_step": launch_ms,
             "gc": gc_pauses,
             "roofline_ms": floor * 1e3,
             "fraction_of_roofline": floor / step_s,
@@ -153,7 +160,9 @@ class StepBench:
             prompts.append(inst.add_request(f"prompt-{self._ids}", tokens, params))
             inst.step()
 
-        step_s, host_ms, gc_pauses = self._timed_steps(step_beside_a_new_prompt, steps, warmup)
+        step_s, host_ms, launch_ms, gc_pauses = self._timed_steps(
+            step_beside_a_new_prompt, steps, warmup
+        )
         prefilled = sum(p.num_computed_tokens >= chunk for p in prompts)
         self.drain(ids + [p.request_id for p in prompts])
         return {
@@ -162,6 +171,7 @@ class StepBench:
             "decode_tokens_per_s": batch / step_s,
             "prefill_tokens_per_s": chunk / step_s,
             "host_ms_per_step": host_ms,
+            "launch_parts_ms_per_step": launch_ms,
             "gc": gc_pauses,
             # How many of the prompts were through their prefill when the timing ended (all but
             # the last step's, which may still be in flight): each timed step was mixed.
