@@ -4,7 +4,7 @@ Reference counting frees what a step allocates; the cyclic collector finds almos
 these processes. Its generation-2 passes still stop the world and walk every tracked object,
 and after start-up nearly all of those are the imports, the model's modules and the server's
 routes. With only the imports of the engine and the server loaded (~227k objects), one pass
-took ~230 ms on the 2-core CI VM (bench/results/README.md, "Garbage collection pauses"). A pass
+took ~230 ms on the 2-core CI VM (bench/results/README.md, "Garbage-collection pauses"). A pass
 stops the engine loop, so the GPU idles, or stops every stream of the front end. Moving the
 start-up heap into the permanent generation (`gc.freeze`) leaves those passes only what serving
 allocates later. The collector itself stays on.
