@@ -620,7 +620,7 @@ def device_sm_count(device: torch.device) -> int:
 
 def _prefill_block_m(group: int) -> int:
     """Rows of a prefill tile: 128 (query tokens x the GQA group), more for a group past it."""
-    return max(16, triton.next_power_of_2(group), 128)
+    return max(triton.next_power_of_2(group), 128)
 
 
 def prefill_query_tile(num_q_heads: int, num_kv_heads: int) -> int:

@@ -132,6 +132,13 @@ class StepGraphs:
         # Mixed graphs only where the step can have more tokens than sequences.
         self.token_buckets = mixed_token_buckets(max_tokens) if max_tokens else []
         self.chunk_tile_tokens = chunk_tile_tokens
+        # Per mixed bucket, its chunk launch's grid (derived once: the lookup is on every mixed
+        # step's path).
+        self._chunk_grids = (
+            [self.chunk_tile_grid(size) for size in self.token_buckets]
+            if chunk_tile_tokens
+            else None
+        )
         self._graphs: dict[GraphKey, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = None
         # Seconds of the captures' eager warm-up passes (where the kernels of a new shape are
@@ -158,11 +165,10 @@ class StepGraphs:
         largest."""
         if num_seqs > self.max_batch:
             return None
-        for size in self.token_buckets:
-            if size >= num_tokens and (
-                not self.chunk_tile_tokens or self.chunk_tile_grid(size) >= num_chunk_tiles
-            ):
-                return GraphKey(False, self.max_batch, size, self.max_seq_len)
+        grids, buckets = self._chunk_grids, self.token_buckets
+        for i in range(bisect_left(buckets, num_tokens), len(buckets)):
+            if grids is None or grids[i] >= num_chunk_tiles:
+                return GraphKey(False, self.max_batch, buckets[i], self.max_seq_len)
         return None
 
     def chunk_tile_grid(self, num_tokens: int) -> int:
