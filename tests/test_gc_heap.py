@@ -4,6 +4,7 @@ collector's passes, and the pass counter the step benchmarks report."""
 from __future__ import annotations
 
 import gc
+import logging
 
 import pytest
 
@@ -64,6 +65,33 @@ def test_pauses_counts_passes_by_generation_while_the_block_runs():
     gc.collect(2)
     assert pauses.collections[2] == 1
     assert pauses._callback not in gc.callbacks
+
+
+class _Survivor:
+    pass
+
+
+def test_a_slow_pass_is_logged_with_its_garbage_and_the_oldest_generation_by_type(unfrozen, caplog):
+    freeze_startup_heap()
+    survivors = [_Survivor() for _ in range(500)]
+    gc.collect()  # the survivors now sit in the oldest generation, nearly alone
+    _cycle()
+    with (
+        caplog.at_level(logging.WARNING, logger="ember.engine.gc_heap"),
+        GcPauses(slow_pass_s=0.0) as pauses,  # every pass counts as slow
+    ):
+        gc.collect(2)
+    [record] = [r for r in pauses.slow_passes if r["generation"] == 2]
+    assert record["collected"] >= 2  # the cycle
+    assert record["oldest_generation_objects"] >= len(survivors)
+    assert record["frozen_objects"] == gc.get_freeze_count()
+    assert record["oldest_generation_top_types"][0] == ("_Survivor", len(survivors))
+    assert pauses.summary(steps=1)["slow_passes"][-1] == record
+    assert "slow garbage-collector pass" in caplog.text
+    # Passes under the threshold are counted, not reported.
+    with GcPauses(slow_pass_s=10.0) as quiet:
+        gc.collect(2)
+    assert quiet.collections[2] == 1 and not quiet.slow_passes
 
 
 def test_front_end_freezes_once_the_engine_has_loaded(monkeypatch):

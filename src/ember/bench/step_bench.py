@@ -20,7 +20,7 @@ from ember.bench.host_phases import host_phases, launch_parts
 from ember.bench.roofline import Ceilings, measure_ceilings, time_cuda
 from ember.cli import add_fast_path_arguments, fast_path_options
 from ember.config import CacheConfig, EngineConfig, SchedulerConfig
-from ember.engine.gc_heap import GcPauses, freeze_startup_heap
+from ember.engine.gc_heap import SLOW_PASS_S, GcPauses, freeze_startup_heap
 from ember.engine.model_instance import ModelInstance
 from ember.sampling_params import SamplingParams
 
@@ -95,7 +95,7 @@ class StepBench:
         with (
             host_phases(self.inst) as host,
             launch_parts(self.inst) as parts,
-            GcPauses() as gc_pauses,
+            GcPauses(slow_pass_s=SLOW_PASS_S) as gc_pauses,
         ):
             start = time.perf_counter()
             for _ in range(steps):

@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from ember.config import EngineConfig
-from ember.engine.gc_heap import GcPauses, freeze_startup_heap
+from ember.engine.gc_heap import SLOW_PASS_S, GcPauses, freeze_startup_heap
 from ember.engine.ipc import (
     AbortRequests,
     AddRequest,
@@ -58,7 +58,7 @@ class EngineCore:
         self._stats_sent_at = 0.0
         self._stats_dirty = True
         self._running = True
-        self._gc_pauses = GcPauses()
+        self._gc_pauses = GcPauses(slow_pass_s=SLOW_PASS_S)  # a slow pass is logged
 
     def run(self) -> None:
         """Serve until told to shut down or the parent process dies."""
