@@ -60,6 +60,7 @@ class LLM:
         overlap: bool | None = None,
         backend: str = "auto",
         programmatic_launch: str = "auto",
+        compile_workers: int | None = None,
     ) -> None:
         scheduler = SchedulerConfig(
             max_num_seqs=max_num_seqs,
@@ -85,6 +86,7 @@ class LLM:
             overlap=overlap,
             backend=backend,
             programmatic_launch=programmatic_launch,
+            compile_workers=compile_workers,
         )
         self.instance = ModelInstance(config)
         self._ids = itertools.count()

@@ -204,6 +204,14 @@ def add_fast_path_arguments(parser: argparse.ArgumentParser) -> None:
         help="run each decoder RMSNorm as its own kernel instead of folding its weight into the "
         "next projection and deferring 1/rms to the kernel that reads it",
     )
+    parser.add_argument(
+        "--compile-workers",
+        type=int,
+        default=None,
+        metavar="N",
+        help="threads that compile the CUDA graphs' Triton kernels before the captures "
+        "(default: one per CPU, up to 16; 0: each kernel compiles at its first launch)",
+    )
 
 
 def fast_path_options(args: argparse.Namespace) -> dict:
@@ -212,6 +220,7 @@ def fast_path_options(args: argparse.Namespace) -> dict:
         "programmatic_launch": args.programmatic_launch,
         "decode_rope_in_attention": not args.separate_decode_rope,
         "defer_norms": not args.separate_norms,
+        "compile_workers": args.compile_workers,
     }
 
 

@@ -153,6 +153,9 @@ class EngineConfig:
     seed: int = 0
     enforce_eager: bool = False  # no CUDA graphs
     lazy_cuda_graphs: bool = False  # capture each graph when first needed instead of at start
+    # Threads that compile the graphs' Triton kernels before the captures (None: one per CPU
+    # this process may use, up to 16; 0: each kernel compiles at its first launch).
+    compile_workers: int | None = None
     # "full": graphs for decode and mixed (prefill) steps; "decode": decode steps only.
     cuda_graph_mode: str = "full"
     backend: str = "auto"  # compute primitives: auto (Triton on CUDA), triton or reference

@@ -318,6 +318,9 @@ def run_step_bench(
         # compiles and cache loads) and the recording itself.
         graph_warmup_seconds=inst.load_report.graph_warmup_seconds,
         graph_record_seconds=inst.load_report.graph_record_seconds,
+        # Before the captures: their kernels compiled on this many threads.
+        kernel_compile_seconds=inst.load_report.kernel_compile_seconds,
+        compile_workers=inst.load_report.compile_workers,
     )
     measures = {
         "decode": lambda: [

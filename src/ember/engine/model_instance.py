@@ -18,6 +18,7 @@ from ember.engine.kv_cache_manager import KVCacheManager
 from ember.engine.request import Request
 from ember.engine.scheduler import Scheduler
 from ember.engine.step_types import RequestUpdate, SchedulerOutput
+from ember.kernels.compile_ahead import default_compile_workers, kernels_interpreted
 from ember.layers.ops import select_ops
 from ember.layers.reference_ops import build_cos_sin_cache
 from ember.models.registry import model_class
@@ -46,6 +47,10 @@ class LoadReport:
     # and cache loads happen there) and the captures proper.
     graph_warmup_seconds: float = 0.0
     graph_record_seconds: float = 0.0
+    # Before the captures: their kernels compiled on several threads (EngineConfig's
+    # compile_workers), and the threads used (0: none; each kernel compiles at its first launch).
+    kernel_compile_seconds: float = 0.0
+    compile_workers: int = 0
 
 
 def resolve_device(device: str) -> torch.device:
@@ -144,13 +149,16 @@ class ModelInstance:
         self.overlap = config.overlap if config.overlap is not None else self.device.type == "cuda"
         self._in_flight: tuple[SchedulerOutput, StepHandle] | None = None
         self._rng = random.Random(config.seed)
-        graphs, capture_seconds = self._capture_graphs()
+        compile_workers = self._compile_workers()
+        graphs, capture_seconds = self._capture_graphs(compile_workers)
         step_graphs = self.runner.graphs
         self.load_report = LoadReport(
             graphs_captured=graphs,
             graph_capture_seconds=capture_seconds,
             graph_warmup_seconds=step_graphs.warmup_seconds if step_graphs else 0.0,
             graph_record_seconds=step_graphs.record_seconds if step_graphs else 0.0,
+            kernel_compile_seconds=step_graphs.compile_seconds if step_graphs else 0.0,
+            compile_workers=compile_workers if graphs else 0,
             seconds=time.perf_counter() - start,
             weight_bytes=sum(p.numel() * p.element_size() for p in self.model.parameters()),
             kv_cache_bytes=self.kv_cache.numel() * self.kv_cache.element_size(),
@@ -160,13 +168,23 @@ class ModelInstance:
             "loaded %s in %.2f s: %s", self.name, self.load_report.seconds, self.load_report
         )
 
-    def _capture_graphs(self) -> tuple[int, float]:
+    def _compile_workers(self) -> int:
+        """Threads that compile the graphs' kernels ahead of the captures: the configured count,
+        else one per CPU; none where nothing is compiled (kernels interpreted or not Triton's)."""
+        workers = self.config.compile_workers
+        if workers is None:
+            workers = default_compile_workers()
+        if self.ops.name != "triton" or kernels_interpreted():
+            return 0
+        return workers
+
+    def _capture_graphs(self, compile_workers: int) -> tuple[int, float]:
         """Capture every step graph before the first request (vLLM does the same): a lazy capture
         costs the request that meets a new shape ~0.1 s, and compiling the kernels several."""
         if self.runner.graphs is None or self.config.lazy_cuda_graphs:
             return 0, 0.0
         start = time.perf_counter()
-        count = self.runner.capture_graphs()
+        count = self.runner.capture_graphs(compile_workers)
         return count, time.perf_counter() - start
 
     def _load_model(self, ckpt: Checkpoint) -> torch.nn.Module:

@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ember.kernels.compile_ahead import launch
 from ember.kernels.pdl import wait_for_producer
 from ember.kernels.row_norm import check_row_norm, inv_rms_of, load_row_parts, row_norm_args
 from ember.layers.row_norm import RowNorm
@@ -80,7 +81,7 @@ def silu_and_mul(
     if num_tokens == 0:
         return out
     (parts, num_parts, hidden, eps), block_p = row_norm_args(row_norm, x)
-    _silu_and_mul_kernel[(num_tokens, triton.cdiv(inter, _BLOCK))](
+    launch(_silu_and_mul_kernel, (num_tokens, triton.cdiv(inter, _BLOCK)),
         x, out, parts, inter, x.stride(0), out.stride(0), num_parts, hidden, eps,
         BLOCK=_BLOCK, ROW_NORM=row_norm is not None, BLOCK_P=block_p, PDL=pdl, num_warps=4,
         launch_pdl=pdl,

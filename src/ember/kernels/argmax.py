@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ember.kernels.compile_ahead import launch
 from ember.kernels.sampling import _first_argmax
 
 _BLOCK_V = 1024
@@ -105,10 +106,10 @@ def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
     if splits > 1:
         best_val = torch.empty(batch * splits, dtype=torch.float32, device=logits.device)
         best_idx = torch.empty(batch * splits, dtype=torch.int32, device=logits.device)
-    _chunk_argmax_kernel[(batch, splits)](
+    launch(_chunk_argmax_kernel, (batch, splits),
         logits, logits.stride(0), vocab, chunk, best_val, best_idx, tokens,
         SPLITS=splits, BLOCK_V=_BLOCK_V, num_warps=4,
     )  # fmt: skip
     if splits > 1:
-        _merge_chunks_kernel[(batch,)](best_val, best_idx, tokens, vocab, SPLITS=splits)
+        launch(_merge_chunks_kernel, (batch,), best_val, best_idx, tokens, vocab, SPLITS=splits)
     return tokens

@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ember.kernels.compile_ahead import launch
 from ember.kernels.pdl import wait_for_producer
 from ember.kernels.row_norm import (
     check_row_norm,
@@ -884,7 +885,7 @@ def _launch_kernel(
     else:
         num_tiles = num_tokens // config["BLOCK_Q"] + num_seqs  # see _find_sequence
     group = num_q_heads // num_kv_heads
-    _paged_attention_kernel[(num_tiles, num_kv_heads, splits)](
+    launch(_paged_attention_kernel, (num_tiles, num_kv_heads, splits),
         q, k_cache, v_cache, out,
         query_start_loc, seq_lens, block_tables,
         part_max, part_sum, part_acc,

@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ember.kernels.compile_ahead import launch
 from ember.kernels.pdl import wait_for_producer
 
 # Elements a program handles per launch: rows of hidden-size width get one program each.
@@ -96,7 +97,7 @@ def _launch(x, residual, weight, out, eps, pdl, sum_squares_only=False):
     _, so_outer, so_inner = _row_layout(x if sum_squares_only else out)
     block_h = triton.next_power_of_2(hidden)
     rows = max(1, _ELEMENTS_PER_PROGRAM // block_h)
-    _rms_norm_kernel[(triton.cdiv(num_rows, rows),)](
+    launch(_rms_norm_kernel, (triton.cdiv(num_rows, rows),),
         x, residual if residual is not None else x, weight, out,
         num_rows, inner_rows, sx_outer, sx_inner,
         residual.stride(0) if residual is not None else 0,

@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ember.kernels.compile_ahead import launch
 from ember.kernels.pdl import wait_for_producer
 from ember.kernels.row_norm import (
     check_row_norm,
@@ -162,7 +163,7 @@ def rope_and_cache_write(
     if num_tokens == 0:
         return
     row_args, block_p = row_norm_args(row_norm, q)
-    _rope_cache_write_kernel[(num_tokens,)](
+    launch(_rope_cache_write_kernel, (num_tokens,),
         q, k, v, positions, cos_sin_cache, slot_mapping, k_cache, v_cache, *row_args,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),

@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ember.kernels.compile_ahead import launch
 from ember.kernels.hash_rng import row_key, token_uniform
 
 # 1024 logits per step: measured on an H200 faster than 2048 with loop-level pipelining.
@@ -431,7 +432,7 @@ def sample(
     if batch == 0:
         return out
     candidates = torch.empty(batch * _CANDIDATES, dtype=torch.int32, device=logits.device)
-    _sample_kernel[(batch,)](
+    launch(_sample_kernel, (batch,),
         logits, logits.stride(0), temperature, top_k, top_p, min_p, seeds, steps, out,
         candidates, vocab,
         BLOCK_V=_BLOCK_V, NUM_PROBES=_NUM_PROBES, CANDIDATES=_CANDIDATES,

@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from ember.kernels.activation import silu_mul_rounded
+from ember.kernels.compile_ahead import launch
 from ember.kernels.pdl import wait_for_producer
 from ember.kernels.row_norm import check_row_norm, load_inv_rms_rows, row_norm_args, scale_and_round
 from ember.kernels.tiles import shrink_to_fit
@@ -227,7 +228,7 @@ def _launch(
     n = weight.shape[0] // 2 if gated else weight.shape[0]
     block_n = config.pop("BLOCK_N")
     (norm_parts, num_norm_parts, hidden, eps), block_p = row_norm_args(row_norm, out)
-    _skinny_gemm_kernel[(triton.cdiv(n, block_n),)](
+    launch(_skinny_gemm_kernel, (triton.cdiv(n, block_n),),
         x, weight, bias if bias is not None else weight, out,
         parts if parts is not None else out, norm_parts,
         m, n, k, x.stride(0), weight.stride(0), out.stride(0), num_norm_parts, hidden, eps,

@@ -145,6 +145,9 @@ class StepGraphs:
         # compiled or loaded from Triton's cache) and of the captures themselves, summed.
         self.warmup_seconds = 0.0
         self.record_seconds = 0.0
+        # Seconds of the compile-ahead pass over every bucket, where one ran (before the
+        # captures, whose warm-ups then find the kernels compiled).
+        self.compile_seconds = 0.0
 
     # -- choosing a graph ---------------------------------------------------------------------
 
@@ -255,6 +258,11 @@ class StepGraphs:
         if key.decode:
             return self.model.compute_logits(hidden)
         return hidden.index_select(0, buf["sample_indices"][: key.num_seqs])
+
+    def forward_for_launches(self, key: GraphKey) -> None:
+        """The key's forward pass over the buffers as they are, for the kernel launches it
+        makes (inside `ember.kernels.compile_ahead`, where none runs): its output is garbage."""
+        self._forward(key)
 
     def _capture(self, key: GraphKey) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         # The buffers already hold this step's (padded) inputs, so warm-up and capture see

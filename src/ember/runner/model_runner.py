@@ -11,18 +11,23 @@ reads it on the device (`gather_src` -> `gather_dst`), so the CPU never waits fo
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from ember.engine.step_types import RunnerOutput, SchedulerOutput, TokenLogprobs
+from ember.kernels.compile_ahead import compile_ahead
 from ember.kernels.paged_attention import ChunkTiles, chunk_tile_map, prefill_query_tile
 from ember.layers.forward_context import ForwardContext
 from ember.runner.cuda_graphs import GraphKey, StepGraphs
 from ember.runner.input_buffers import InputBlock, InputBuffers
 from ember.runner.sampler import Sampler, SamplingRow
 from ember.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
@@ -113,23 +118,49 @@ class ModelRunner:
             )
         self._in_flight: StepHandle | None = None
 
-    def capture_graphs(self) -> int:
+    def capture_graphs(self, compile_workers: int = 0) -> int:
         """Capture every graph bucket now, so no request pays for a capture; returns the count.
 
         Each capture runs over an empty step padded to the bucket, exactly as a real step is
-        padded: capture records addresses, but its warm-up pass must read valid indices.
+        padded: capture records addresses, but its warm-up pass must read valid indices. With
+        ``compile_workers``, one pass over the buckets first compiles every kernel their steps
+        launch, on that many threads (`ember.kernels.compile_ahead`).
         """
         if self.graphs is None:
             return 0
+        keys = self.graphs.all_keys
         with torch.inference_mode():
-            for key in self.graphs.all_keys:
-                block = self.buffers.block(key.decode)
-                staging = block.next_staging()
-                staging.numpy("query_start_loc")[0] = 0
-                padded = self._pad_for_graph(staging, _StepPlan(), key)
-                block.upload(staging, padded.upload_counts)
+            if compile_workers > 0:
+                self._compile_ahead(keys, compile_workers)
+            for key in keys:
+                self._stage_empty_step(key)
                 self.graphs.capture(key)
         return len(self.graphs.captured)
+
+    def _compile_ahead(self, keys: list[GraphKey], workers: int) -> None:
+        """Compile the kernels of every graph's step on ``workers`` threads. A failure here only
+        costs the speed-up: the captures' warm-ups compile whatever is missing, one by one (and
+        raise if a kernel really does not compile)."""
+        started = time.perf_counter()
+        try:
+            with compile_ahead(workers):
+                for key in keys:
+                    self._stage_empty_step(key)
+                    self.graphs.forward_for_launches(key)
+        except Exception:
+            logger.warning("compiling ahead failed; each kernel compiles at its first launch",
+                           exc_info=True)  # fmt: skip
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the pass's own GEMMs, timed with it
+        self.graphs.compile_seconds = time.perf_counter() - started
+
+    def _stage_empty_step(self, key: GraphKey) -> None:
+        """Upload an empty step padded to the graph ``key``."""
+        block = self.buffers.block(key.decode)
+        staging = block.next_staging()
+        staging.numpy("query_start_loc")[0] = 0
+        padded = self._pad_for_graph(staging, _StepPlan(), key)
+        block.upload(staging, padded.upload_counts)
 
     # -- the step ---------------------------------------------------------------------------------
 

@@ -1,0 +1,78 @@
+"""Compile a model's Triton kernels on several threads before their first launch.
+
+On a machine whose Triton cache is cold, start-up is mostly compiling: the 8B server's graph
+warm-up took 65 s of a 73 s load on a fresh H200 host, one kernel specialisation after another,
+as each first launch met it (bench/results/README.md, "Compiling ahead"). Most of a compile runs
+outside the GIL (MLIR and LLVM passes, `ptxas` as a subprocess), so compiles on threads overlap.
+
+Every engine kernel launches through `launch`. Inside `compile_ahead`, `launch` runs nothing: it
+hands the launch's arguments to Triton's ``warmup``, which derives the same specialisation a real
+launch would (argument types, 16-byte alignment, constexprs, launch options) and, under Triton's
+`AsyncCompileMode`, queues its compile on the pool. Identical specialisations are compiled once.
+When the block exits, every compile has finished and sits in its kernel's cache, so the launches
+that follow find it there. The caller runs its forward passes inside the block only for their
+launches' arguments: their outputs are never written and must be thrown away.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Any
+
+# Whether launches in this context only queue compiles. A context variable, as Triton keeps its
+# own compile mode: it is set and reset by `compile_ahead` alone, never left set.
+_COMPILE_ONLY: ContextVar[bool] = ContextVar("ember_compile_only", default=False)
+
+# More threads than this stop paying: the compiles' Python front end holds the GIL.
+MAX_COMPILE_WORKERS = 16
+
+
+def compiling_ahead() -> bool:
+    """Whether `launch` only queues compiles here (inside `compile_ahead`)."""
+    return _COMPILE_ONLY.get()
+
+
+def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> None:
+    """``kernel[grid](*args, **kwargs)``; inside `compile_ahead`, queue its compile instead."""
+    if compiling_ahead():
+        kernel.warmup(*args, grid=grid, **kwargs)
+    else:
+        kernel[grid](*args, **kwargs)
+
+
+def kernels_interpreted() -> bool:
+    """Whether Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``): nothing to
+    compile then."""
+    import triton
+
+    return bool(triton.knobs.runtime.interpret)
+
+
+def default_compile_workers() -> int:
+    """One compile thread per CPU this process may run on, up to MAX_COMPILE_WORKERS."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cpus = os.cpu_count() or 1
+    return max(1, min(cpus, MAX_COMPILE_WORKERS))
+
+
+@contextmanager
+def compile_ahead(workers: int) -> Iterator[None]:
+    """Within the block, `launch` queues compiles on ``workers`` threads and runs no kernel; on
+    exit all of them have finished (a failed compile raises here)."""
+    import triton
+
+    with (
+        ThreadPoolExecutor(workers, thread_name_prefix="triton-compile") as pool,
+        triton.AsyncCompileMode(pool),
+    ):
+        token = _COMPILE_ONLY.set(True)
+        try:
+            yield
+        finally:
+            _COMPILE_ONLY.reset(token)
