@@ -99,7 +99,9 @@ def test_step_bench_logic_runs_on_a_cpu(tiny_bench):
     assert min(host["schedule"], host["launch"], host["update"]) > 0
     assert host["wait"] == 0  # a CPU step has no event to wait on
     assert sum(host.values()) <= row["step_ms"] * 1.05
-    assert set(row["gc"]) == {"gc_ms_per_step", "gen2_collections", "gen2_pause_ms", "max_pause_ms"}
+    assert set(row["gc"]) == {"gc_ms_per_step", "gen2_collections", "gen2_pause_ms", "max_pause_ms",
+                              "slow_passes"}  # fmt: skip
+    assert all(p["pause_ms"] > 20 for p in row["gc"]["slow_passes"])  # gc_heap.SLOW_PASS_S
     parts = row["launch_parts_ms_per_step"]
     assert min(parts["stage_inputs"], parts["sample"]) > 0 and parts["graph_replay"] == 0
     assert sum(parts.values()) <= host["launch"] * 1.05  # parts of launch, timed inside it
