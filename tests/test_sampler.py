@@ -57,3 +57,26 @@ def test_processing_and_sampling_run_in_float32():
     same_as_float32, _ = _sample(logits.float(), rows)
     assert torch.equal(tokens, same_as_float32)
     assert tokens[2] != 0
+
+
+def test_warm_up_launches_every_row_count_in_both_logit_dtypes_and_a_draw():
+    """Each kernel variant a step may launch (the argmax specialises on the row count) is run
+    at start-up, not first met by a request."""
+    import dataclasses
+
+    reference = reference_ops()
+    greedy_shapes, draws = [], []
+
+    def recording_argmax(logits):
+        greedy_shapes.append((logits.shape[0], logits.dtype))
+        return reference.greedy_argmax(logits)
+
+    def recording_sample(logits, *rows):
+        draws.append(logits.shape)
+        return reference.sample(logits, *rows)
+
+    ops = dataclasses.replace(reference, greedy_argmax=recording_argmax, sample=recording_sample)
+    Sampler(ops, VOCAB, torch.device("cpu"), max_rows=6).warm_up(torch.bfloat16)
+    expected = {(rows, dtype) for rows in range(1, 7) for dtype in (torch.bfloat16, torch.float32)}
+    assert set(greedy_shapes) == expected
+    assert draws == [(1, VOCAB)]

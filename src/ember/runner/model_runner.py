@@ -124,7 +124,8 @@ class ModelRunner:
         Each capture runs over an empty step padded to the bucket, exactly as a real step is
         padded: capture records addresses, but its warm-up pass must read valid indices. With
         ``compile_workers``, one pass over the buckets first compiles every kernel their steps
-        launch, on that many threads (`ember.kernels.compile_ahead`).
+        launch, and the sampler's, on that many threads (`ember.kernels.compile_ahead`). The
+        sampler's kernels run once at every row count after the captures (`Sampler.warm_up`).
         """
         if self.graphs is None:
             return 0
@@ -135,6 +136,9 @@ class ModelRunner:
             for key in keys:
                 self._stage_empty_step(key)
                 self.graphs.capture(key)
+            self.sampler.warm_up(self._logits_dtype)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the warm-up's staged rows are copied out
         return len(self.graphs.captured)
 
     def _compile_ahead(self, keys: list[GraphKey], workers: int) -> None:
@@ -147,12 +151,18 @@ class ModelRunner:
                 for key in keys:
                     self._stage_empty_step(key)
                     self.graphs.forward_for_launches(key)
+                self.sampler.warm_up(self._logits_dtype)
         except Exception:
             logger.warning("compiling ahead failed; each kernel compiles at its first launch",
                            exc_info=True)  # fmt: skip
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the pass's own GEMMs, timed with it
         self.graphs.compile_seconds = time.perf_counter() - started
+
+    @property
+    def _logits_dtype(self) -> torch.dtype:
+        """The dtype of the logits the model hands the sampler: its weights' (lm_head)."""
+        return next(self.model.parameters()).dtype
 
     def _stage_empty_step(self, key: GraphKey) -> None:
         """Upload an empty step padded to the graph ``key``."""

@@ -75,6 +75,20 @@ class Sampler:
             raw_logits.float(), tokens, params
         ) if wants_logprobs else None
 
+    def warm_up(self, logits_dtype: torch.dtype) -> None:
+        """Draw once at every row count, greedy from logits of the model's dtype and of float32
+        (rows with logit processing), and once at random. A draw's kernels specialise on the row
+        count (the greedy argmax's chunks per row), so each variant is compiled, or inside
+        `ember.kernels.compile_ahead` queued for compiling, before a request meets it: compiled
+        at a step, it would stall the whole batch for the compile."""
+        max_rows = len(self._staging[0]["seeds"])
+        drawn = SamplingRow(SamplingParams(temperature=1.0, top_p=0.9), 0, 0, [], 0, ())
+        for dtype in dict.fromkeys((logits_dtype, torch.float32)):
+            logits = torch.zeros(max_rows, self.vocab_size, dtype=dtype, device=self.device)
+            for rows in range(1, max_rows + 1):
+                self.ops.greedy_argmax(logits[:rows])
+        self(torch.zeros(1, self.vocab_size, dtype=logits_dtype, device=self.device), [drawn])
+
     def _row_tensors(self, rows: list[SamplingRow]) -> list[torch.Tensor]:
         """temperature, top_k, top_p, min_p, seeds, steps as device tensors, without a sync."""
         self._turn ^= 1
