@@ -88,11 +88,24 @@ def test_runner_compiles_every_bucket_before_any_capture(tmp_path):
     plain = llm.generate([prompt], params)[0].outputs[0].token_ids
     graphs = OrderedGraphs.install(llm, max_tokens=40)
     keys = graphs.all_keys
+    model = llm.instance.model
+    logits_rows = []  # (rows, compile pass?) of every logits projection
+
+    def compute_logits(hidden):
+        logits_rows.append((hidden.shape[0], compiling_ahead()))
+        return type(model).compute_logits(model, hidden)
+
+    model.compute_logits = compute_logits
     assert llm.instance.runner.capture_graphs(compile_workers=2) == len(keys)
+    del model.compute_logits
     compile_pass, capture_pass = graphs.passes[: len(keys)], graphs.passes[len(keys) :]
     assert compile_pass == [("compile", k, True) for k in keys]
     assert capture_pass == [("capture", k, False) for k in keys]
     assert graphs.compile_seconds > 0
+    # What a step runs outside its graph (a mixed step's logits, at any row count) is launched
+    # in the compile pass and once more after the captures.
+    for compiling in (True, False):
+        assert {rows for rows, c in logits_rows if c == compiling} >= set(range(1, 17))
     # The compile pass's outputs are thrown away: tokens and KV blocks are as before.
     assert llm.generate([prompt], params)[0].outputs[0].token_ids == plain
     assert llm.instance.kv_manager.num_free_blocks == llm.instance.kv_manager.pool.capacity

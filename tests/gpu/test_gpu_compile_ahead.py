@@ -55,9 +55,10 @@ def test_compiled_ahead_then_launched_without_another_compile(compiles):
     assert len(compiles) == 1  # the launch found it compiled
 
 
-def test_engine_compiles_its_graph_kernels_ahead(tmp_path):
-    """Loaded with a compile pass, the graphs' warm-ups compile nothing new, and the tokens
-    match an instance loaded without one."""
+def test_engine_compiles_its_kernels_before_the_first_request(tmp_path, compiles):
+    """Loaded with a compile pass, serving compiles nothing (graphs, a mixed step's logits and
+    the sampler at any row count were all compiled at start-up), and the tokens match an
+    instance loaded without the pass."""
     path = make_tiny_model("LlamaForCausalLM", tmp_path / "m")
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     prompts = [{"prompt_token_ids": list(range(5, 5 + n))} for n in (3, 40, 90)]
@@ -66,7 +67,12 @@ def test_engine_compiles_its_graph_kernels_ahead(tmp_path):
     report = ahead.instance.load_report
     assert report.compile_workers == 4 and report.kernel_compile_seconds > 0
     assert report.graphs_captured > 0
+    compiles.clear()
     tokens = [o.outputs[0].token_ids for o in ahead.generate(prompts, params)]
+    drawn = ahead.generate(prompts, SamplingParams(temperature=0.8, top_p=0.9, seed=1,
+                                                   max_tokens=8))  # fmt: skip
+    assert all(o.outputs[0].token_ids for o in drawn)
+    assert compiles == []
     del ahead
     plain = LLM(str(path), compile_workers=0, **options)
     assert plain.instance.load_report.compile_workers == 0

@@ -90,6 +90,7 @@ class ModelRunner:
         self.sampler = sampler
         self.device = kv_cache.device
         self.stop_ids_until_min_tokens = stop_ids_until_min_tokens
+        self.max_num_seqs = max_num_seqs
         self.states: dict[str, RequestState] = {}
         # Query tokens per tile of a mixed step's chunk tile map (None: no map; the kernel
         # searches instead).
@@ -124,8 +125,8 @@ class ModelRunner:
         Each capture runs over an empty step padded to the bucket, exactly as a real step is
         padded: capture records addresses, but its warm-up pass must read valid indices. With
         ``compile_workers``, one pass over the buckets first compiles every kernel their steps
-        launch, and the sampler's, on that many threads (`ember.kernels.compile_ahead`). The
-        sampler's kernels run once at every row count after the captures (`Sampler.warm_up`).
+        launch, and those a step runs outside its graph, on that many threads
+        (`ember.kernels.compile_ahead`); the latter also run once after the captures.
         """
         if self.graphs is None:
             return 0
@@ -136,7 +137,7 @@ class ModelRunner:
             for key in keys:
                 self._stage_empty_step(key)
                 self.graphs.capture(key)
-            self.sampler.warm_up(self._logits_dtype)
+            self._warm_eager_launches()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the warm-up's staged rows are copied out
         return len(self.graphs.captured)
@@ -151,7 +152,7 @@ class ModelRunner:
                 for key in keys:
                     self._stage_empty_step(key)
                     self.graphs.forward_for_launches(key)
-                self.sampler.warm_up(self._logits_dtype)
+                self._warm_eager_launches()
         except Exception:
             logger.warning("compiling ahead failed; each kernel compiles at its first launch",
                            exc_info=True)  # fmt: skip
@@ -159,10 +160,17 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)  # the pass's own GEMMs, timed with it
         self.graphs.compile_seconds = time.perf_counter() - started
 
-    @property
-    def _logits_dtype(self) -> torch.dtype:
-        """The dtype of the logits the model hands the sampler: its weights' (lm_head)."""
-        return next(self.model.parameters()).dtype
+    def _warm_eager_launches(self) -> None:
+        """Launch, at every row count, what a step runs outside its graph: a mixed step's logits
+        projection (its GEMM's tiles follow the row count) and the sampler's kernels
+        (`Sampler.warm_up`). A kernel first compiled at a step stalls the whole batch."""
+        weight = next(self.model.parameters())
+        max_rows = self.max_num_seqs
+        hidden = torch.zeros(max_rows, self.model.cfg.hidden_size, dtype=weight.dtype,
+                             device=self.device)  # fmt: skip
+        for rows in range(1, max_rows + 1):
+            self.model.compute_logits(hidden[:rows])
+        self.sampler.warm_up(weight.dtype)
 
     def _stage_empty_step(self, key: GraphKey) -> None:
         """Upload an empty step padded to the graph ``key``."""
