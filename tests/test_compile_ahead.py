@@ -142,3 +142,9 @@ def test_a_failed_compile_pass_falls_back_to_compiling_at_first_launch(tmp_path,
     assert llm.instance.runner.capture_graphs(compile_workers=2) == len(graphs.all_keys)
     assert "compiling ahead failed" in caplog.text
     assert {key for key in graphs.captured} == set(graphs.all_keys)
+
+
+def test_a_negative_worker_count_is_refused(tmp_path):
+    path = make_tiny_model("LlamaForCausalLM", tmp_path / "m", num_hidden_layers=1)
+    with pytest.raises(ValueError, match="compile_workers"):
+        LLM(str(path), device="cpu", max_model_len=64, compile_workers=-1)

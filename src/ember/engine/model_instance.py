@@ -174,6 +174,8 @@ class ModelInstance:
         workers = self.config.compile_workers
         if workers is None:
             workers = default_compile_workers()
+        if workers < 0:
+            raise ValueError(f"compile_workers must be >= 0, got {workers}")
         if self.ops.name != "triton" or kernels_interpreted():
             return 0
         return workers

@@ -2,8 +2,9 @@
 
 On a machine whose Triton cache is cold, start-up is mostly compiling: the 8B server's graph
 warm-up took 65 s of a 73 s load on a fresh H200 host, one kernel specialisation after another,
-as each first launch met it (bench/results/README.md, "Compiling ahead"). Most of a compile runs
-outside the GIL (MLIR and LLVM passes, `ptxas` as a subprocess), so compiles on threads overlap.
+as each first launch met it (bench/results/README.md, "Compiling the graphs' kernels ahead").
+Most of a compile runs outside the GIL (MLIR and LLVM passes, `ptxas` as a subprocess), so
+compiles on threads overlap.
 
 Every engine kernel launches through `launch`. Inside `compile_ahead`, `launch` runs nothing: it
 hands the launch's arguments to Triton's ``warmup``, which derives the same specialisation a real
@@ -27,7 +28,8 @@ from typing import Any
 # own compile mode: it is set and reset by `compile_ahead` alone, never left set.
 _COMPILE_ONLY: ContextVar[bool] = ContextVar("ember_compile_only", default=False)
 
-# More threads than this stop paying: the compiles' Python front end holds the GIL.
+# A cap on the default: each compile's Python front end holds the GIL, so threads past the
+# cores only wait. 16 (the H200 host's cores) is the most measured.
 MAX_COMPILE_WORKERS = 16
 
 
