@@ -148,3 +148,35 @@ def test_a_negative_worker_count_is_refused(tmp_path):
     path = make_tiny_model("LlamaForCausalLM", tmp_path / "m", num_hidden_layers=1)
     with pytest.raises(ValueError, match="compile_workers"):
         LLM(str(path), device="cpu", max_model_len=64, compile_workers=-1)
+
+
+def test_each_compile_thread_builds_its_kernels_launcher_after_compiling_it():
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ember.kernels.compile_ahead import _CompileThenBuildLauncher
+
+    prepared = []
+
+    def prepare(kernel):
+        prepared.append((kernel, threading.current_thread().name))
+
+    def compile_kernel(name):
+        return (name, threading.current_thread().name)
+
+    def failing_compile():
+        raise RuntimeError("does not compile")
+
+    with ThreadPoolExecutor(2, thread_name_prefix="t") as pool:
+        executor = _CompileThenBuildLauncher(pool, prepare)
+        kernel = executor.submit(compile_kernel, "k").result()
+        with pytest.raises(RuntimeError, match="does not compile"):
+            executor.submit(failing_compile).result()
+    assert prepared == [(kernel, kernel[1])]  # on the thread that compiled it; not for a failure
+
+
+def test_a_launcher_that_cannot_be_built_is_left_to_the_first_launch(caplog):
+    from ember.kernels.compile_ahead import build_launcher
+
+    build_launcher(object())  # no source, no metadata (and no GPU driver here): logged, no raise
+    assert "launcher ahead failed" in caplog.text

@@ -13,16 +13,25 @@ launch would (argument types, 16-byte alignment, constexprs, launch options) and
 When the block exits, every compile has finished and sits in its kernel's cache, so the launches
 that follow find it there. The caller runs its forward passes inside the block only for their
 launches' arguments: their outputs are never written and must be thrown away.
+
+A compiled kernel also needs a launcher: a small C module Triton builds with the host's C
+compiler at the kernel's first launch (cached on disk by its source). Left there, those builds
+run one after another in the first launches, so each compile thread builds its kernel's launcher
+into Triton's cache right after compiling it. That is best effort: if it fails, the first launch
+builds the launcher as before.
 """
 
 from __future__ import annotations
 
+import logging
 import os
-from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterator
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 # Whether launches in this context only queue compiles. A context variable, as Triton keeps its
 # own compile mode: it is set and reset by `compile_ahead` alone, never left set.
@@ -63,15 +72,45 @@ def default_compile_workers() -> int:
     return max(1, min(cpus, MAX_COMPILE_WORKERS))
 
 
+def build_launcher(kernel: Any) -> None:
+    """Build a compiled kernel's launcher into Triton's cache (what its first launch would do:
+    Triton's driver's launcher class, built from the kernel's source and metadata). Best effort:
+    a failure is logged and left to the first launch."""
+    try:
+        from triton.runtime import driver
+
+        driver.active.launcher_cls(kernel.src, kernel.metadata)
+    except Exception as exc:  # noqa: BLE001 - best effort: the first launch builds it anyway
+        logger.warning("building a kernel launcher ahead failed (%r); its first launch builds it",
+                       exc)  # fmt: skip
+
+
+class _CompileThenBuildLauncher(Executor):
+    """Runs each compile Triton submits on ``pool``, then builds the compiled kernel's launcher
+    on the same thread."""
+
+    def __init__(self, pool: Executor, prepare: Callable[[Any], None]) -> None:
+        self._pool = pool
+        self._prepare = prepare
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future:
+        def compile_and_prepare() -> Any:
+            kernel = fn(*args, **kwargs)
+            self._prepare(kernel)
+            return kernel
+
+        return self._pool.submit(compile_and_prepare)
+
+
 @contextmanager
 def compile_ahead(workers: int) -> Iterator[None]:
     """Within the block, `launch` queues compiles on ``workers`` threads and runs no kernel; on
-    exit all of them have finished (a failed compile raises here)."""
+    exit all of them have finished, their launchers built (a failed compile raises here)."""
     import triton
 
     with (
         ThreadPoolExecutor(workers, thread_name_prefix="triton-compile") as pool,
-        triton.AsyncCompileMode(pool),
+        triton.AsyncCompileMode(_CompileThenBuildLauncher(pool, build_launcher)),
     ):
         token = _COMPILE_ONLY.set(True)
         try:
