@@ -106,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
         for b in args.batches.split(",")
     ]
     for row in rows:
-        print(json.dumps(row, default=lambda v: round(v, 3)))
+        print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}))
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(rows, f, indent=2)
