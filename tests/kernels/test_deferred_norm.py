@@ -199,3 +199,20 @@ def test_passes_past_the_deferral_limit_run_the_plain_form_on_folded_weights(tmp
     assert {deferred for rows, deferred in forms} == {True, False}
     assert all(deferred == (rows <= 8) for rows, deferred in forms)
     assert mixed == plain
+
+
+def test_folding_in_row_blocks_gives_the_whole_matrix_fold(tmp_path, monkeypatch):
+    """The norm weights fold into their projections a few rows at a time (the load runs after
+    the KV cache took the free memory): the same weights as one whole-matrix fold."""
+    from ember.models import llama
+
+    path = make_tiny_model("LlamaForCausalLM", tmp_path, num_hidden_layers=1)
+    instance_module = importlib.import_module("ember.engine.model_instance")
+    monkeypatch.setattr(instance_module, "select_ops", lambda *a, **k: reference_ops(True))
+    whole = LLM(str(path), device="cpu", max_model_len=64).instance.model
+    monkeypatch.setattr(llama, "_FOLD_ROWS", 5)
+    blocks = LLM(str(path), device="cpu", max_model_len=64).instance.model
+    assert whole.defers_norms and blocks.defers_norms
+    for (name, ours), theirs in zip(blocks.state_dict().items(), whole.state_dict().values(),
+                                    strict=True):  # fmt: skip
+        assert torch.equal(ours, theirs), name

@@ -321,6 +321,8 @@ def run_step_bench(
         # Before the captures: their kernels compiled on this many threads.
         kernel_compile_seconds=inst.load_report.kernel_compile_seconds,
         compile_workers=inst.load_report.compile_workers,
+        # The weights' read, on a thread beside the compile pass.
+        weight_load_seconds=inst.load_report.weight_load_seconds,
     )
     measures = {
         "decode": lambda: [

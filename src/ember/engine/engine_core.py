@@ -20,7 +20,7 @@ import multiprocessing
 import signal
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 from ember.config import EngineConfig
@@ -147,22 +147,6 @@ class EngineCore:
 # ------------------------------------------------------------------------ loading
 
 
-class _ProgressCheckpoint:
-    """A checkpoint that reports each tensor it hands out; everything else is delegated."""
-
-    def __init__(self, checkpoint: Any, report: Callable[[int], None]) -> None:
-        self._checkpoint = checkpoint
-        self._report = report
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._checkpoint, name)
-
-    def iter_tensors(self, *args: Any, **kwargs: Any) -> Iterator[Any]:
-        for count, item in enumerate(self._checkpoint.iter_tensors(*args, **kwargs), start=1):
-            yield item
-            self._report(count)
-
-
 class _ThrottledProgress:
     """Sends LoadProgress for one model at most every PROGRESS_INTERVAL_S (and at the end)."""
 
@@ -191,9 +175,10 @@ def load_instances(
         checkpoint = open_checkpoint(config.model)
         progress = _ThrottledProgress(name, _tensor_count(checkpoint), report)
         progress(0)
-        instances[name] = ModelInstance(
-            config, checkpoint=_ProgressCheckpoint(checkpoint, progress)
-        )
+        # The progress is sent from the instance's weight-loading thread; nothing else uses the
+        # engine's socket until the instance is built (a join between, so handing the socket
+        # over is safe for zmq).
+        instances[name] = ModelInstance(config, checkpoint=checkpoint, on_tensor_loaded=progress)
     return instances
 
 

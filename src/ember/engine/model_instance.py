@@ -9,6 +9,8 @@ import dataclasses
 import logging
 import random
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +29,7 @@ from ember.runner.sampler import Sampler
 from ember.sampling_params import SamplingParams
 from ember.tokenizer.tokenizer import Tokenizer
 from ember.weights.checkpoint import Checkpoint
+from ember.weights.parallel_load import load_extents
 from ember.weights.resolve import open_checkpoint
 
 logger = logging.getLogger(__name__)
@@ -47,6 +50,13 @@ class LoadReport:
     # and cache loads happen there) and the captures proper.
     graph_warmup_seconds: float = 0.0
     graph_record_seconds: float = 0.0
+    # Reading the weights into the model (`ember.weights.parallel_load` for safetensors), on a
+    # thread while the runner is built and the kernels compile; and how long the load
+    # then still held up the captures.
+    weight_load_seconds: float = 0.0
+    weight_wait_seconds: float = 0.0
+    # Before the load starts: config, tokenizer, the parameters' and the KV cache's allocation.
+    setup_seconds: float = 0.0
     # Before the captures: their kernels compiled on several threads (EngineConfig's
     # compile_workers), and the threads used (0: none; each kernel compiles at its first launch).
     kernel_compile_seconds: float = 0.0
@@ -81,7 +91,14 @@ def resolve_dtype(dtype: str, device: torch.device, hf_config: dict) -> torch.dt
 class ModelInstance:
     """A loaded model with its own KV cache, scheduler and runner."""
 
-    def __init__(self, config: EngineConfig, checkpoint: Checkpoint | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        checkpoint: Checkpoint | None = None,
+        on_tensor_loaded: Callable[[int], None] | None = None,
+    ) -> None:
+        """Load ``config``'s model. ``on_tensor_loaded(n)`` is called, from the loading thread,
+        as the n-th checkpoint tensor lands."""
         start = time.perf_counter()
         self.config = config
         ckpt = checkpoint or open_checkpoint(config.model)
@@ -108,7 +125,10 @@ class ModelInstance:
             raise ValueError(
                 f"cuda_graph_mode must be 'full' or 'decode', not {config.cuda_graph_mode!r}"
             )
-        self.model = self._load_model(ckpt)
+        compile_workers = self._compile_workers()
+        # Zeroed when kernels compile during the load: the compile pass runs the model's torch
+        # ops on whatever the parameters hold, and uninitialised memory may hold NaNs.
+        self.model = self._allocate_model(zeroed=compile_workers > 0)
         block_size = config.cache.block_size
         num_blocks = self._num_kv_blocks()
         self.kv_cache = torch.zeros(
@@ -122,6 +142,39 @@ class ModelInstance:
                 f"max_model_len={self.max_model_len}; give it more memory or lower max_model_len"
             )
         self.kv_manager = KVCacheManager(num_blocks, block_size)
+        setup_seconds = time.perf_counter() - start
+        with ThreadPoolExecutor(1, thread_name_prefix="weight-load") as loader:
+            loading = loader.submit(self._load_weights, ckpt, on_tensor_loaded)
+            self._build_runner(config, block_size)
+            if not config.lazy_cuda_graphs:
+                self.runner.compile_kernels(compile_workers)
+            waited = time.perf_counter()
+            weight_load_seconds = loading.result()  # re-raises the loader's error
+            weight_wait_seconds = time.perf_counter() - waited
+        graphs, capture_seconds = self._capture_graphs()
+        step_graphs = self.runner.graphs
+        self.load_report = LoadReport(
+            graphs_captured=graphs,
+            graph_capture_seconds=capture_seconds,
+            graph_warmup_seconds=step_graphs.warmup_seconds if step_graphs else 0.0,
+            graph_record_seconds=step_graphs.record_seconds if step_graphs else 0.0,
+            kernel_compile_seconds=step_graphs.compile_seconds if step_graphs else 0.0,
+            compile_workers=compile_workers if graphs else 0,
+            weight_load_seconds=weight_load_seconds,
+            weight_wait_seconds=weight_wait_seconds,
+            setup_seconds=setup_seconds,
+            seconds=time.perf_counter() - start,
+            weight_bytes=sum(p.numel() * p.element_size() for p in self.model.parameters()),
+            kv_cache_bytes=self.kv_cache.numel() * self.kv_cache.element_size(),
+            num_blocks=num_blocks,
+        )
+        logger.info(
+            "loaded %s in %.2f s: %s", self.name, self.load_report.seconds, self.load_report
+        )
+
+    def _build_runner(self, config: EngineConfig, block_size: int) -> None:
+        """Scheduler and runner over the allocated cache (no weight value is read here)."""
+        cfg = self.model_config
         scheduler_config = config.scheduler
         if scheduler_config.max_model_len != self.max_model_len:
             scheduler_config = dataclasses.replace(
@@ -149,24 +202,6 @@ class ModelInstance:
         self.overlap = config.overlap if config.overlap is not None else self.device.type == "cuda"
         self._in_flight: tuple[SchedulerOutput, StepHandle] | None = None
         self._rng = random.Random(config.seed)
-        compile_workers = self._compile_workers()
-        graphs, capture_seconds = self._capture_graphs(compile_workers)
-        step_graphs = self.runner.graphs
-        self.load_report = LoadReport(
-            graphs_captured=graphs,
-            graph_capture_seconds=capture_seconds,
-            graph_warmup_seconds=step_graphs.warmup_seconds if step_graphs else 0.0,
-            graph_record_seconds=step_graphs.record_seconds if step_graphs else 0.0,
-            kernel_compile_seconds=step_graphs.compile_seconds if step_graphs else 0.0,
-            compile_workers=compile_workers if graphs else 0,
-            seconds=time.perf_counter() - start,
-            weight_bytes=sum(p.numel() * p.element_size() for p in self.model.parameters()),
-            kv_cache_bytes=self.kv_cache.numel() * self.kv_cache.element_size(),
-            num_blocks=num_blocks,
-        )
-        logger.info(
-            "loaded %s in %.2f s: %s", self.name, self.load_report.seconds, self.load_report
-        )
 
     def _compile_workers(self) -> int:
         """Threads that compile the graphs' kernels ahead of the captures: the configured count,
@@ -180,22 +215,47 @@ class ModelInstance:
             return 0
         return workers
 
-    def _capture_graphs(self, compile_workers: int) -> tuple[int, float]:
+    def _capture_graphs(self) -> tuple[int, float]:
         """Capture every step graph before the first request (vLLM does the same): a lazy capture
         costs the request that meets a new shape ~0.1 s, and compiling the kernels several."""
         if self.runner.graphs is None or self.config.lazy_cuda_graphs:
             return 0, 0.0
         start = time.perf_counter()
-        count = self.runner.capture_graphs(compile_workers)
+        count = self.runner.capture_graphs()
         return count, time.perf_counter() - start
 
-    def _load_model(self, ckpt: Checkpoint) -> torch.nn.Module:
+    def _allocate_model(self, zeroed: bool) -> torch.nn.Module:
+        """The model with its parameters allocated on the device, their values not yet read."""
         cls = model_class(self.model_config.architecture)
         with torch.device("meta"):
             model = cls(self.model_config, self.ops)
         model = model.to(dtype=self.dtype).to_empty(device=self.device)
-        model.load_weights(ckpt.iter_tensors(self.dtype))
+        if zeroed:
+            for param in model.parameters():
+                param.data.zero_()
         return model.eval()
+
+    def _load_weights(self, ckpt: Checkpoint, on_tensor: Callable[[int], None] | None) -> float:
+        """Fill the parameters from ``ckpt``; returns the seconds it took. Safetensors files are
+        read on several threads through pinned buffers (`ember.weights.parallel_load`); other
+        formats tensor by tensor through `Checkpoint.iter_tensors`."""
+        started = time.perf_counter()
+        placer = self.model.weight_placer()
+        extents = getattr(ckpt, "tensor_extents", None)
+        if extents is not None:
+            load_extents(extents(), lambda extent: placer.target(extent.name, extent.shape),
+                         self.device, on_tensor=on_tensor)  # fmt: skip
+        else:
+            for count, (name, tensor) in enumerate(ckpt.iter_tensors(self.dtype), start=1):
+                target = placer.target(name, tuple(tensor.shape))
+                if target is not None:
+                    target.copy_(tensor)
+                if on_tensor is not None:
+                    on_tensor(count)
+        placer.finish()
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()  # the norm folding, timed too
+        return time.perf_counter() - started
 
     def _num_kv_blocks(self) -> int:
         cache = self.config.cache

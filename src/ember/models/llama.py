@@ -30,6 +30,9 @@ from ember.layers.residual import (
     sub_block_input,
 )
 
+# Rows of a projection folded with its norm weight at once (`_fold_norm_weights`).
+_FOLD_ROWS = 2048
+
 # Checkpoint name fragment -> (fused parameter fragment, shard index).
 _FUSED_SHARDS = {
     ".q_proj.": (".qkv_proj.", 0),
@@ -157,40 +160,32 @@ class LlamaForCausalLM(nn.Module):
 
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors (HF names) into the fused parameters; every one must land."""
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
+        placer = self.weight_placer()
         for hf_name, tensor in tensors:
-            name, shard = self._param_name(hf_name)
-            if name is None:
-                continue
-            if name not in params:
-                raise ValueError(
-                    f"checkpoint tensor {hf_name!r} has no place in {self.cfg.architecture}"
-                )
-            param = params[name]
-            target = param.data if shard is None else self._shard_view(param.data, name, shard)
-            if target.shape != tensor.shape:
-                raise ValueError(
-                    f"checkpoint tensor {hf_name!r} has shape {tuple(tensor.shape)}, "
-                    f"expected {tuple(target.shape)}"
-                )
-            target.copy_(tensor)
-            loaded.add(name if shard is None else f"{name}#{shard}")
-        self._check_all_loaded(params, loaded)
-        if self.defers_norms:
-            self._fold_norm_weights()
+            target = placer.target(hf_name, tuple(tensor.shape))
+            if target is not None:
+                target.copy_(tensor)
+        placer.finish()
+
+    def weight_placer(self) -> WeightPlacer:
+        """Where each checkpoint tensor goes, for loaders that copy the bytes themselves
+        (`ember.weights.parallel_load`); call its ``finish`` once every tensor has landed."""
+        return WeightPlacer(self)
 
     @torch.no_grad()
     def _fold_norm_weights(self) -> None:
         """``W <- W diag(g)`` for each decoder RMSNorm (weight g) and the projection it feeds,
         in float32 and rounded once; the norm keeps a weight of ones, so running it would
-        change nothing."""
+        change nothing. Row blocks at a time: the weights load after the KV cache has taken the
+        GPU's free memory, and a whole fp32 copy of gate/up is ~1 GB on an 8B model."""
         for layer in self.layers:
             for norm, linear in (
                 (layer.input_layernorm, layer.self_attn.qkv_proj),
                 (layer.post_attention_layernorm, layer.mlp.gate_up_proj),
             ):
-                linear.weight.copy_(linear.weight.float() * norm.float()[None, :])
+                scale = norm.float()[None, :]
+                for rows in linear.weight.split(_FOLD_ROWS):
+                    rows.copy_(rows.float() * scale)
                 norm.fill_(1.0)
 
     def _param_name(self, hf_name: str) -> tuple[str | None, int | None]:
@@ -230,3 +225,40 @@ class LlamaForCausalLM(nn.Module):
             missing += [w for w in wanted if w not in loaded]
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
+
+
+class WeightPlacer:
+    """Maps checkpoint tensors (HF names) onto a model's fused parameters and checks, once all
+    have been copied, that every parameter got its tensors."""
+
+    def __init__(self, model: LlamaForCausalLM) -> None:
+        self._model = model
+        self._params = dict(model.named_parameters())
+        self._placed: set[str] = set()
+
+    def target(self, hf_name: str, shape: tuple[int, ...]) -> torch.Tensor | None:
+        """The parameter (or the shard of a fused one) ``hf_name`` fills, or None for a tensor
+        the model does not use; ValueError for one it has no place for or of the wrong shape."""
+        model = self._model
+        name, shard = model._param_name(hf_name)
+        if name is None:
+            return None
+        if name not in self._params:
+            raise ValueError(
+                f"checkpoint tensor {hf_name!r} has no place in {model.cfg.architecture}"
+            )
+        param = self._params[name]
+        target = param.data if shard is None else model._shard_view(param.data, name, shard)
+        if tuple(target.shape) != tuple(shape):
+            raise ValueError(
+                f"checkpoint tensor {hf_name!r} has shape {tuple(shape)}, "
+                f"expected {tuple(target.shape)}"
+            )
+        self._placed.add(name if shard is None else f"{name}#{shard}")
+        return target
+
+    def finish(self) -> None:
+        """Raise if a parameter was not filled; then fold the norms if the model defers them."""
+        self._model._check_all_loaded(self._params, self._placed)
+        if self._model.defers_norms:
+            self._model._fold_norm_weights()

@@ -124,17 +124,15 @@ class ModelRunner:
 
         Each capture runs over an empty step padded to the bucket, exactly as a real step is
         padded: capture records addresses, but its warm-up pass must read valid indices. With
-        ``compile_workers``, one pass over the buckets first compiles every kernel their steps
-        launch, and those a step runs outside its graph, on that many threads
-        (`ember.kernels.compile_ahead`); the latter also run once after the captures.
+        ``compile_workers``, `compile_kernels` runs first. What a step launches outside its
+        graph runs once after the captures, so its kernels are loaded before a request.
         """
         if self.graphs is None:
             return 0
-        keys = self.graphs.all_keys
+        if compile_workers > 0:
+            self.compile_kernels(compile_workers)
         with torch.inference_mode():
-            if compile_workers > 0:
-                self._compile_ahead(keys, compile_workers)
-            for key in keys:
+            for key in self.graphs.all_keys:
                 self._stage_empty_step(key)
                 self.graphs.capture(key)
             self._warm_eager_launches()
@@ -142,14 +140,18 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)  # the warm-up's staged rows are copied out
         return len(self.graphs.captured)
 
-    def _compile_ahead(self, keys: list[GraphKey], workers: int) -> None:
-        """Compile the kernels of every graph's step on ``workers`` threads. A failure here only
-        costs the speed-up: the captures' warm-ups compile whatever is missing, one by one (and
-        raise if a kernel really does not compile)."""
+    def compile_kernels(self, workers: int) -> None:
+        """Compile the kernels of every graph's step, and those a step runs outside its graph,
+        on ``workers`` threads (`ember.kernels.compile_ahead`). The pass's outputs are thrown
+        away, so it may run while the weights are still loading. A failure here only costs the
+        speed-up: the captures' warm-ups compile whatever is missing, one by one (and raise if
+        a kernel really does not compile)."""
+        if self.graphs is None or workers <= 0:
+            return
         started = time.perf_counter()
         try:
-            with compile_ahead(workers):
-                for key in keys:
+            with torch.inference_mode(), compile_ahead(workers):
+                for key in self.graphs.all_keys:
                     self._stage_empty_step(key)
                     self.graphs.forward_for_launches(key)
                 self._warm_eager_launches()
@@ -157,7 +159,9 @@ class ModelRunner:
             logger.warning("compiling ahead failed; each kernel compiles at its first launch",
                            exc_info=True)  # fmt: skip
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # the pass's own GEMMs, timed with it
+            # The pass's own GEMMs, timed with it; not the device, whose other streams may be
+            # copying weights meanwhile.
+            torch.cuda.current_stream(self.device).synchronize()
         self.graphs.compile_seconds = time.perf_counter() - started
 
     def _warm_eager_launches(self) -> None:

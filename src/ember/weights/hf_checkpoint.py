@@ -21,6 +21,8 @@ from safetensors import SafetensorError, safe_open
 if TYPE_CHECKING:
     import torch
 
+    from ember.weights.safetensors_layout import TensorExtent
+
 CONFIG_FILE = "config.json"
 SINGLE_WEIGHTS_FILE = "model.safetensors"
 WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
@@ -97,6 +99,13 @@ class HFDirCheckpoint:
             with safe_open(str(shard), framework=_HEADER_FRAMEWORK, device="cpu") as reader:
                 count += len(reader.keys())
         return count
+
+    def tensor_extents(self) -> list[TensorExtent]:
+        """Every tensor's bytes in the weight files, shard by shard in file order (for
+        `ember.weights.parallel_load`)."""
+        from ember.weights.safetensors_layout import read_extents
+
+        return [extent for shard in self.shard_files for extent in read_extents(shard)]
 
     def iter_tensors(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield every tensor of every shard; floating tensors are cast to `dtype`."""

@@ -1,0 +1,208 @@
+"""Read weight files on several threads through pinned buffers onto several CUDA streams.
+
+Going through `safetensors` one tensor at a time, every byte is copied twice on one thread
+(file -> a pageable CPU tensor -> the GPU, the second copy synchronous and staged by the driver):
+~2 GB/s, 8 s for an 8B model's 16 GB on an H200 host. Here each tensor is cut into chunks; a pool
+of threads reads chunks straight from the file into page-locked buffers (`os.preadv`, no GIL)
+and enqueues each buffer's copy into its parameter on one of several streams, so reads, copies
+and the next reads overlap. A buffer is reused once the event recorded after its copy has fired.
+
+On a CPU the same threads read straight into the parameters (no staging) when the file holds the
+parameter's dtype.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+from collections.abc import Callable, Iterable
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ember.weights.safetensors_layout import TensorExtent
+
+# Chunk size: large enough that a read and a copy each amortise their fixed cost, small enough
+# that a few buffers per thread stay cheap to pin (pinning runs at ~10 GB/s).
+DEFAULT_CHUNK_BYTES = 32 << 20
+DEFAULT_COPY_STREAMS = 4
+MAX_READ_THREADS = 8
+
+# Where a checkpoint tensor goes: its parameter (or a view of one) of the tensor's shape, or None
+# for a tensor the model does not use.
+TargetFor = Callable[[TensorExtent], torch.Tensor | None]
+
+
+def default_read_threads() -> int:
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cpus = os.cpu_count() or 1
+    return max(1, min(cpus, MAX_READ_THREADS))
+
+
+@dataclass(frozen=True)
+class _Chunk:
+    extent: TensorExtent
+    target: torch.Tensor  # flat, contiguous: the elements this chunk fills
+    first: int  # first element of the tensor in this chunk
+    count: int  # elements
+
+
+class _Staging:
+    """A page-locked (CUDA) or plain (CPU) byte buffer, its copy stream and its copy's event."""
+
+    def __init__(self, nbytes: int, stream: torch.cuda.Stream | None) -> None:
+        self.stream = stream
+        self.bytes = torch.empty(nbytes, dtype=torch.uint8, pin_memory=stream is not None)
+        self.array = self.bytes.numpy()
+        # Blocking: a thread waiting for a buffer sleeps instead of spinning a core.
+        self.copied = torch.cuda.Event(blocking=True) if stream is not None else None
+
+    def wait_free(self) -> None:
+        if self.copied is not None:
+            self.copied.synchronize()
+
+
+def load_extents(
+    extents: Iterable[TensorExtent],
+    target_for: TargetFor,
+    device: torch.device,
+    *,
+    read_threads: int | None = None,
+    copy_streams: int = DEFAULT_COPY_STREAMS,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    on_tensor: Callable[[int], None] | None = None,
+) -> int:
+    """Fill every tensor's target from its file; returns the bytes read.
+
+    ``on_tensor(n)`` is called on this thread as the n-th tensor lands (or is skipped). A read
+    error is a ValueError naming the file. Every copy has finished when this returns or raises.
+    """
+    threads = read_threads or default_read_threads()
+    chunks_per_tensor: list[tuple[TensorExtent, list[_Chunk]]] = []
+    for extent in extents:
+        target = target_for(extent)
+        chunks = [] if target is None else _cut(extent, target, chunk_bytes)
+        chunks_per_tensor.append((extent, chunks))
+    cuda = device.type == "cuda"
+    streams = [torch.cuda.Stream(device) for _ in range(copy_streams)] if cuda else []
+    for stream in streams:
+        # The parameters were allocated (and maybe zeroed) on the current stream: copy after.
+        stream.wait_stream(torch.cuda.current_stream(device))
+    free: queue.Queue[_Staging] = queue.Queue()
+    for i in range(2 * threads if cuda else threads):
+        free.put(_Staging(chunk_bytes, streams[i % len(streams)] if cuda else None))
+    files = _OpenFiles(chunks[0].extent.path for _, chunks in chunks_per_tensor if chunks)
+    total = 0
+    try:
+        with ThreadPoolExecutor(threads, thread_name_prefix="weight-read") as pool:
+            futures = [
+                [pool.submit(_load_chunk, chunk, files, free, cuda) for chunk in chunks]
+                for _, chunks in chunks_per_tensor
+            ]
+            for done, (extent, tensor_futures) in enumerate(
+                zip((e for e, _ in chunks_per_tensor), futures, strict=True), start=1
+            ):
+                _wait_all(tensor_futures, futures)
+                total += extent.nbytes if tensor_futures else 0
+                if on_tensor is not None:
+                    on_tensor(done)
+    finally:
+        for stream in streams:
+            stream.synchronize()  # no copy may outlive its buffer
+        files.close()
+    return total
+
+
+def _cut(extent: TensorExtent, target: torch.Tensor, chunk_bytes: int) -> list[_Chunk]:
+    if not target.is_contiguous() or target.numel() != extent.numel:
+        raise ValueError(f"the target of {extent.name!r} is not a contiguous tensor of its size")
+    flat = target.view(-1)
+    step = max(1, chunk_bytes // extent.dtype.itemsize)
+    return [
+        _Chunk(extent, flat[first : first + step], first, min(step, extent.numel - first))
+        for first in range(0, extent.numel, step)
+    ]
+
+
+def _load_chunk(chunk: _Chunk, files: _OpenFiles, free: queue.Queue[_Staging], cuda: bool) -> None:
+    extent = chunk.extent
+    itemsize = extent.dtype.itemsize
+    offset = extent.offset + chunk.first * itemsize
+    nbytes = chunk.count * itemsize
+    fd = files.fd(extent.path)
+    if not cuda and chunk.target.dtype == extent.dtype:
+        _read_into(fd, chunk.target.view(torch.uint8).numpy(), offset, extent.path)
+        return
+    staging = free.get()
+    try:
+        staging.wait_free()
+        _read_into(fd, staging.array[:nbytes], offset, extent.path)
+        source = staging.bytes[:nbytes].view(extent.dtype)
+        if not cuda:
+            chunk.target.copy_(source)
+            return
+        with torch.cuda.stream(staging.stream):
+            if chunk.target.dtype == extent.dtype:
+                chunk.target.copy_(source, non_blocking=True)
+            else:
+                # Cast on the GPU: a cross-device copy_ with a dtype change casts on the host.
+                on_device = torch.empty_like(source, device=chunk.target.device)
+                on_device.copy_(source, non_blocking=True)
+                chunk.target.copy_(on_device)
+            staging.copied.record(staging.stream)
+    finally:
+        free.put(staging)
+
+
+def _read_into(fd: int, buffer, offset: int, path: Path) -> None:
+    """Fill ``buffer`` (a writable numpy byte array) from ``fd`` at ``offset``."""
+    view = memoryview(buffer).cast("B")
+    done = 0
+    while done < len(view):
+        try:
+            got = os.preadv(fd, [view[done:]], offset + done)
+        except OSError as exc:
+            raise ValueError(f"{path}: cannot read weights: {exc}") from exc
+        if got == 0:
+            raise ValueError(f"{path}: ends before the bytes its header promises (truncated?)")
+        done += got
+
+
+def _wait_all(tensor_futures: list[Future], every: list[list[Future]]) -> None:
+    """Wait for one tensor's chunks; on a failure cancel what has not started, then raise it."""
+    finished, _ = wait(tensor_futures, return_when=FIRST_EXCEPTION)
+    for future in finished:
+        if future.exception() is not None:
+            for futures in every:
+                for pending in futures:
+                    pending.cancel()
+            raise future.exception()
+
+
+class _OpenFiles:
+    """One read-only descriptor per weight file, opened before the threads start and shared by
+    them (`preadv` takes its own offset, so they do not race)."""
+
+    def __init__(self, paths: Iterable[Path]) -> None:
+        self._fds: dict[Path, int] = {}
+        try:
+            for path in dict.fromkeys(paths):
+                try:
+                    self._fds[path] = os.open(path, os.O_RDONLY)
+                except OSError as exc:
+                    raise ValueError(f"{path}: cannot open weights: {exc}") from exc
+        except ValueError:
+            self.close()
+            raise
+
+    def fd(self, path: Path) -> int:
+        return self._fds[path]
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
