@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import msgspec
+
 from ember.sampling_params import SamplingParams
 
 
@@ -48,8 +50,7 @@ class SchedulerOutput:
         return not self.num_scheduled_tokens
 
 
-@dataclass
-class TokenLogprobs:
+class TokenLogprobs(msgspec.Struct, array_like=True):
     """Logprob of the sampled token and of the top alternatives at one position."""
 
     token_id: int
@@ -65,8 +66,9 @@ class RunnerOutput:
     logprobs: list[TokenLogprobs | None] = field(default_factory=list)
 
 
-@dataclass
-class RequestUpdate:
+# A Struct encoded as an array, not a dataclass (a map with its field names): the front end
+# decodes one per streamed token, and that way it costs less than half as much.
+class RequestUpdate(msgspec.Struct, array_like=True):
     """What one request gained in a step, as reported to the caller of the engine."""
 
     request_id: str
