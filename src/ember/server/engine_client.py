@@ -1,7 +1,7 @@
 """The front end's handle on the engine process: start it, send it requests and aborts, and route
 its outputs to the HTTP handlers waiting for them.
 
-One asyncio task reads the engine's output socket and puts each update on the queue of the HTTP
+One asyncio task reads the engine's output socket and puts each update in the inbox of the HTTP
 request it belongs to; handlers never touch the socket. Sends are non-blocking (the socket's
 queue is unbounded), so `submit` and `abort` are plain synchronous calls that are safe in a
 `finally` block of a cancelled task. If the engine process dies, every waiting handler gets an
@@ -42,6 +42,7 @@ from ember.engine.ipc import (
 from ember.engine.launch import start_engine_process
 from ember.engine.step_types import RequestUpdate
 from ember.sampling_params import SamplingParams
+from ember.server.inbox import Inbox
 
 logger = logging.getLogger(__name__)
 
@@ -61,13 +62,13 @@ class RequestRejectedError(Exception):
     """The engine refused the request (invalid for the model); nothing was generated."""
 
 
-# What a handler's queue receives: (choice index, an update or one of the errors above).
+# What a handler's inbox receives: (choice index, an update or one of the errors above).
 QueueItem = tuple[int, RequestUpdate | EngineDeadError | RequestRejectedError]
 
 
 @dataclass
 class _Route:
-    queue: asyncio.Queue[QueueItem]
+    inbox: Inbox[QueueItem]
     index: int
     model: str
     waiting: bool = True  # no token yet: queued or prefilling in the engine
@@ -164,13 +165,13 @@ class EngineClient:
         model: str,
         prompt_token_ids: list[int],
         params: SamplingParams,
-        queue: asyncio.Queue[QueueItem],
+        inbox: Inbox[QueueItem],
         index: int,
     ) -> None:
-        """Queue a sequence in the engine; its updates go to `queue` tagged with `index`."""
+        """Queue a sequence in the engine; its updates go to `inbox` tagged with `index`."""
         if self.state != EngineState.READY:
             raise EngineDeadError(self.unavailable_reason())
-        self._routes[request_id] = _Route(queue, index, model)
+        self._routes[request_id] = _Route(inbox, index, model)
         self._num_waiting[model] = self._num_waiting.get(model, 0) + 1
         self._send(AddRequest(request_id, model, prompt_token_ids, params))
 
@@ -251,7 +252,7 @@ class EngineClient:
             route = self._routes.get(rejected.request_id)
             if route is not None:
                 self._forget(rejected.request_id)
-                route.queue.put_nowait((route.index, RequestRejectedError(rejected.message)))
+                route.inbox.put_nowait((route.index, RequestRejectedError(rejected.message)))
         for update in message.updates:
             route = self._routes.get(update.request_id)
             if route is None:
@@ -261,7 +262,7 @@ class EngineClient:
                 self._num_waiting[route.model] -= 1
             if update.finish_reason is not None:
                 del self._routes[update.request_id]
-            route.queue.put_nowait((route.index, update))
+            route.inbox.put_nowait((route.index, update))
 
     # -- failure ---------------------------------------------------------------------------------
 
@@ -287,4 +288,4 @@ class EngineClient:
         routes, self._routes = self._routes, {}
         self._num_waiting.clear()
         for route in routes.values():
-            route.queue.put_nowait((route.index, EngineDeadError(reason)))
+            route.inbox.put_nowait((route.index, EngineDeadError(reason)))

@@ -8,7 +8,6 @@ yields; the engine client below only routes token ids.
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -24,6 +23,7 @@ from ember.server.engine_client import (
     RequestRejectedError,
 )
 from ember.server.errors import BadRequestError, QueueFullError, ServiceUnavailableError
+from ember.server.inbox import Inbox
 from ember.server.metrics import ServerMetrics
 from ember.server.models import ServedModel
 from ember.server.params import choice_params
@@ -84,7 +84,7 @@ class Generation:
         self.request_id = request_id or uuid.uuid4().hex
         self.arrival = time.monotonic()
         self.created = int(time.time())
-        self._queue: asyncio.Queue[QueueItem] = asyncio.Queue()
+        self._inbox: Inbox[QueueItem] = Inbox()
         self.sequences = [
             self._sequence(prompt_index * n + i, prompt, choice_params(params, i))
             for prompt_index, prompt in enumerate(prompts)
@@ -128,7 +128,7 @@ class Generation:
                     self.model.name,
                     sequence.prompt.token_ids,
                     sequence.params,
-                    self._queue,
+                    self._inbox,
                     sequence.index,
                 )
         except EngineDeadError as exc:
@@ -149,9 +149,7 @@ class Generation:
         sequence; the caller aborts the rest (`abort`).
         """
         while self._num_unfinished:
-            items = [await self._queue.get()]
-            while not self._queue.empty():  # take everything that is already there
-                items.append(self._queue.get_nowait())
+            items = await self._inbox.take()  # everything that is already there
             changed: dict[int, SequenceDelta] = {}
             for index, item in items:
                 sequence = self.sequences[index]
