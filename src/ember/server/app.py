@@ -14,6 +14,7 @@ import logging
 from collections.abc import AsyncIterator
 
 from fastapi import FastAPI
+from starlette.types import Receive, Scope, Send
 
 from ember.engine.gc_heap import freeze_startup_heap
 from ember.server.auth import APIKeyMiddleware
@@ -26,12 +27,24 @@ from ember.server.metrics import ServerMetrics
 from ember.server.models import ModelRegistry, ServedModel
 from ember.server.progress import LoadProgressBar
 from ember.server.routes import build_router
+from ember.server.sse import SERVER_SEND
 from ember.server.state import ServerState
 
 logger = logging.getLogger(__name__)
 
 
-def build_app(config: ServerConfig, models: list[ServedModel]) -> FastAPI:
+class EmberApp(FastAPI):
+    """FastAPI that leaves the server's own `send` in each request's scope, under SERVER_SEND,
+    before its middlewares wrap it: a stream's body chunks go there directly (`ember.server.sse`).
+    """
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            scope[SERVER_SEND] = send
+        await super().__call__(scope, receive, send)
+
+
+def build_app(config: ServerConfig, models: list[ServedModel]) -> EmberApp:
     """A new app serving `models` (the loaded `config.models`); nothing starts until its
     lifespan runs."""
     progress = LoadProgressBar(config.show_progress)
@@ -59,7 +72,7 @@ def build_app(config: ServerConfig, models: list[ServedModel]) -> FastAPI:
             progress.close()
             await client.stop()
 
-    app = FastAPI(
+    app = EmberApp(
         title="ember",
         lifespan=lifespan,
         docs_url=None,

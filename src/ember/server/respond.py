@@ -13,7 +13,7 @@ from starlette.responses import Response
 from ember.server.connection import cancel_on_disconnect
 from ember.server.generation import Generation
 from ember.server.responses import JSONResponse
-from ember.server.sse import EventStreamResponse, openai_event_stream
+from ember.server.sse import EventStreamResponse
 
 
 async def respond(
@@ -25,7 +25,7 @@ async def respond(
     """Stream `stream` if given; else run the generation to the end (aborting it if the client
     leaves) and send `whole()`."""
     if stream is not None:
-        return EventStreamResponse(openai_event_stream(stream, generation.abort))
+        return EventStreamResponse(stream, generation.abort)
     try:
         await cancel_on_disconnect(request, _run(generation), generation.abort)
     finally:

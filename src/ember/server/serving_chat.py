@@ -15,7 +15,7 @@ from ember.server.prompts import chat_prompt
 from ember.server.protocol import ChatCompletionRequest
 from ember.server.respond import respond
 from ember.server.responses import envelope, full_response, new_id, usage
-from ember.server.sse import sse_event
+from ember.server.sse import ChunkEncoder, sse_event
 from ember.server.state import server_state
 
 
@@ -64,6 +64,7 @@ async def _stream(generation: Generation, body: ChatCompletionRequest) -> AsyncI
     header = envelope(generation, "chat.completion.chunk")
     if body.include_usage:
         header["usage"] = None  # OpenAI: null on every chunk but the last
+    encoder = ChunkEncoder(header)
 
     def chunk(index: int, delta: dict, logprobs: dict | None, finish: str | None, stop) -> bytes:
         choice = {
@@ -73,22 +74,29 @@ async def _stream(generation: Generation, body: ChatCompletionRequest) -> AsyncI
             "finish_reason": finish,
             "stop_reason": stop,
         }
-        return sse_event({**header, "choices": [choice]})
+        return encoder.event(choice)
 
-    for sequence in generation.sequences:  # the role first, as OpenAI does
-        yield chunk(sequence.index, {"role": "assistant", "content": ""}, None, None, None)
+    yield b"".join(  # the role first, as OpenAI does
+        chunk(sequence.index, {"role": "assistant", "content": ""}, None, None, None)
+        for sequence in generation.sequences
+    )
     async for deltas in generation.deltas():
+        events = []
         for delta in deltas:
             if not (delta.text or delta.finished or (body.logprobs and delta.logprobs)):
                 continue  # a token that ends mid-character: nothing to show yet
             sequence = delta.sequence
-            yield chunk(
-                sequence.index,
-                {"content": delta.text} if delta.text else {},
-                chat_logprobs(generation.model, delta.logprobs) if body.logprobs else None,
-                sequence.finish_reason if delta.finished else None,
-                sequence.stop_reason if delta.finished else None,
+            events.append(
+                chunk(
+                    sequence.index,
+                    {"content": delta.text} if delta.text else {},
+                    chat_logprobs(generation.model, delta.logprobs) if body.logprobs else None,
+                    sequence.finish_reason if delta.finished else None,
+                    sequence.stop_reason if delta.finished else None,
+                )
             )
+        if events:
+            yield b"".join(events)  # every sequence that changed, in one write
     if body.include_usage:
         final = usage(generation.num_prompt_tokens, generation.num_generated_tokens)
         yield sse_event({**header, "choices": [], "usage": final})

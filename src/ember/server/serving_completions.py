@@ -18,7 +18,7 @@ from ember.server.prompts import completion_prompts
 from ember.server.protocol import CompletionRequest
 from ember.server.respond import respond
 from ember.server.responses import envelope, full_response, new_id, usage
-from ember.server.sse import sse_event
+from ember.server.sse import ChunkEncoder, sse_event
 from ember.server.state import server_state
 
 
@@ -79,6 +79,7 @@ async def _stream(generation: Generation, body: CompletionRequest) -> AsyncItera
     header = envelope(generation, "text_completion")
     if body.include_usage:
         header["usage"] = None  # OpenAI: null on every chunk but the last
+    encoder = ChunkEncoder(header)
 
     def chunk(index: int, text: str, logprobs: dict | None, finish: str | None, stop) -> bytes:
         choice = {
@@ -88,7 +89,7 @@ async def _stream(generation: Generation, body: CompletionRequest) -> AsyncItera
             "finish_reason": finish,
             "stop_reason": stop,
         }
-        return sse_event({**header, "choices": [choice]})
+        return encoder.event(choice)
 
     builders = (
         {s.index: CompletionLogprobs(generation.model) for s in generation.sequences}
@@ -101,17 +102,22 @@ async def _stream(generation: Generation, body: CompletionRequest) -> AsyncItera
             echoed = builder.prompt(sequence.prompt.token_ids) if builder else None
             yield chunk(sequence.index, _prompt_text(generation, sequence), echoed, None, None)
     async for deltas in generation.deltas():
+        events = []
         for delta in deltas:
             if _worth_sending(delta, body.logprobs is not None):
                 sequence = delta.sequence
                 builder = builders.get(sequence.index)
-                yield chunk(
-                    sequence.index,
-                    delta.text,
-                    builder.generated(delta.logprobs) if builder else None,
-                    sequence.finish_reason if delta.finished else None,
-                    sequence.stop_reason if delta.finished else None,
+                events.append(
+                    chunk(
+                        sequence.index,
+                        delta.text,
+                        builder.generated(delta.logprobs) if builder else None,
+                        sequence.finish_reason if delta.finished else None,
+                        sequence.stop_reason if delta.finished else None,
+                    )
                 )
+        if events:
+            yield b"".join(events)  # every sequence that changed, in one write
     if body.include_usage:
         final = usage(generation.num_prompt_tokens, generation.num_generated_tokens)
         yield sse_event({**header, "choices": [], "usage": final})
