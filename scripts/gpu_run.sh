@@ -16,7 +16,8 @@
 # EMBER_PEER_DEVICE=cpu EMBER_SERVE_OUTPUT_LEN=8):
 #   EMBER_STEP_ARGS (e.g. "--sections attention"), EMBER_BENCH_PRESET (llama-3.1-8b), EMBER_GPU_TESTS ("tests/gpu tests/kernels"), EMBER_SERVE_PROMPTS ("1000 4000"), EMBER_PINNED_PROMPTS
 #   (1000), EMBER_PEER_PROMPTS (1000), EMBER_PEER_DEVICE (cuda), EMBER_SERVE_OUTPUT_LEN (unset),
-#   EMBER_PEER_ARGS ("--cuda-graphs on --max-memory-percent 0.6"), EMBER_RUN_SECONDS (570: every
+#   EMBER_PEER_ARGS ("--cuda-graphs on --max-memory-percent 0.6"), EMBER_SRC (the ember sources to
+#   run, default ./src), EMBER_RUN_SECONDS (570: every
 #   command is stopped in time for the results to be bundled inside the device's 600 s call)
 set -uo pipefail
 OUT=${1:?usage: scripts/gpu_run.sh OUTDIR [STAGE ...]}
@@ -38,7 +39,8 @@ if [ -z "${EMBER_GPU_RUN_SKIP_INSTALL:-}" ]; then
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl || exit 1
 fi
-export PYTHONPATH=/tmp/site:$ROOT/src:$ROOT/tests
+# EMBER_SRC serves another copy of the sources (an A/B in one call: two runs, two OUTDIRs).
+export PYTHONPATH=/tmp/site:${EMBER_SRC:-$ROOT/src}:$ROOT/tests
 export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
 export EMBER_TEST_TOKENIZER_DIR=$ROOT/.gpu_assets/tokenizer
 PRESET=${EMBER_BENCH_PRESET:-llama-3.1-8b}
