@@ -24,12 +24,13 @@ builds the launcher as before.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable, Iterator
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Any
+
+from ember.host_cpus import usable_cpus
 
 logger = logging.getLogger(__name__)
 
@@ -65,11 +66,7 @@ def kernels_interpreted() -> bool:
 
 def default_compile_workers() -> int:
     """One compile thread per CPU this process may run on, up to MAX_COMPILE_WORKERS."""
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        cpus = os.cpu_count() or 1
-    return max(1, min(cpus, MAX_COMPILE_WORKERS))
+    return max(1, min(usable_cpus(), MAX_COMPILE_WORKERS))
 
 
 def build_launcher(kernel: Any) -> None:

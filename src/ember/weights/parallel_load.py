@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from ember.host_cpus import usable_cpus
 from ember.weights.safetensors_layout import TensorExtent
 
 # Chunk size: large enough that a read and a copy each amortise their fixed cost, small enough
@@ -36,11 +37,8 @@ TargetFor = Callable[[TensorExtent], torch.Tensor | None]
 
 
 def default_read_threads() -> int:
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        cpus = os.cpu_count() or 1
-    return max(1, min(cpus, MAX_READ_THREADS))
+    """One read thread per CPU this process may run on, up to MAX_READ_THREADS."""
+    return max(1, min(usable_cpus(), MAX_READ_THREADS))
 
 
 @dataclass(frozen=True)
