@@ -240,19 +240,14 @@ class ModelInstance:
         read on several threads through pinned buffers (`ember.weights.parallel_load`); other
         formats tensor by tensor through `Checkpoint.iter_tensors`."""
         started = time.perf_counter()
-        placer = self.model.weight_placer()
         extents = getattr(ckpt, "tensor_extents", None)
-        if extents is not None:
+        if extents is None:
+            self.model.load_weights(ckpt.iter_tensors(self.dtype), on_tensor)
+        else:
+            placer = self.model.weight_placer()
             load_extents(extents(), lambda extent: placer.target(extent.name, extent.shape),
                          self.device, on_tensor=on_tensor)  # fmt: skip
-        else:
-            for count, (name, tensor) in enumerate(ckpt.iter_tensors(self.dtype), start=1):
-                target = placer.target(name, tuple(tensor.shape))
-                if target is not None:
-                    target.copy_(tensor)
-                if on_tensor is not None:
-                    on_tensor(count)
-        placer.finish()
+            placer.finish()
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()  # the norm folding, timed too
         return time.perf_counter() - started

@@ -14,7 +14,7 @@ then ones), which measured faster where cuBLAS takes the products.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -158,13 +158,20 @@ class LlamaForCausalLM(nn.Module):
 
     # -- weights ---------------------------------------------------------------------------------
 
-    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy checkpoint tensors (HF names) into the fused parameters; every one must land."""
+    def load_weights(
+        self,
+        tensors: Iterable[tuple[str, torch.Tensor]],
+        on_tensor: Callable[[int], None] | None = None,
+    ) -> None:
+        """Copy checkpoint tensors (HF names) into the fused parameters; every one must land.
+        ``on_tensor(n)`` is called as the n-th tensor lands (or is skipped)."""
         placer = self.weight_placer()
-        for hf_name, tensor in tensors:
+        for count, (hf_name, tensor) in enumerate(tensors, start=1):
             target = placer.target(hf_name, tuple(tensor.shape))
             if target is not None:
                 target.copy_(tensor)
+            if on_tensor is not None:
+                on_tensor(count)
         placer.finish()
 
     def weight_placer(self) -> WeightPlacer:
