@@ -14,7 +14,7 @@
 # Environment overrides (for a dry run on a CPU: EMBER_GPU_RUN_SKIP_INSTALL=1 PYTHON=python
 # EMBER_BENCH_PRESET=tiny EMBER_SERVE_PROMPTS=8 EMBER_PINNED_PROMPTS=8 EMBER_PEER_PROMPTS=4
 # EMBER_PEER_DEVICE=cpu EMBER_SERVE_OUTPUT_LEN=8):
-#   EMBER_STEP_ARGS (e.g. "--sections attention"), EMBER_BENCH_PRESET (llama-3.1-8b), EMBER_GPU_TESTS ("tests/gpu tests/kernels"), EMBER_SERVE_PROMPTS ("1000 4000"), EMBER_PINNED_PROMPTS
+#   EMBER_STEP_ARGS (e.g. "--sections attention"), EMBER_TUNE_ARGS (e.g. "--stream-k"), EMBER_BENCH_PRESET (llama-3.1-8b), EMBER_GPU_TESTS ("tests/gpu tests/kernels"), EMBER_SERVE_PROMPTS ("1000 4000"), EMBER_PINNED_PROMPTS
 #   (1000), EMBER_PEER_PROMPTS (1000), EMBER_PEER_DEVICE (cuda), EMBER_SERVE_OUTPUT_LEN (unset),
 #   EMBER_PEER_ARGS ("--cuda-graphs on --max-memory-percent 0.6"), EMBER_SRC (the ember sources to
 #   run, default ./src), EMBER_RUN_SECONDS (570: every
@@ -101,7 +101,7 @@ stage_profile() {
 
 stage_tune() {  # needs no checkpoint: the sweeps allocate the 8B shapes themselves
   stamp "bench tune"
-  limited $PY -m ember.cli bench tune --out "$RES"
+  limited $PY -m ember.cli bench tune --out "$RES" ${EMBER_TUNE_ARGS:-}
 }
 
 stage_parity() {

@@ -257,6 +257,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--in-sequence", action="store_true",
                         help="also time q/k/v and gate/up as a step runs them: after a norm, "
                         "32 layers of distinct weights in one graph")  # fmt: skip
+    parser.add_argument("--stream-k", action="store_true",
+                        help="only the stream-K GEMM against cuBLAS at 128 and 256 rows "
+                        "(`ember.bench.tune_stream_k`)")  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
@@ -268,6 +271,20 @@ def run(args: argparse.Namespace) -> int:
               "hbm_copy_tb_per_s": hbm / 1e12}  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "tune.json"
+    if args.stream_k:
+        from ember.bench.tune_stream_k import (
+            bench_stream_k,
+            cublas_gate_up_splits,
+            cublas_staircase,
+        )
+
+        result["cublas_staircase"] = cublas_staircase()
+        path.write_text(json.dumps(result, indent=1))
+        result["cublas_gate_up_splits"] = cublas_gate_up_splits(args.preset)
+        path.write_text(json.dumps(result, indent=1))
+        result["stream_k"] = bench_stream_k(args.preset)
+        path.write_text(json.dumps(result, indent=1))
+        return 0
     if not args.skip_attention:
         result["attention"] = bench_attention_tiles(hbm)
         path.write_text(json.dumps(result, indent=1))

@@ -1,0 +1,326 @@
+"""Stream-K GEMM for decode batches past the skinny kernel: ``out[M, N] = x[M, K] @ w[N, K]^T``.
+
+At 65-256 rows a decode step's products are compute-bound on an H200 and cuBLAS runs them in
+whole output tiles, one per SM at a time. Their tile counts do not divide into the 132 SMs: the
+8B model's fused gate/up is 224 tiles of 256 x 128, 1.7 waves, so ~15% of the SM time in its
+second wave is idle (bench/results/README.md, "Batch 256"). Here the work is cut in K blocks
+instead: the (tile, K block) units are laid end to end, tile-major, and each of ``P`` programs
+(one per SM) takes an equal run of them, so every SM finishes together.
+
+A program that covers a whole tile stores it with the epilogue. A program that covers part of
+one stores its fp32 partial sums; the last of the tile's programs to arrive (an atomic ticket per
+tile) adds every partial in program order, so the result is the same on every run, and stores
+the tile. A program holds at most two partial tiles, its first and its last.
+
+Operands are read through TMA tensor descriptors (Hopper), the K loop pipelined by Triton.
+``GATED``: ``w`` is the fused ``[2I, K]`` gate/up weight and each tile holds matching gate and
+up columns, stored as ``silu(gate) * up`` (the SiLU-and-mul kernel's roundings).
+
+The workspace (`StreamKWorkspace`: tickets and partial tiles) outlives the launches: each
+launch leaves its tickets at zero for the next.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from ember.kernels.activation import silu_mul_rounded
+from ember.kernels.compile_ahead import launch
+from ember.kernels.pdl import wait_for_producer
+from ember.kernels.tiles import SHARED_MEMORY_BUDGET
+
+# An H200's SM count, for the CPU interpreter (no device to ask).
+DEFAULT_NUM_PROGRAMS = 132
+
+
+@triton.jit
+def _store_tile(out_ptr, acc, acc_up, off_m, off_n, M, N, stride_om, BLOCK_M: tl.constexpr,
+                OUT_N: tl.constexpr, GATED: tl.constexpr):  # fmt: skip
+    rows = off_m + tl.arange(0, BLOCK_M)
+    cols = off_n + tl.arange(0, OUT_N)
+    dtype = out_ptr.dtype.element_ty
+    result = acc.to(dtype)
+    if GATED:
+        result = silu_mul_rounded(result.to(tl.float32), acc_up.to(dtype).to(tl.float32), dtype)
+    mask = (rows < M)[:, None] & (cols < N)[None, :]
+    tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], result, mask=mask)
+
+
+@triton.jit(noinline=True)
+def _reduce_partials(out_ptr, partials_ptr, first, last, tile_first, total_units, groups, tiles_m,
+                     tile_m, off_m, off_n, M, N, stride_om, PART: tl.constexpr,
+                     BLOCK_M: tl.constexpr, OUT_N: tl.constexpr, GATED: tl.constexpr):  # fmt: skip
+    """Add the partial tiles of groups ``first..last`` in group order and store the tile. Not
+    inlined, and in row slices: beside the main loop's accumulators it spilled registers."""
+    REDUCE_ROWS: tl.constexpr = BLOCK_M // 4 if BLOCK_M >= 64 else BLOCK_M
+    offsets = tl.arange(0, REDUCE_ROWS)[:, None] * OUT_N + tl.arange(0, OUT_N)[None, :]
+    for r in tl.static_range(0, BLOCK_M, REDUCE_ROWS):
+        total = tl.zeros([REDUCE_ROWS, OUT_N], dtype=tl.float32)
+        total_up = tl.zeros([REDUCE_ROWS, OUT_N], dtype=tl.float32)
+        for g in range(first, last + 1):
+            # This tile is g's first exactly when g starts inside it.
+            g_slot = tl.where((g * total_units) // groups >= tile_first, 0, 1)
+            g_base = partials_ptr + ((g * tiles_m + tile_m) * 2 + g_slot) * PART + r * OUT_N
+            total += tl.load(g_base + offsets, cache_modifier=".cg")
+            if GATED:
+                total_up += tl.load(g_base + PART // 2 + offsets, cache_modifier=".cg")
+        _store_tile(out_ptr, total, total_up, off_m + r, off_n, M, N, stride_om, REDUCE_ROWS,
+                    OUT_N, GATED)  # fmt: skip
+
+
+@triton.jit
+def _tile_product(x_desc, w_desc, off_m, off_n, kb_start, kb_stop, N, BLOCK_M: tl.constexpr,
+                  OUT_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
+                  GATED: tl.constexpr):  # fmt: skip
+    """The tile's fp32 sums over K blocks ``[kb_start, kb_stop)`` (and the up half's)."""
+    acc = tl.zeros([BLOCK_M, OUT_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, OUT_N], dtype=tl.float32)  # GATED only
+    for kb in tl.range(kb_start, kb_stop, num_stages=STAGES):
+        k = kb * BLOCK_K
+        x = x_desc.load([off_m, k])
+        w = w_desc.load([off_n, k])
+        acc = tl.dot(x, w.T, acc)
+        if GATED:
+            w_up = w_desc.load([N + off_n, k])
+            acc_up = tl.dot(x, w_up.T, acc_up)
+    return acc, acc_up
+
+
+@triton.jit(do_not_specialize=["M"])
+def _stream_k_gemm_kernel(
+    x_desc,
+    w_desc,
+    out_ptr,
+    partials_ptr,
+    counters_ptr,
+    M,
+    N,
+    stride_om,
+    tiles_m,
+    tiles_n,
+    k_blocks,
+    dp_rounds,
+    GATED: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    STAGES: tl.constexpr,
+    PDL: tl.constexpr,
+    FIXUP: tl.constexpr = True,
+):
+    """Programs come in groups of ``tiles_m``, one per row tile; a group's programs read the
+    same weight tiles at the same time, so each is read from HBM once (spread over the programs,
+    the row tiles of one column tile ran far apart and the product read its weights once per row
+    tile). First ``dp_rounds`` rounds of whole column tiles, one per group (data-parallel: no
+    partial sums); then group ``g`` of ``G`` computes units ``[g U / G, (g + 1) U / G)`` of the
+    ``U`` (column tile, K block) units left, for its program's row tile. ``N`` counts output
+    columns (``I`` when ``GATED``); ``BLOCK_N`` counts weight rows a tile reads (half gate,
+    half up when ``GATED``)."""
+    OUT_N: tl.constexpr = BLOCK_N // 2 if GATED else BLOCK_N
+    PART: tl.constexpr = BLOCK_M * OUT_N * (2 if GATED else 1)  # fp32 of one partial tile
+    pid = tl.program_id(0)
+    tile_m = pid % tiles_m
+    group = pid // tiles_m
+    groups = tl.num_programs(0) // tiles_m
+    off_m = tile_m * BLOCK_M
+    wait_for_producer(PDL)
+    for r in range(dp_rounds):
+        off_n = (r * groups + group) * OUT_N
+        acc, acc_up = _tile_product(x_desc, w_desc, off_m, off_n, 0, k_blocks, N, BLOCK_M, OUT_N,
+                                    BLOCK_K, STAGES, GATED)  # fmt: skip
+        _store_tile(out_ptr, acc, acc_up, off_m, off_n, M, N, stride_om, BLOCK_M, OUT_N, GATED)
+    # The stream-K units, numbered from the first column tile the rounds left.
+    base_tile = dp_rounds * groups
+    total_units = (tiles_n - base_tile) * k_blocks
+    start = (group * total_units) // groups
+    end = ((group + 1) * total_units) // groups
+    part_offsets = tl.arange(0, BLOCK_M)[:, None] * OUT_N + tl.arange(0, OUT_N)[None, :]
+    unit = start
+    while unit < end:
+        tile_first = (unit // k_blocks) * k_blocks
+        stop = tl.minimum(tile_first + k_blocks, end)
+        tile_n = base_tile + unit // k_blocks
+        off_n = tile_n * OUT_N
+        acc, acc_up = _tile_product(x_desc, w_desc, off_m, off_n, unit - tile_first,
+                                    stop - tile_first, N, BLOCK_M, OUT_N, BLOCK_K, STAGES,
+                                    GATED)  # fmt: skip
+        if ((unit == tile_first) & (stop == tile_first + k_blocks)) | (not FIXUP):
+            _store_tile(out_ptr, acc, acc_up, off_m, off_n, M, N, stride_om, BLOCK_M, OUT_N,
+                        GATED)  # fmt: skip
+        else:
+            # Slot 0: the program's first tile; slot 1: its last. Gate partials, then up ones.
+            # The barrier puts every thread's partials before the ticket's release.
+            slot = tl.where(unit == start, 0, 1)
+            base = partials_ptr + (pid * 2 + slot) * PART
+            tl.store(base + part_offsets, acc)
+            if GATED:
+                tl.store(base + PART // 2 + part_offsets, acc_up)
+            tl.debug_barrier()
+            first = ((tile_first + 1) * groups - 1) // total_units
+            last = ((tile_first + k_blocks) * groups - 1) // total_units
+            ticket = counters_ptr + tile_n * tiles_m + tile_m
+            arrived = tl.atomic_add(ticket, 1, sem="acq_rel", scope="gpu")
+            if arrived == last - first:
+                tl.store(ticket, 0)  # zero again for the next launch
+                tl.debug_barrier()
+                _reduce_partials(out_ptr, partials_ptr, first, last, tile_first, total_units,
+                                 groups, tiles_m, tile_m, off_m, off_n, M, N, stride_om, PART,
+                                 BLOCK_M, OUT_N, GATED)  # fmt: skip
+        unit = stop
+
+
+# Rows the kernel takes: below them the skinny GEMM streams the weights (one program per column
+# tile, no tensor-core tile to fill); above, a step is prefill-sized and cuBLAS's tiles fill the
+# SMs in many waves.
+MIN_M = 65
+MAX_M = 256
+# The largest default tile, in fp32 partial sums.
+MAX_TILE_ELEMS = 128 * 256
+
+
+def use_stream_k_gemm(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the gated product of ``x`` and the fused gate/up ``weight`` goes to this kernel:
+    on a Hopper GPU, at MIN_M-MAX_M rows, with operands TMA can read (16-byte aligned rows)."""
+    m = x.shape[0]
+    return (
+        x.is_cuda
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and weight.dtype == x.dtype
+        and MIN_M <= m <= MAX_M
+        and torch.cuda.get_device_capability(x.device)[0] >= 9
+        and all(_tma_readable(t) for t in (x, weight))
+    )
+
+
+def _tma_readable(t: torch.Tensor) -> bool:
+    row_bytes = t.stride(0) * t.element_size()
+    return t.stride(1) == 1 and row_bytes % 16 == 0 and t.data_ptr() % 16 == 0
+
+
+def default_config(m: int, n: int, k: int, gated: bool = False) -> dict[str, int]:
+    """Tiles for an ``[m, k] x [n, k]^T`` product (``n`` counts gate and up when ``gated``):
+    every row in one row tile of up to 256, 128 weight rows a tile, 64-wide K steps, as many
+    stages as fit."""
+    block_m = min(128, max(64, triton.next_power_of_2(m)))
+    config = {"BLOCK_M": block_m, "BLOCK_N": 256, "BLOCK_K": 64, "STAGES": 4, "num_warps": 8}
+    return fit_shared_memory(config)
+
+
+def shared_memory_estimate(config: dict[str, int], elem_bytes: int = 2) -> int:
+    """Bytes of the pipelined x and w tiles, what Triton stages in shared memory."""
+    return (
+        (config["BLOCK_M"] + config["BLOCK_N"]) * config["BLOCK_K"] * elem_bytes * config["STAGES"]
+    )
+
+
+def fit_shared_memory(config: dict[str, int]) -> dict[str, int]:
+    """Drop stages (to 2) until the tiles fit in an SM's shared memory."""
+    config = dict(config)
+    while shared_memory_estimate(config) > SHARED_MEMORY_BUDGET and config["STAGES"] > 2:
+        config["STAGES"] -= 1
+    return config
+
+
+def num_tiles(m: int, n: int, config: dict[str, int], gated: bool = False) -> int:
+    """Tiles (and tickets) of a product of ``m`` rows and ``n`` weight rows."""
+    return triton.cdiv(m, config["BLOCK_M"]) * triton.cdiv(n, config["BLOCK_N"])
+
+
+@dataclass
+class StreamKWorkspace:
+    """Tickets (int32, zero between launches) and fp32 partial tiles for the stream-K launches of
+    one stream (a model instance's step). Allocated at the first launch that needs them, on its
+    device, at a fixed size and never regrown: a captured graph keeps their addresses. A launch
+    that would need more raises."""
+
+    tickets: int = 4096
+    # fp32 elements of partial tiles; None: two of the largest default tile per SM.
+    partial_elems: int | None = None
+    counters: torch.Tensor | None = field(default=None, init=False)
+    partials: torch.Tensor | None = field(default=None, init=False)
+
+    def buffers(
+        self, device: torch.device, tickets: int, partial_elems: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.counters is None:
+            capacity = self.partial_elems
+            if capacity is None:
+                capacity = 2 * _num_programs(device) * MAX_TILE_ELEMS
+            self.counters = torch.zeros(self.tickets, dtype=torch.int32, device=device)
+            self.partials = torch.empty(capacity, dtype=torch.float32, device=device)
+        if tickets > self.counters.numel() or partial_elems > self.partials.numel():
+            raise ValueError(
+                f"a stream-K launch needs {tickets} tickets and {partial_elems} partial sums; the "
+                f"workspace holds {self.counters.numel()} and {self.partials.numel()}"
+            )
+        return self.counters, self.partials
+
+
+def _num_programs(device: torch.device) -> int:
+    if device.type != "cuda":
+        return DEFAULT_NUM_PROGRAMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def stream_k_gemm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    workspace: StreamKWorkspace,
+    *,
+    gated: bool = False,
+    out: torch.Tensor | None = None,
+    config: dict[str, int] | None = None,
+    num_programs: int | None = None,
+    data_parallel_first: bool = True,
+    pdl: bool = False,
+    fixup: bool = True,
+) -> torch.Tensor:
+    """``x @ weight.T`` for ``x [M, K]`` (rows contiguous), ``weight [N, K]`` (K contiguous), or
+    with ``gated`` ``silu(x @ gate.T) * (x @ up.T)`` of the fused ``[2I, K]`` gate/up weight
+    (gate rows first). Returns ``out`` (``[M, N]``, or ``[M, I]``) in ``x``'s dtype."""
+    m, k = x.shape
+    n_rows = weight.shape[0]
+    if weight.shape[1] != k:
+        raise ValueError(f"x has {k} columns; weight {tuple(weight.shape)} wants {weight.shape[1]}")
+    if x.stride(1) != 1 or weight.stride(1) != 1:
+        raise ValueError("the reduction dim must be contiguous in x and weight")
+    if gated and n_rows % 2:
+        raise ValueError(f"a gated weight needs an even number of rows, got {n_rows}")
+    n = n_rows // 2 if gated else n_rows
+    if out is None:
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    config = dict(config or default_config(m, n_rows, k, gated))
+    num_warps = config.pop("num_warps")
+    block_m, block_n, block_k = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
+    if gated and n % (block_n // 2):
+        raise ValueError(f"gated tiles of {block_n // 2} columns do not divide {n}")
+    tiles_m = triton.cdiv(m, block_m)
+    tiles_n = triton.cdiv(n_rows, block_n)
+    k_blocks = triton.cdiv(k, block_k)
+    # No more groups than column tiles: tiles that fit in one wave take a program each, with no
+    # partial sums.
+    groups = max(1, min((num_programs or _num_programs(x.device)) // tiles_m, tiles_n))
+    programs = groups * tiles_m
+    # Whole rounds of column tiles first, then stream-K over the rest (none left: every round
+    # data-parallel). Without, every unit is stream-K.
+    dp_rounds = tiles_n // groups if data_parallel_first else 0
+    stream_k = dp_rounds * groups < tiles_n
+    counters, partials = workspace.buffers(
+        x.device, tiles_m * tiles_n if stream_k else 0,
+        programs * 2 * block_m * block_n if stream_k else 0,
+    )  # fmt: skip
+    x_desc = TensorDescriptor.from_tensor(x, [block_m, block_k])
+    w_desc = TensorDescriptor.from_tensor(weight, [block_n // 2 if gated else block_n, block_k])
+    launch(_stream_k_gemm_kernel, (programs,),
+        x_desc, w_desc, out, partials, counters,
+        m, n, out.stride(0), tiles_m, tiles_n, k_blocks, dp_rounds,
+        GATED=gated, PDL=pdl, FIXUP=fixup, num_warps=num_warps, launch_pdl=pdl, **config,
+    )  # fmt: skip
+    return out
