@@ -46,7 +46,10 @@ def test_kernel_matches_matmul(gen, device, m, n, k, programs, data_parallel_fir
     assert torch.equal(again, out)
 
 
-@pytest.mark.parametrize(("m", "inter", "k", "programs"), [(70, 48, 64, 6), (24, 64, 96, 3)])
+@pytest.mark.parametrize(
+    ("m", "inter", "k", "programs"),
+    [(70, 48, 64, 6), (24, 64, 96, 3), (40, 40, 64, 3)],  # the last: a partial column tile
+)
 @pytest.mark.parametrize("data_parallel_first", [True, False])
 def test_gated_kernel_matches_gemm_then_silu_and_mul(
     gen, device, m, inter, k, programs, data_parallel_first

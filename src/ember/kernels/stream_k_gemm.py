@@ -86,6 +86,8 @@ def _tile_product(x_desc, w_desc, off_m, off_n, kb_start, kb_stop, N, BLOCK_M: t
         w = w_desc.load([off_n, k])
         acc = tl.dot(x, w.T, acc)
         if GATED:
+            # A last tile past N reads up rows as gate rows (and zeros as up rows) for columns
+            # the store masks: valid columns always get their own gate and up rows.
             w_up = w_desc.load([N + off_n, k])
             acc_up = tl.dot(x, w_up.T, acc_up)
     return acc, acc_up
@@ -299,8 +301,6 @@ def stream_k_gemm(
     config = dict(config or default_config(m, n_rows, k, gated))
     num_warps = config.pop("num_warps")
     block_m, block_n, block_k = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
-    if gated and n % (block_n // 2):
-        raise ValueError(f"gated tiles of {block_n // 2} columns do not divide {n}")
     tiles_m = triton.cdiv(m, block_m)
     tiles_n = triton.cdiv(n_rows, block_n)
     k_blocks = triton.cdiv(k, block_k)
