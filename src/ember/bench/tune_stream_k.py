@@ -56,12 +56,11 @@ def _cublas_layer(x, weights, product, silu_out, layer: int) -> None:
         kernels.silu_and_mul(product, out=silu_out)
 
 
-def _stream_k_layer(x, weights, workspace, gated, out, config, programs, hybrid, fixup,
-                    layer: int) -> None:  # fmt: skip
+def _stream_k_layer(x, weights, workspace, gated, out, config, programs, layer: int) -> None:
     from ember.kernels.stream_k_gemm import stream_k_gemm
 
     stream_k_gemm(x, weights[layer], workspace, gated=gated, out=out, config=config,
-                  num_programs=programs, data_parallel_first=hybrid, fixup=fixup)  # fmt: skip
+                  num_programs=programs)  # fmt: skip
 
 
 def bench_stream_k(preset: str, rows=STREAM_K_ROWS, configs=STREAM_K_CONFIGS) -> list[dict]:
@@ -88,15 +87,12 @@ def bench_stream_k(preset: str, rows=STREAM_K_ROWS, configs=STREAM_K_CONFIGS) ->
                    "flops": 2 * m * n * k, "cublas_us": _us(cublas, layers), "stream_k": {}}  # fmt: skip
             for config in configs:
                 tiles = num_tiles(m, n, _as_dict(config))
-                variants = (("sk", sms, False, True), ("hybrid", sms, True, True),
-                            ("dp", tiles, True, True), ("sk_nofixup", sms, False, False),
-                            ("hybrid_nofixup", sms, True, False))  # fmt: skip
-                for label, programs, hybrid, fixup in variants:
+                for label, programs in (("sk", sms), ("dp", tiles)):
                     ours = partial(_stream_k_layer, x, weights, workspace, gated, out,
-                                   _as_dict(config), programs, hybrid, fixup)  # fmt: skip
+                                   _as_dict(config), programs)  # fmt: skip
                     key = f"{label}_{_config_key(config)}"
                     entry = {"us": _us(ours, layers), "programs": programs, "tiles": tiles}
-                    if isinstance(entry["us"], float) and fixup:
+                    if isinstance(entry["us"], float):
                         ours(0)
                         torch.cuda.synchronize()
                         entry["max_err"] = (out.float() - reference.float()).abs().max().item()

@@ -2,22 +2,27 @@
 
 At 65-256 rows a decode step's products are compute-bound on an H200 and cuBLAS runs them in
 whole output tiles, one per SM at a time. Their tile counts do not divide into the 132 SMs: the
-8B model's fused gate/up is 224 tiles of 256 x 128, 1.7 waves, so ~15% of the SM time in its
-second wave is idle (bench/results/README.md, "Batch 256"). Here the work is cut in K blocks
-instead: the (tile, K block) units are laid end to end, tile-major, and each of ``P`` programs
-(one per SM) takes an equal run of them, so every SM finishes together.
-
-A program that covers a whole tile stores it with the epilogue. A program that covers part of
-one stores its fp32 partial sums; the last of the tile's programs to arrive (an atomic ticket per
-tile) adds every partial in program order, so the result is the same on every run, and stores
-the tile. A program holds at most two partial tiles, its first and its last.
+8B model's fused gate/up at 256 rows is 224 tiles of 128 x 256, 1.7 waves, and cuBLAS takes as
+long for its 28,672 columns as for 32,768 (`ember bench tune --stream-k`'s staircase). Here the
+work can be cut in K blocks instead: the (column tile, K block) units are laid end to end and
+each group of programs (one program per row tile, so a group reads each weight tile once) takes
+an equal run of them, so every SM finishes together. A program that covers a whole tile stores
+it with the epilogue. A program that covers part of one stores its fp32 partial sums; the last
+of the tile's programs to arrive (an atomic ticket per tile) adds every partial in group order,
+so the result is the same on every run, and stores the tile. A program holds at most two
+partial tiles, its first and its last; the tickets and partial sums live in a
+`StreamKWorkspace`, and each launch leaves its tickets at zero for the next.
 
 Operands are read through TMA tensor descriptors (Hopper), the K loop pipelined by Triton.
 ``GATED``: ``w`` is the fused ``[2I, K]`` gate/up weight and each tile holds matching gate and
 up columns, stored as ``silu(gate) * up`` (the SiLU-and-mul kernel's roundings).
 
-The workspace (`StreamKWorkspace`: tickets and partial tiles) outlives the launches: each
-launch leaves its tickets at zero for the next.
+What the H200 measured (bench/results/README.md, "A stream-K GEMM for 65-256 rows"): the
+partial sums cost more than the idle SMs they save (gate/up at 256 rows: 109 us with them, 93 us
+with the partial-sum traffic left out, 101 us for cuBLAS and the SiLU kernel), and on q/k/v, o,
+down and the output projection cuBLAS's split-K kernels won outright. What won is the plain form
+for gate/up up to 128 rows: 112 programs of one whole tile each, SiLU in the epilogue, against
+cuBLAS and the SiLU kernel. The engine routes only that (`use_stream_k_gemm`).
 """
 
 from __future__ import annotations
@@ -104,25 +109,23 @@ def _stream_k_gemm_kernel(
     N,
     stride_om,
     tiles_m,
-    tiles_n,
     k_blocks,
-    dp_rounds,
+    total_units,
     GATED: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     STAGES: tl.constexpr,
     PDL: tl.constexpr,
-    FIXUP: tl.constexpr = True,
 ):
-    """Programs come in groups of ``tiles_m``, one per row tile; a group's programs read the
-    same weight tiles at the same time, so each is read from HBM once (spread over the programs,
-    the row tiles of one column tile ran far apart and the product read its weights once per row
-    tile). First ``dp_rounds`` rounds of whole column tiles, one per group (data-parallel: no
-    partial sums); then group ``g`` of ``G`` computes units ``[g U / G, (g + 1) U / G)`` of the
-    ``U`` (column tile, K block) units left, for its program's row tile. ``N`` counts output
-    columns (``I`` when ``GATED``); ``BLOCK_N`` counts weight rows a tile reads (half gate,
-    half up when ``GATED``)."""
+    """Programs come in groups of ``tiles_m``, one per row tile; group ``g`` of ``G`` computes
+    units ``[g U / G, (g + 1) U / G)`` of the ``U = column tiles x k_blocks`` (column tile, K
+    block) units for its program's row tile. A group's programs read the same weight tiles at the
+    same time, so each is read from HBM once (spread over the programs, the row tiles of one
+    column tile ran far apart and the product read its weights once per row tile). With as many
+    groups as column tiles, each program computes one whole tile. ``N`` counts output columns
+    (``I`` when ``GATED``); ``BLOCK_N`` counts weight rows a tile reads (half gate, half up when
+    ``GATED``)."""
     OUT_N: tl.constexpr = BLOCK_N // 2 if GATED else BLOCK_N
     PART: tl.constexpr = BLOCK_M * OUT_N * (2 if GATED else 1)  # fp32 of one partial tile
     pid = tl.program_id(0)
@@ -130,28 +133,20 @@ def _stream_k_gemm_kernel(
     group = pid // tiles_m
     groups = tl.num_programs(0) // tiles_m
     off_m = tile_m * BLOCK_M
-    wait_for_producer(PDL)
-    for r in range(dp_rounds):
-        off_n = (r * groups + group) * OUT_N
-        acc, acc_up = _tile_product(x_desc, w_desc, off_m, off_n, 0, k_blocks, N, BLOCK_M, OUT_N,
-                                    BLOCK_K, STAGES, GATED)  # fmt: skip
-        _store_tile(out_ptr, acc, acc_up, off_m, off_n, M, N, stride_om, BLOCK_M, OUT_N, GATED)
-    # The stream-K units, numbered from the first column tile the rounds left.
-    base_tile = dp_rounds * groups
-    total_units = (tiles_n - base_tile) * k_blocks
     start = (group * total_units) // groups
     end = ((group + 1) * total_units) // groups
+    wait_for_producer(PDL)
     part_offsets = tl.arange(0, BLOCK_M)[:, None] * OUT_N + tl.arange(0, OUT_N)[None, :]
     unit = start
     while unit < end:
-        tile_first = (unit // k_blocks) * k_blocks
+        tile_n = unit // k_blocks
+        tile_first = tile_n * k_blocks
         stop = tl.minimum(tile_first + k_blocks, end)
-        tile_n = base_tile + unit // k_blocks
         off_n = tile_n * OUT_N
         acc, acc_up = _tile_product(x_desc, w_desc, off_m, off_n, unit - tile_first,
                                     stop - tile_first, N, BLOCK_M, OUT_N, BLOCK_K, STAGES,
                                     GATED)  # fmt: skip
-        if ((unit == tile_first) & (stop == tile_first + k_blocks)) | (not FIXUP):
+        if (unit == tile_first) & (stop == tile_first + k_blocks):
             _store_tile(out_ptr, acc, acc_up, off_m, off_n, M, N, stride_om, BLOCK_M, OUT_N,
                         GATED)  # fmt: skip
         else:
@@ -176,27 +171,32 @@ def _stream_k_gemm_kernel(
         unit = stop
 
 
-# Rows the kernel takes: below them the skinny GEMM streams the weights (one program per column
-# tile, no tensor-core tile to fill); above, a step is prefill-sized and cuBLAS's tiles fill the
-# SMs in many waves.
+# Rows the engine gives the kernel (`use_stream_k_gemm`): below, the skinny GEMM streams the
+# weights; above, cuBLAS measured faster (at 192 and 256 rows the 8B gate/up needs two waves of
+# whole tiles or stream-K's partial sums, both slower than cuBLAS and the SiLU kernel).
 MIN_M = 65
-MAX_M = 256
+MAX_M = 128
 # The largest default tile, in fp32 partial sums.
 MAX_TILE_ELEMS = 128 * 256
 
 
 def use_stream_k_gemm(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether the gated product of ``x`` and the fused gate/up ``weight`` goes to this kernel:
-    on a Hopper GPU, at MIN_M-MAX_M rows, with operands TMA can read (16-byte aligned rows)."""
-    m = x.shape[0]
-    return (
+    on a Hopper GPU, at MIN_M-MAX_M rows, where its default tiles fit in one wave (one whole
+    tile per program: stream-K's partial sums measured slower than cuBLAS, see the module
+    docstring), with operands TMA can read (16-byte aligned rows)."""
+    m, k = x.shape
+    if not (
         x.is_cuda
         and x.dtype in (torch.bfloat16, torch.float16)
         and weight.dtype == x.dtype
         and MIN_M <= m <= MAX_M
         and torch.cuda.get_device_capability(x.device)[0] >= 9
         and all(_tma_readable(t) for t in (x, weight))
-    )
+    ):
+        return False
+    config = default_config(m, weight.shape[0], k, gated=True)
+    return num_tiles(m, weight.shape[0], config) <= _num_programs(x.device)
 
 
 def _tma_readable(t: torch.Tensor) -> bool:
@@ -206,8 +206,9 @@ def _tma_readable(t: torch.Tensor) -> bool:
 
 def default_config(m: int, n: int, k: int, gated: bool = False) -> dict[str, int]:
     """Tiles for an ``[m, k] x [n, k]^T`` product (``n`` counts gate and up when ``gated``):
-    every row in one row tile of up to 256, 128 weight rows a tile, 64-wide K steps, as many
-    stages as fit."""
+    row tiles of up to 128 (a 256-row tile spilled registers), 256 weight rows a tile (128 of
+    gate and 128 of up), 64-wide K steps, 4 stages: the best of `ember bench tune --stream-k`'s
+    sweep for the 8B gate/up at 128 rows (one tile per program, 112 programs)."""
     block_m = min(128, max(64, triton.next_power_of_2(m)))
     config = {"BLOCK_M": block_m, "BLOCK_N": 256, "BLOCK_K": 64, "STAGES": 4, "num_warps": 8}
     return fit_shared_memory(config)
@@ -236,9 +237,9 @@ def num_tiles(m: int, n: int, config: dict[str, int], gated: bool = False) -> in
 @dataclass
 class StreamKWorkspace:
     """Tickets (int32, zero between launches) and fp32 partial tiles for the stream-K launches of
-    one stream (a model instance's step). Allocated at the first launch that needs them, on its
-    device, at a fixed size and never regrown: a captured graph keeps their addresses. A launch
-    that would need more raises."""
+    one stream. Allocated at the first launch that needs them (one that computes whole tiles
+    only needs none), on its device, at a fixed size and never regrown: a captured graph keeps
+    their addresses. A launch that would need more raises."""
 
     tickets: int = 4096
     # fp32 elements of partial tiles; None: two of the largest default tile per SM.
@@ -272,19 +273,22 @@ def _num_programs(device: torch.device) -> int:
 def stream_k_gemm(
     x: torch.Tensor,
     weight: torch.Tensor,
-    workspace: StreamKWorkspace,
+    workspace: StreamKWorkspace | None = None,
     *,
     gated: bool = False,
     out: torch.Tensor | None = None,
     config: dict[str, int] | None = None,
     num_programs: int | None = None,
-    data_parallel_first: bool = True,
     pdl: bool = False,
-    fixup: bool = True,
 ) -> torch.Tensor:
     """``x @ weight.T`` for ``x [M, K]`` (rows contiguous), ``weight [N, K]`` (K contiguous), or
     with ``gated`` ``silu(x @ gate.T) * (x @ up.T)`` of the fused ``[2I, K]`` gate/up weight
-    (gate rows first). Returns ``out`` (``[M, N]``, or ``[M, I]``) in ``x``'s dtype."""
+    (gate rows first). Returns ``out`` (``[M, N]``, or ``[M, I]``) in ``x``'s dtype.
+
+    ``num_programs``: by default one per tile where the tiles fit in one wave of one per SM,
+    else one per SM; programs come in whole groups of one per row tile, and at most one group
+    per (column tile, K block) unit. Any other count than one group per column tile splits
+    tiles (stream-K), which needs the ``workspace``."""
     m, k = x.shape
     n_rows = weight.shape[0]
     if weight.shape[1] != k:
@@ -304,23 +308,24 @@ def stream_k_gemm(
     tiles_m = triton.cdiv(m, block_m)
     tiles_n = triton.cdiv(n_rows, block_n)
     k_blocks = triton.cdiv(k, block_k)
-    # No more groups than column tiles: tiles that fit in one wave take a program each, with no
-    # partial sums.
-    groups = max(1, min((num_programs or _num_programs(x.device)) // tiles_m, tiles_n))
+    sms = _num_programs(x.device)
+    if num_programs is None:
+        num_programs = min(tiles_m * tiles_n, sms)
+    groups = max(1, min(num_programs // tiles_m, tiles_n * k_blocks))
     programs = groups * tiles_m
-    # Whole rounds of column tiles first, then stream-K over the rest (none left: every round
-    # data-parallel). Without, every unit is stream-K.
-    dp_rounds = tiles_n // groups if data_parallel_first else 0
-    stream_k = dp_rounds * groups < tiles_n
-    counters, partials = workspace.buffers(
-        x.device, tiles_m * tiles_n if stream_k else 0,
-        programs * 2 * block_m * block_n if stream_k else 0,
-    )  # fmt: skip
+    if groups == tiles_n:  # a whole tile a program: no tickets, no partial sums
+        counters, partials = out, out
+    elif workspace is None:
+        raise ValueError(f"{tiles_m * tiles_n} tiles on {programs} programs need a workspace")
+    else:
+        counters, partials = workspace.buffers(
+            x.device, tiles_m * tiles_n, programs * 2 * block_m * block_n
+        )
     x_desc = TensorDescriptor.from_tensor(x, [block_m, block_k])
     w_desc = TensorDescriptor.from_tensor(weight, [block_n // 2 if gated else block_n, block_k])
     launch(_stream_k_gemm_kernel, (programs,),
         x_desc, w_desc, out, partials, counters,
-        m, n, out.stride(0), tiles_m, tiles_n, k_blocks, dp_rounds,
-        GATED=gated, PDL=pdl, FIXUP=fixup, num_warps=num_warps, launch_pdl=pdl, **config,
+        m, n, out.stride(0), tiles_m, k_blocks, tiles_n * k_blocks,
+        GATED=gated, PDL=pdl, num_warps=num_warps, launch_pdl=pdl, **config,
     )  # fmt: skip
     return out
