@@ -31,6 +31,7 @@ def test_every_default_configuration_fits_an_h200():
     results = json.loads(done.stdout)
     cases = {(r["kernel"], r["case"]) for r in results}
     assert ("skinny_gemm", "gate_up m=1") in cases and ("paged_attention", "prefill") in cases
+    assert ("stream_k_gemm", "gate_up m=128") in cases
     assert {("paged_attention", "mixed decodes"), ("paged_attention", "mixed chunks")} <= cases
     for r in results:
         assert 0 < r["shared_bytes"] <= SM90_SHARED_MEMORY_LIMIT and r["fits"], r

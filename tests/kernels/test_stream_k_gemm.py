@@ -90,3 +90,20 @@ def test_workspace_is_never_regrown(gen, device):
     assert workspace.counters is counters
     with pytest.raises(ValueError, match="need a workspace"):
         stream_k_gemm(x, weight, config=_SMALL, num_programs=6)
+
+
+def test_gate_up_silu_takes_it_past_the_skinny_kernel(gen, device):
+    """`gate_up_silu` at a decode batch past the skinny GEMM's rows: on a Hopper GPU the stream-K
+    kernel's one-wave form takes it, elsewhere cuBLAS and the SiLU kernel; the same result."""
+    from ember.kernels import gate_up_silu
+    from ember.kernels.stream_k_gemm import use_stream_k_gemm
+
+    m, inter, k = 100, 256, 128
+    x, weight = _inputs(gen, device, m, 2 * inter, k)
+    hopper = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+    assert use_stream_k_gemm(x, weight) == hopper
+    assert not use_stream_k_gemm(x[:64], weight), "the skinny kernel's rows"
+    assert not use_stream_k_gemm(torch.cat([x, x]), weight), "past 128 rows: cuBLAS"
+    out = gate_up_silu(x, weight)
+    expected = gate_up_silu_reference(x.cpu().double(), weight.cpu().double())
+    torch.testing.assert_close(out.cpu().double(), expected, atol=3e-2, rtol=3e-2)

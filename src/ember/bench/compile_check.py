@@ -102,6 +102,25 @@ def skinny_gemm_configs() -> list[CompiledConfig]:
     ]
 
 
+def stream_k_gemm_configs() -> list[CompiledConfig]:
+    """The stream-K GEMM as the engine launches it: the 8B gate/up, gated, at 128 rows (its
+    default tiles read through TMA descriptors)."""
+    from ember.bench.tune import linear_shapes
+    from ember.kernels.stream_k_gemm import _stream_k_gemm_kernel, default_config
+
+    n, k = next((n, k) for name, n, k in linear_shapes(_PRESET) if name == _GATED_SHAPE)
+    config = default_config(128, n, k, gated=True)
+    num_warps = config.pop("num_warps")
+    block_m, block_n, block_k = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
+    constexprs = {"GATED": True, "PDL": False, **config}
+    types = {"x_desc": f"tensordesc<bf16[{block_m},{block_k}]>",
+             "w_desc": f"tensordesc<bf16[{block_n // 2},{block_k}]>", "out_ptr": "*bf16",
+             "partials_ptr": "*fp32", "counters_ptr": "*i32"}  # fmt: skip
+    divisible = {"out_ptr", "partials_ptr", "counters_ptr", "stride_om"}
+    shared = compile_for_sm90(_stream_k_gemm_kernel, types, divisible, constexprs, num_warps)
+    return [CompiledConfig("stream_k_gemm", "gate_up m=128", constexprs, num_warps, shared)]
+
+
 def attention_configs() -> list[CompiledConfig]:
     """The paged attention's launches for the 8B shape (GQA 4, head 128, bf16): decode split
     and unsplit (with RoPE, the deferred norm and the K/V preload: the most state a program
@@ -154,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", action="store_true", help="one JSON list on stdout")
     args = parser.parse_args(argv)
-    results = skinny_gemm_configs() + attention_configs()
+    results = skinny_gemm_configs() + stream_k_gemm_configs() + attention_configs()
     if args.json:
         print(json.dumps([{**asdict(r), "fits": r.fits} for r in results]))
     else:

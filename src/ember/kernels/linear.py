@@ -1,4 +1,4 @@
-"""A linear layer's product, routed to cuBLAS or to the skinny Triton GEMM by shape.
+"""A linear layer's product, routed to cuBLAS or to a Triton GEMM by shape.
 
 On an H200 (8B shapes, bf16, batch 1-64) cuBLAS runs the layers whose output is no wider than
 their input (attention output, MLP down) as split-K plus a reduce kernel. The skinny kernel
@@ -15,9 +15,11 @@ cuBLAS kernel in the chain neither starts early nor lets the next kernel start e
 `linear_add` is a sub-block's exit into the residual stream under a deferred RMSNorm
 (`ember.layers.row_norm`): where the skinny kernel takes the product, its epilogue adds it to the
 stream and sums the squares (no launch of its own); elsewhere cuBLAS and `add_and_sum_squares`.
-`gate_up_silu` is the gated MLP's gate/up product and SiLU-and-mul, in one launch where the
-fused kernel (`skinny_gemm_silu`) measured faster: under PDL it took 27-58 us off the step at
-batch 1-8.
+`gate_up_silu` is the gated MLP's gate/up product and SiLU-and-mul, in one launch where a
+fused kernel measured faster: the skinny one (`skinny_gemm_silu`) up to 64 rows (under PDL it
+took 27-58 us off the step at batch 1-8), the stream-K kernel's one-wave form at 65-128 rows
+(`ember.kernels.stream_k_gemm`; -31 to -238 us a step at batch 80-128 on the H200). Past 128
+rows, and for every other product past 64, cuBLAS measured faster than either Triton GEMM.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import torch.nn.functional as F
 from ember.kernels.activation import silu_and_mul
 from ember.kernels.rmsnorm import add_and_sum_squares
 from ember.kernels.skinny_gemm import MAX_M, skinny_gemm, skinny_gemm_add, skinny_gemm_silu
+from ember.kernels.stream_k_gemm import stream_k_gemm, use_stream_k_gemm
 from ember.layers.row_norm import RowNorm
 
 _HALF_DTYPES = (torch.bfloat16, torch.float16)
@@ -82,9 +85,14 @@ def gate_up_silu(
     pdl: bool = False,
 ) -> torch.Tensor:
     """``silu_and_mul(x @ gate_up_weight.T, row_norm=row_norm)``: ``[T, I]`` from the fused
-    ``[2I, K]`` gate/up weight (gate rows first)."""
+    ``[2I, K]`` gate/up weight (gate rows first). Past the skinny GEMM's rows, up to 128, the
+    product and SiLU-and-mul run as one kernel of whole tensor-core tiles (`ember.kernels.
+    stream_k_gemm`): against cuBLAS and the SiLU kernel, -4 to -6 us a layer at 128 rows on the
+    H200 (`ember bench tune --stream-k`)."""
     m, k = x.shape
     n = gate_up_weight.shape[0]
     if x.stride(1) == 1 and use_gated_skinny_gemm(m, n, k, gate_up_weight.dtype, x.device, pdl):
         return skinny_gemm_silu(x, gate_up_weight, row_norm=row_norm, pdl=pdl)
+    if row_norm is None and use_stream_k_gemm(x, gate_up_weight):
+        return stream_k_gemm(x, gate_up_weight, gated=True, pdl=pdl)
     return silu_and_mul(F.linear(x, gate_up_weight), row_norm=row_norm, pdl=pdl)
