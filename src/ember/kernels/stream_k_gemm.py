@@ -36,11 +36,9 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ember.kernels.activation import silu_mul_rounded
 from ember.kernels.compile_ahead import launch
+from ember.kernels.paged_attention import device_sm_count
 from ember.kernels.pdl import wait_for_producer
-from ember.kernels.tiles import SHARED_MEMORY_BUDGET
-
-# An H200's SM count, for the CPU interpreter (no device to ask).
-DEFAULT_NUM_PROGRAMS = 132
+from ember.kernels.tiles import shrink_to_fit
 
 
 @triton.jit
@@ -196,7 +194,7 @@ def use_stream_k_gemm(x: torch.Tensor, weight: torch.Tensor) -> bool:
     ):
         return False
     config = default_config(m, weight.shape[0], k, gated=True)
-    return num_tiles(m, weight.shape[0], config) <= _num_programs(x.device)
+    return num_tiles(m, weight.shape[0], config) <= device_sm_count(x.device)
 
 
 def _tma_readable(t: torch.Tensor) -> bool:
@@ -223,13 +221,10 @@ def shared_memory_estimate(config: dict[str, int], elem_bytes: int = 2) -> int:
 
 def fit_shared_memory(config: dict[str, int]) -> dict[str, int]:
     """Drop stages (to 2) until the tiles fit in an SM's shared memory."""
-    config = dict(config)
-    while shared_memory_estimate(config) > SHARED_MEMORY_BUDGET and config["STAGES"] > 2:
-        config["STAGES"] -= 1
-    return config
+    return shrink_to_fit(config, shared_memory_estimate, [("STAGES", 2, False)])
 
 
-def num_tiles(m: int, n: int, config: dict[str, int], gated: bool = False) -> int:
+def num_tiles(m: int, n: int, config: dict[str, int]) -> int:
     """Tiles (and tickets) of a product of ``m`` rows and ``n`` weight rows."""
     return triton.cdiv(m, config["BLOCK_M"]) * triton.cdiv(n, config["BLOCK_N"])
 
@@ -253,7 +248,7 @@ class StreamKWorkspace:
         if self.counters is None:
             capacity = self.partial_elems
             if capacity is None:
-                capacity = 2 * _num_programs(device) * MAX_TILE_ELEMS
+                capacity = 2 * device_sm_count(device) * MAX_TILE_ELEMS
             self.counters = torch.zeros(self.tickets, dtype=torch.int32, device=device)
             self.partials = torch.empty(capacity, dtype=torch.float32, device=device)
         if tickets > self.counters.numel() or partial_elems > self.partials.numel():
@@ -262,12 +257,6 @@ class StreamKWorkspace:
                 f"workspace holds {self.counters.numel()} and {self.partials.numel()}"
             )
         return self.counters, self.partials
-
-
-def _num_programs(device: torch.device) -> int:
-    if device.type != "cuda":
-        return DEFAULT_NUM_PROGRAMS
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def stream_k_gemm(
@@ -308,7 +297,7 @@ def stream_k_gemm(
     tiles_m = triton.cdiv(m, block_m)
     tiles_n = triton.cdiv(n_rows, block_n)
     k_blocks = triton.cdiv(k, block_k)
-    sms = _num_programs(x.device)
+    sms = device_sm_count(x.device)
     if num_programs is None:
         num_programs = min(tiles_m * tiles_n, sms)
     groups = max(1, min(num_programs // tiles_m, tiles_n * k_blocks))
