@@ -14,7 +14,9 @@
 # variants), a run saved per variant (~45 s) when several are tried; EMBER_AB_BRACKET=first only
 # first (for changes well above the ~1-2% drift within a call). EMBER_AB_PROFILE=1 also profiles
 # the baseline and each variant at the batches of EMBER_AB_PROFILE_BATCHES ("1 64")
-# and the context EMBER_AB_PROFILE_CONTEXT (512).
+# and the context EMBER_AB_PROFILE_CONTEXT (512). EMBER_AB_FIRST: a command run once the
+# environment is set and the checkpoint made, before the first run (kernel tests, a tune sweep),
+# its output into $OUTDIR/first.log.
 # Results into $OUTDIR/ab.tar.gz (one step_bench.json per run, named baseline_1, PATCHNAME,
 # baseline_2, ...), the log beside it. The tree is restored whatever happens.
 set -uo pipefail
@@ -36,6 +38,12 @@ finish() {
 trap finish EXIT
 source scripts/gpu_oneoff_setup.sh  # wheels, environment, $M being made ($MAKER)
 wait $MAKER
+if [ -n "${EMBER_AB_FIRST:-}" ]; then
+  echo "=== first: $EMBER_AB_FIRST $(date +%T)"
+  bash -c "$EMBER_AB_FIRST" > "$OUT/first.log" 2>&1
+  echo "rc $? $(date +%T)"
+  tail -n 5 "$OUT/first.log"
+fi
 read -r -a STEP_ARGS <<< "${EMBER_AB_STEP_ARGS:---sections decode --decode-batches 1 8 64 --decode-contexts 512}"
 slug() {  # "--a b" -> "a_b": a run's name from its flags
   echo "$*" | tr -cs 'a-zA-Z0-9' '_' | sed 's/^_*//; s/_*$//'
