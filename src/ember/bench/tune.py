@@ -52,8 +52,11 @@ GEMM_CONFIGS = (
 ATTENTION_POINTS = ((1, 512), (8, 512), (32, 512), (64, 512), (128, 512), (256, 512),
                     (1, 4096), (8, 4096), (32, 4096))  # fmt: skip
 # (BLOCK_N, KV_STAGES, num_warps)
+# One-warp programs need no cross-warp reductions in the softmax (fifteenth session's lead: a
+# decode program's tile loop is bound by per-tile latency, bench/results/README.md).
 ATTENTION_CONFIGS = ((64, 3, 4), (32, 3, 4), (32, 4, 2), (64, 4, 4), (64, 2, 4), (64, 3, 2),
-                     (128, 2, 4), (128, 3, 8), (16, 4, 2))  # fmt: skip
+                     (128, 2, 4), (128, 3, 8), (16, 4, 2), (16, 4, 1), (32, 3, 1), (64, 3, 1),
+                     (32, 6, 1))  # fmt: skip
 ATTENTION_SPLITS = (1, 2, 4, 8, 16, 32)
 
 
