@@ -310,11 +310,12 @@ def test_decode_split_grid_for_a_longer_bound(gen, device, num_sms):
     assert not counters.any()
 
 
+@pytest.mark.parametrize("num_sms", [None, 1])  # 1: unsplit, the one-warp programs
 @pytest.mark.parametrize("preload_kv", [False, True])
 @pytest.mark.parametrize("group", [1, 4, 8])
 @pytest.mark.parametrize(("num_splits", "dtype"), [(1, torch.bfloat16), (3, torch.float32)])
 def test_decode_with_rope_and_cache_write_in_kernel(
-    gen, device, group, num_splits, dtype, preload_kv
+    gen, device, group, num_splits, dtype, preload_kv, num_sms
 ):
     """RoPE + KV write inside the decode kernel give the outputs and the caches of the RoPE
     kernel's reference followed by attention's; a padded token (slot -1) writes nothing. With
@@ -351,7 +352,7 @@ def test_decode_with_rope_and_cache_write_in_kernel(
     out = torch.full_like(step.q, float("nan"))
     counters = torch.zeros(4 * num_kv_heads, dtype=torch.int32, device=device)
     paged_attention(*step.args(), scale, out, num_kv_splits=num_splits, split_counters=counters,
-                    rope=rope, preload_kv=preload_kv, **meta)  # fmt: skip
+                    rope=rope, preload_kv=preload_kv, num_sms=num_sms, **meta)  # fmt: skip
     assert_close(out.cpu(), expected, dtype)
     torch.testing.assert_close(step.k_cache.cpu(), ref_k_cache)
     torch.testing.assert_close(step.v_cache.cpu(), ref_v_cache)
@@ -410,3 +411,40 @@ def test_tile_configs_fit_in_shared_memory(decode_only, head_dim, elem_bytes):
     assert config["BLOCK_N"] >= 16 and config["KV_STAGES"] >= 1
     if elem_bytes == 2 and head_dim <= 128:
         assert (config["BLOCK_N"], config["KV_STAGES"]) == ((64, 2) if decode_only else (128, 2))
+
+
+def test_full_decode_grids_take_one_warp_programs():
+    """Unsplit decode launches with enough programs per SM run one-warp, 32-key programs; fewer
+    programs, split launches and mixed steps keep their tiles."""
+    from ember.kernels.paged_attention import _ONE_WARP_MIN_PROGRAMS_PER_SM, _tile_config
+
+    full = _tile_config(4, True, 128, 2, programs_per_sm=_ONE_WARP_MIN_PROGRAMS_PER_SM)
+    assert (full["BLOCK_N"], full["num_warps"], full["KV_STAGES"]) == (32, 1, 3)
+    sparse = _tile_config(4, True, 128, 2, programs_per_sm=_ONE_WARP_MIN_PROGRAMS_PER_SM - 1)
+    assert (sparse["BLOCK_N"], sparse["num_warps"]) == (64, 2)
+    split = _tile_config(4, True, 128, 2, split_kv=True, programs_per_sm=100)
+    assert (split["BLOCK_N"], split["num_warps"]) == (64, 4)
+
+
+@pytest.mark.parametrize(
+    ("group", "dtype"), [(1, torch.float32), (4, torch.bfloat16), (8, torch.float32)]
+)
+def test_decode_on_one_warp_programs(gen, device, monkeypatch, group, dtype):
+    """A decode step whose grid fills the SMs (two of them here) runs on one-warp programs,
+    with ragged lengths."""
+    import sys
+
+    module = sys.modules["ember.kernels.paged_attention"]
+    chosen = []
+    tile_config = module._tile_config
+
+    def recorded(*args, **kwargs):
+        chosen.append(tile_config(*args, **kwargs))
+        return chosen[-1]
+
+    monkeypatch.setattr(module, "_tile_config", recorded)
+    seq_lens = [1, 17, 64, 100, 33, 129, 31, 32, 65, 2, 90, 48]
+    step = make_step(gen, device, [1] * len(seq_lens), seq_lens, num_kv_heads=2, group=group,
+                     head_dim=64, dtype=dtype)  # fmt: skip
+    assert_close(*run_both(step, num_kv_splits=1, num_sms=2), dtype)
+    assert [(c["BLOCK_N"], c["num_warps"]) for c in chosen] == [(32, 1)]

@@ -131,6 +131,7 @@ def attention_configs() -> list[CompiledConfig]:
         _MAX_SPLITS,
         _MIXED_DECODE_SPLITS,
         _MULTI_TOKEN,
+        _ONE_WARP_MIN_PROGRAMS_PER_SM,
         _SINGLE_TOKEN,
         _paged_attention_kernel,
         _tile_config,
@@ -151,16 +152,19 @@ def attention_configs() -> list[CompiledConfig]:
                  "stride_cache_head", "stride_table", "stride_rk_tok", "stride_rk_head",
                  "stride_rv_tok", "stride_rv_head"}  # fmt: skip
     results = []
-    # (case, decode tiles, their split configuration, segments, sequences served, tile map)
-    cases = (("decode split", True, True, _MAX_SPLITS, _ALL_SEQUENCES, False),
-             ("decode", True, False, 1, _ALL_SEQUENCES, False),
-             ("prefill", False, False, 1, _ALL_SEQUENCES, False),
-             ("mixed decodes", True, False, _MIXED_DECODE_SPLITS, _SINGLE_TOKEN, False),
-             ("mixed chunks", False, False, 1, _MULTI_TOKEN, True))  # fmt: skip
-    for case, decode, split_tiles, splits, sequences, tile_map in cases:
+    # (case, decode tiles, their split configuration, programs per SM, segments, sequences
+    # served, tile map)
+    full = _ONE_WARP_MIN_PROGRAMS_PER_SM
+    cases = (("decode split", True, True, 0, _MAX_SPLITS, _ALL_SEQUENCES, False),
+             ("decode", True, False, 0, 1, _ALL_SEQUENCES, False),
+             ("decode, full grid", True, False, full, 1, _ALL_SEQUENCES, False),
+             ("prefill", False, False, 0, 1, _ALL_SEQUENCES, False),
+             ("mixed decodes", True, False, 0, _MIXED_DECODE_SPLITS, _SINGLE_TOKEN, False),
+             ("mixed chunks", False, False, 0, 1, _MULTI_TOKEN, True))  # fmt: skip
+    for case, decode, split_tiles, per_sm, splits, sequences, tile_map in cases:
         sequences = sequences.value
         rope = decode and sequences == _ALL_SEQUENCES.value  # a mixed step writes its cache first
-        config = _tile_config(4, decode, 128, 2, split_tiles)
+        config = _tile_config(4, decode, 128, 2, split_tiles, per_sm)
         num_warps = config.pop("num_warps")
         constexprs = {
             "GROUP": 4, "HEAD_DIM": 128, "PAGE": 16, "DECODE_ONLY": decode,

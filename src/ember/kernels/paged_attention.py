@@ -54,6 +54,10 @@ _PROGRAMS_PER_SM = 2
 _MIN_TOKENS_PER_SPLIT_UNDER_ONE_WAVE = 64
 _MIN_TOKENS_PER_SPLIT = 1024
 _MAX_SPLITS = 32
+# Unsplit decode launches with at least this many programs per SM take one-warp programs: a
+# program holds 255 registers, so 8 fit an SM. Measured faster at 7.8 and 15.5 per SM (batch 128
+# and 256 of the 8B shape on an H200), slower at 3.9 (batch 64); between them, unmeasured.
+_ONE_WARP_MIN_PROGRAMS_PER_SM = 6
 # A mixed step's decodes: at most this many segments each (a grid constant, see paged_attention).
 _MIXED_DECODE_SPLITS = 4
 # Splits merged per unrolled chunk by the in-kernel merge (its loads stay in registers).
@@ -673,16 +677,32 @@ def chunk_tile_map(query_start_loc: np.ndarray, num_seqs: int, block_q: int,
 
 
 def _tile_config(
-    group: int, decode_only: bool, head_dim: int, elem_bytes: int, split_kv: bool = False
+    group: int,
+    decode_only: bool,
+    head_dim: int,
+    elem_bytes: int,
+    split_kv: bool = False,
+    programs_per_sm: float = 0.0,
 ) -> dict[str, int]:
-    """Tile sizes from the step's kind. Rows of a program = query tokens x the GQA group."""
+    """Tile sizes from the step's kind. Rows of a program = query tokens x the GQA group.
+    ``programs_per_sm``: an unsplit decode launch's programs over the SMs."""
     min_rows = max(16, triton.next_power_of_2(group))  # tl.dot needs M >= 16
     if decode_only:
-        # One query per sequence: the group's heads are the rows. Memory-bound: 64-key tiles.
-        # On an H200 (`ember bench tune`) unsplit decodes ran best on 2 warps with 3 stages
-        # (2-3% over 4 warps at batch 64-256), split ones on 4 warps with 2 stages.
-        warps, stages = (4, 2) if split_kv else (2, 3)
-        config = {"BLOCK_M": min_rows, "BLOCK_Q": 1, "BLOCK_N": 64, "num_warps": warps,
+        # One query per sequence: the group's heads are the rows. On an H200 (`ember bench
+        # tune`) split decodes ran best on 64-key tiles, 4 warps, 2 stages, and unsplit ones
+        # on 64-key tiles, 2 warps, 3 stages (2-3% over 4 warps at batch 64-256). A decode
+        # program's tile loop is bound by per-tile latency, not by loads in flight, so the SM
+        # needs many programs. Past _ONE_WARP_MIN_PROGRAMS_PER_SM, one-warp programs (no
+        # cross-warp softmax reductions) on 32-key tiles ran faster: -0.21 / -0.25 ms a step at
+        # batch 128 / 256, but +0.17 / +0.10 at 32 / 64, where they left the SMs short of warps
+        # (bench/results/README.md, "One-warp decode programs").
+        if split_kv:
+            block_n, warps, stages = 64, 4, 2
+        elif programs_per_sm >= _ONE_WARP_MIN_PROGRAMS_PER_SM:
+            block_n, warps, stages = 32, 1, 3
+        else:
+            block_n, warps, stages = 64, 2, 3
+        config = {"BLOCK_M": min_rows, "BLOCK_Q": 1, "BLOCK_N": block_n, "num_warps": warps,
                   "KV_STAGES": stages}  # fmt: skip
     else:
         # Prefill is compute-bound: 128x128 tiles on 8 warps ran ~10% faster than 128x64 on an
@@ -832,7 +852,9 @@ def paged_attention(
                      block_tables, scale, split_counters, pdl)  # fmt: skip
     elem_bytes = k_cache.element_size()
     if decode_only or tile_config is not None or not separate_decodes:
-        config = tile_config or _tile_config(group, decode_only, head_dim, elem_bytes, splits > 1)
+        config = tile_config or _tile_config(
+            group, decode_only, head_dim, elem_bytes, splits > 1, num_seqs * num_kv_heads / sms
+        )
         launch(config, decode_only, _ALL_SEQUENCES, splits=splits,
                min_split_tokens=min_split_tokens, rope=rope, preload_kv=preload_kv)  # fmt: skip
         return out
