@@ -54,9 +54,9 @@ _PROGRAMS_PER_SM = 2
 _MIN_TOKENS_PER_SPLIT_UNDER_ONE_WAVE = 64
 _MIN_TOKENS_PER_SPLIT = 1024
 _MAX_SPLITS = 32
-# Unsplit decode launches with at least this many programs per SM take one-warp programs: a
-# program holds 255 registers, so 8 fit an SM. Measured faster at 7.8 and 15.5 per SM (batch 128
-# and 256 of the 8B shape on an H200), slower at 3.9 (batch 64); between them, unmeasured.
+# Unsplit decode launches with at least this many programs per SM take one-warp programs (a
+# program holds 255 registers, so 8 fit an SM; measurements in `_tile_config`). Between 3.9
+# per SM (slower) and 7.8 (faster) it was not measured.
 _ONE_WARP_MIN_PROGRAMS_PER_SM = 6
 # A mixed step's decodes: at most this many segments each (a grid constant, see paged_attention).
 _MIXED_DECODE_SPLITS = 4
