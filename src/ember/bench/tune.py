@@ -263,6 +263,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stream-k", action="store_true",
                         help="only the stream-K GEMM against cuBLAS at 128 and 256 rows "
                         "(`ember.bench.tune_stream_k`)")  # fmt: skip
+    parser.add_argument("--split-k", action="store_true",
+                        help="only o and down at 96-256 rows: cuBLAS then the add + norm against "
+                        "split-K partial sums the norm reduces (`ember.bench.tune_split_k`)")  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
@@ -274,6 +277,12 @@ def run(args: argparse.Namespace) -> int:
               "hbm_copy_tb_per_s": hbm / 1e12}  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "tune.json"
+    if args.split_k:
+        from ember.bench.tune_split_k import bench_split_k
+
+        result["split_k"] = bench_split_k(args.preset)
+        path.write_text(json.dumps(result, indent=1))
+        return 0
     if args.stream_k:
         from ember.bench.tune_stream_k import (
             bench_stream_k,

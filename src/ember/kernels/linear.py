@@ -20,6 +20,11 @@ fused kernel measured faster: the skinny one (`skinny_gemm_silu`) up to 64 rows 
 took 27-58 us off the step at batch 1-8), the stream-K kernel's one-wave form at 65-128 rows
 (`ember.kernels.stream_k_gemm`; -31 to -238 us a step at batch 80-128 on the H200). Past 128
 rows, and for every other product past 64, cuBLAS measured faster than either Triton GEMM.
+
+`linear_parts` is a sub-block's exit in the plain residual form (past the skinny GEMM's rows):
+where cuBLAS would run the product as split-K plus a reduce kernel (output no wider than the
+input), one batched cuBLAS GEMM leaves the K slices' float32 partial sums and the next
+add + RMSNorm kernel (`add_parts_rms_norm`) sums them, so the reduce and its launch go.
 """
 
 from __future__ import annotations
@@ -34,6 +39,13 @@ from ember.kernels.stream_k_gemm import stream_k_gemm, use_stream_k_gemm
 from ember.layers.row_norm import RowNorm
 
 _HALF_DTYPES = (torch.bfloat16, torch.float16)
+
+# `linear_parts`' split-K: the rows it serves, the most K slices and the fewest K columns a slice
+# keeps (bench/results/README.md, "Split-K partial sums reduced in the norm"). SPLIT_K_MAX_PARTS
+# 1 turns it off.
+SPLIT_K_ROWS = (MAX_M + 1, 256)
+SPLIT_K_MAX_PARTS = 1
+SPLIT_K_MIN_PART_K = 2048
 
 
 def use_skinny_gemm(
@@ -53,6 +65,40 @@ def use_gated_skinny_gemm(
     cuBLAS and the SiLU kernel (in-call A/B of 2026-12-01, third session: -40 us per step at
     batch 32, +22 us at batch 16; bench/results/README.md)."""
     return use_skinny_gemm(m, n, k, dtype, device, pdl=pdl or m > 16)
+
+
+def split_k_parts(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device) -> int:
+    """K slices `linear_parts` cuts ``[m, k] x [n, k]^T`` into; 1: no split. Only products no
+    wider than their input (those cuBLAS splits itself) at the rows of SPLIT_K_ROWS; each slice
+    a multiple of 8 columns (16-byte rows for cuBLAS) and at least SPLIT_K_MIN_PART_K."""
+    low, high = SPLIT_K_ROWS
+    if device.type != "cuda" or dtype not in _HALF_DTYPES or not low <= m <= high or n > k:
+        return 1
+    parts = SPLIT_K_MAX_PARTS
+    while parts > 1 and (k % (8 * parts) or k // parts < SPLIT_K_MIN_PART_K):
+        parts //= 2
+    return max(parts, 1)
+
+
+def linear_parts(
+    x: torch.Tensor, weight: torch.Tensor, *, parts: int | None = None, pdl: bool = False
+) -> torch.Tensor:
+    """``x @ weight.T`` for an add + RMSNorm to take: ``[T, N]`` in ``x``'s dtype (`linear`),
+    or, where `split_k_parts` splits it (``parts``, if given, instead), ``[P, T, N]`` float32
+    partial sums over P equal slices of K from one batched cuBLAS GEMM (`add_parts_rms_norm`
+    sums them)."""
+    m, k = x.shape
+    n = weight.shape[0]
+    if parts is None:
+        parts = split_k_parts(m, n, k, weight.dtype, x.device)
+    elif k % parts:
+        raise ValueError(f"K={k} does not split into {parts} equal parts")
+    if parts == 1 or not (x.is_contiguous() and weight.is_contiguous()):
+        return linear(x, weight, pdl=pdl)
+    # Slice p of K is x[:, p*s:(p+1)*s] @ weight[:, p*s:(p+1)*s].T: strided views, no copies.
+    x_slices = x.view(m, parts, k // parts).transpose(0, 1)
+    w_slices = weight.view(n, parts, k // parts).permute(1, 2, 0)
+    return torch.bmm(x_slices, w_slices, out_dtype=torch.float32)
 
 
 def linear(

@@ -8,6 +8,11 @@ normalising it, as HF's decoder layer adds in the model dtype.
 for a deferred norm (`ember.layers.row_norm`), where the norm's weight sits in the next
 projection.
 
+`add_parts_rms_norm` is the fused op for a product left as split-K partial sums
+(`ember.kernels.linear.linear_parts`): it sums the float32 parts, rounds the sum to the
+dtype (what the product's own reduce would have stored), then adds and normalises, so the
+split-K reduce needs no kernel of its own.
+
 A program normalises ``ROWS`` rows at once so that short rows (Qwen3's per-head q/k norm,
 ``head_dim`` wide) still give each program a few KiB of work; long rows (hidden size) get one
 program each.
@@ -36,6 +41,7 @@ def _rms_norm_kernel(
     inner_rows,
     stride_x_outer,
     stride_x_inner,
+    stride_x_part,
     stride_r_row,
     stride_o_outer,
     stride_o_inner,
@@ -45,11 +51,13 @@ def _rms_norm_kernel(
     ROWS: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     SUM_SQUARES_ONLY: tl.constexpr,
+    NUM_PARTS: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Rows are addressed as (row // inner_rows, row % inner_rows) so 3-D strided views work.
     ``SUM_SQUARES_ONLY``: store each row's sum of squares to ``out_ptr[row]`` (float32), no
-    normalised row."""
+    normalised row. ``NUM_PARTS`` > 0: ``x`` is that many float32 partial sums
+    ``stride_x_part`` apart, summed in order and rounded to the residual's dtype."""
     wait_for_producer(PDL)
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_H)
@@ -59,6 +67,10 @@ def _rms_norm_kernel(
     inner = rows % inner_rows
     x_offsets = (outer * stride_x_outer + inner * stride_x_inner)[:, None] + cols[None, :]
     x = tl.load(x_ptr + x_offsets, mask=mask, other=0.0)
+    if NUM_PARTS > 0:
+        for part in tl.static_range(1, NUM_PARTS):
+            x += tl.load(x_ptr + part * stride_x_part + x_offsets, mask=mask, other=0.0)
+        x = x.to(residual_ptr.dtype.element_ty)
     if HAS_RESIDUAL:
         r_offsets = (rows.to(tl.int64) * stride_r_row)[:, None] + cols[None, :]
         residual = tl.load(residual_ptr + r_offsets, mask=mask, other=0.0)
@@ -86,10 +98,15 @@ def _row_layout(t: torch.Tensor) -> tuple[int, int, int]:
     raise ValueError(f"expected a 2-D or 3-D tensor, got shape {tuple(t.shape)}")
 
 
-def _launch(x, residual, weight, out, eps, pdl, sum_squares_only=False):
+def _launch(x, residual, weight, out, eps, pdl, sum_squares_only=False, num_parts=0):
+    """``num_parts`` > 0: ``x`` is ``[P, T, H]`` float32 partial sums of one ``[T, H]`` input."""
     hidden = x.shape[-1]
     if x.stride(-1) != 1 or out.stride(-1) != 1:
         raise ValueError("the normalised dim must be contiguous")
+    part_stride = 0
+    if num_parts:
+        part_stride = x.stride(0)
+        x = x[0]
     num_rows = x.numel() // hidden
     if num_rows == 0:
         return
@@ -99,7 +116,7 @@ def _launch(x, residual, weight, out, eps, pdl, sum_squares_only=False):
     rows = max(1, _ELEMENTS_PER_PROGRAM // block_h)
     launch(_rms_norm_kernel, (triton.cdiv(num_rows, rows),),
         x, residual if residual is not None else x, weight, out,
-        num_rows, inner_rows, sx_outer, sx_inner,
+        num_rows, inner_rows, sx_outer, sx_inner, part_stride,
         residual.stride(0) if residual is not None else 0,
         so_outer, so_inner, eps,
         HIDDEN=hidden,
@@ -107,6 +124,7 @@ def _launch(x, residual, weight, out, eps, pdl, sum_squares_only=False):
         ROWS=rows,
         HAS_RESIDUAL=residual is not None,
         SUM_SQUARES_ONLY=sum_squares_only,
+        NUM_PARTS=num_parts,
         PDL=pdl,
         num_warps=8 if block_h >= 4096 else 4,
         launch_pdl=pdl,
@@ -137,6 +155,32 @@ def fused_add_rms_norm(
     if x.dim() != 2 or residual.shape != x.shape or residual.stride(-1) != 1:
         raise ValueError("x and residual must be [T, H] with a contiguous last dim")
     _launch(x, residual, weight, x, eps, pdl)
+
+
+def add_parts_rms_norm(
+    residual: torch.Tensor,
+    parts: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    out: torch.Tensor | None = None,
+    *,
+    pdl: bool = False,
+) -> torch.Tensor:
+    """``residual += sum(parts)`` in place (the float32 sum rounded to ``residual``'s dtype
+    first, then the add rounded, as `fused_add_rms_norm` adds a product), and returns
+    ``rmsnorm(residual) * weight`` in ``out`` (``[T, H]`` like ``residual``; new if None).
+    ``parts``: ``[P, T, H]`` float32, each ``[T, H]`` slice contiguous in its last dim."""
+    if parts.dim() != 3 or parts.dtype != torch.float32 or parts.shape[1:] != residual.shape:
+        raise ValueError(
+            f"parts must be float32 [P, T, H] over residual's [T, H] = {tuple(residual.shape)}, "
+            f"got {parts.dtype} {tuple(parts.shape)}"
+        )
+    if residual.dim() != 2 or residual.stride(-1) != 1 or parts.stride(1) != parts.shape[2]:
+        raise ValueError("residual and each part must be [T, H] with contiguous rows")
+    if out is None:
+        out = torch.empty_like(residual)
+    _launch(parts, residual, weight, out, eps, pdl, num_parts=parts.shape[0])
+    return out
 
 
 def add_and_sum_squares(

@@ -52,12 +52,22 @@ class Ops:
     linear_add: Callable[..., torch.Tensor] | None = None
     # (residual, x=None) -> float32 [T, 1]: residual += x, and each row's sum of squares.
     add_and_sum_squares: Callable[..., torch.Tensor] | None = None
+    # (x, weight) -> a plain-form sub-block's output, x @ weight.T: [T, N] in x's dtype, or
+    # [P, T, N] float32 split-K partial sums for add_parts_rms_norm. None: `linear`.
+    linear_parts: Callable[..., torch.Tensor] | None = None
+    # (residual, parts [P, T, H] float32, weight, eps) -> [T, H]: residual += the parts' sum
+    # (rounded to its dtype), then its RMSNorm, as fused_add_rms_norm does for a [T, H] input.
+    add_parts_rms_norm: Callable[..., torch.Tensor] | None = None
 
 
-def reference_ops(defer_norms: bool = False) -> Ops:
-    """Plain PyTorch; ``defer_norms`` runs the deferred-norm form too (for its tests)."""
+def reference_ops(defer_norms: bool = False, split_k_parts: int = 1) -> Ops:
+    """Plain PyTorch; ``defer_norms`` runs the deferred-norm form too and ``split_k_parts`` > 1
+    leaves every plain-form sub-block output as that many partial sums (both for their tests)."""
     from ember.layers import reference_ops as ref
 
+    linear_parts = None
+    if split_k_parts > 1:
+        linear_parts = partial(ref.linear_parts_reference, parts=split_k_parts)
     return Ops(
         name="reference",
         linear=torch.nn.functional.linear,
@@ -74,6 +84,8 @@ def reference_ops(defer_norms: bool = False) -> Ops:
         defer_norms=defer_norms,
         linear_add=ref.linear_add_reference,
         add_and_sum_squares=ref.add_and_sum_squares_reference,
+        linear_parts=linear_parts,
+        add_parts_rms_norm=ref.add_parts_rms_norm_reference,
     )
 
 
@@ -137,6 +149,8 @@ def triton_ops(
         defer_norms_max_rows=SKINNY_MAX_M,
         linear_add=chained(kernels.linear_add),
         add_and_sum_squares=chained(kernels.add_and_sum_squares),
+        linear_parts=chained(kernels.linear_parts),
+        add_parts_rms_norm=chained(kernels.add_parts_rms_norm),
     )
 
 

@@ -219,6 +219,29 @@ def fused_add_rms_norm_reference(
     x.copy_(_rms_normalize(residual, weight, eps))
 
 
+def add_parts_rms_norm_reference(
+    residual: torch.Tensor, parts: torch.Tensor, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """``residual += sum(parts)`` in place (float32 parts summed in order, rounded to the
+    dtype, then added as `fused_add_rms_norm_reference` adds), and ``rmsnorm(residual)``."""
+    total = parts[0].clone()
+    for part in parts[1:]:
+        total += part
+    residual.copy_(residual + total.to(residual.dtype))
+    return _rms_normalize(residual, weight, eps)
+
+
+def linear_parts_reference(x: torch.Tensor, weight: torch.Tensor, parts: int) -> torch.Tensor:
+    """``x @ weight.T`` as ``parts`` float32 partial sums over equal slices of K, ``[P, T, N]``
+    (the split-K form `add_parts_rms_norm_reference` reduces)."""
+    k = x.shape[-1]
+    if k % parts:
+        raise ValueError(f"K={k} does not split into {parts} equal parts")
+    x_parts = x.float().reshape(-1, parts, k // parts).transpose(0, 1)
+    w_parts = weight.float().reshape(-1, parts, k // parts).permute(1, 2, 0)
+    return torch.bmm(x_parts, w_parts)
+
+
 def add_and_sum_squares_reference(
     residual: torch.Tensor, x: torch.Tensor | None = None
 ) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """The decoder's residual stream between sub-blocks, in one of two forms.
 
 Plain: ``hidden`` rows plus ``pending``, the last sub-block's output not added yet (the next
-fused add + RMSNorm kernel adds it). Deferred norm (`ember.layers.row_norm`): every output is
+fused add + RMSNorm kernel adds it): ``[T, H]``, or ``[P, T, H]`` float32 split-K partial sums
+(`Ops.linear_parts`) that the add + norm sums first. Deferred norm (`ember.layers.row_norm`): every output is
 added and ``row_norm`` holds the new rows' RMSNorm statistics; the norms' weights were folded
 into the projections they feed at load, so a projection reads ``hidden`` itself and the kernel
 after it applies ``1/rms``. At decode sizes the skinny GEMM's epilogue does the add and the
@@ -43,11 +44,10 @@ def sub_block_input(
     ``x`` is the stream itself and ``row_norm`` its statistics, for the projection's reader."""
     if stream.row_norm is not None:
         return stream.hidden, stream.row_norm, stream
-    hidden, pending = stream.hidden, stream.pending
-    if pending is None:
-        return ops.rms_norm(hidden, norm_weight, stream.eps), None, stream
-    ops.fused_add_rms_norm(pending, hidden, norm_weight, stream.eps)
-    return pending, None, ResidualStream(hidden, stream.eps)
+    if stream.pending is None:
+        return ops.rms_norm(stream.hidden, norm_weight, stream.eps), None, stream
+    normed = _add_pending_and_norm(ops, stream, norm_weight)
+    return normed, None, ResidualStream(stream.hidden, stream.eps)
 
 
 def add_sub_block_output(
@@ -60,7 +60,8 @@ def add_sub_block_output(
         return ResidualStream(
             stream.hidden, stream.eps, row_norm=_row_norm(parts, stream.hidden, stream.eps)
         )
-    return ResidualStream(stream.hidden, stream.eps, pending=ops.linear(x, weight))
+    product = ops.linear_parts or ops.linear
+    return ResidualStream(stream.hidden, stream.eps, pending=product(x, weight))
 
 
 def final_norm(ops: Ops, stream: ResidualStream, norm_weight: torch.Tensor) -> torch.Tensor:
@@ -68,8 +69,16 @@ def final_norm(ops: Ops, stream: ResidualStream, norm_weight: torch.Tensor) -> t
     tied to the embeddings)."""
     if stream.pending is None:
         return ops.rms_norm(stream.hidden, norm_weight, stream.eps)
-    ops.fused_add_rms_norm(stream.pending, stream.hidden, norm_weight, stream.eps)
-    return stream.pending
+    return _add_pending_and_norm(ops, stream, norm_weight)
+
+
+def _add_pending_and_norm(ops: Ops, stream: ResidualStream, norm_weight: torch.Tensor):
+    """``hidden += pending`` and the RMSNorm of it (in ``pending``'s place when it is [T, H])."""
+    pending = stream.pending
+    if pending.dim() == 3:
+        return ops.add_parts_rms_norm(stream.hidden, pending, norm_weight, stream.eps)
+    ops.fused_add_rms_norm(pending, stream.hidden, norm_weight, stream.eps)
+    return pending
 
 
 def _row_norm(parts: torch.Tensor, hidden: torch.Tensor, eps: float) -> RowNorm:
