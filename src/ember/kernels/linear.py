@@ -41,10 +41,12 @@ from ember.layers.row_norm import RowNorm
 _HALF_DTYPES = (torch.bfloat16, torch.float16)
 
 # `linear_parts`' split-K: the rows it serves, the most K slices and the fewest K columns a slice
-# keeps (bench/results/README.md, "Split-K partial sums reduced in the norm"). SPLIT_K_MAX_PARTS
-# 1 turns it off.
+# keeps; 1 part turns it off. On the H200 (8B shapes, `ember bench tune --split-k`) two parts beat
+# cuBLAS's own split-K and reduce on down at 96-256 rows (-3 to -7 us a layer) and on o at 96-192
+# (-1 to -4; a tie at 256); four lost to two on both. In the step: -0.10 / -0.21 / -0.09 ms at
+# batch 128 / 192 / 256 (bench/results/README.md, "Split-K partial sums reduced in the norm").
 SPLIT_K_ROWS = (MAX_M + 1, 256)
-SPLIT_K_MAX_PARTS = 1
+SPLIT_K_MAX_PARTS = 2
 SPLIT_K_MIN_PART_K = 2048
 
 
