@@ -138,6 +138,12 @@ def bench_gemms(preset: str, hbm_bytes_per_s: float, batches=GEMM_BATCHES) -> li
 SEQUENCE_LAYERS = 32
 
 
+def sequence_weights(n: int, k: int, layers: int = SEQUENCE_LAYERS) -> list[torch.Tensor]:
+    """``layers`` distinct random bf16 ``[n, k]`` weights (scaled to keep products near unit
+    size) for a sequence timing, so no layer finds its weight in L2."""
+    return [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") / k**0.5 for _ in range(layers)]
+
+
 def _norm_then(norm_in, norm_weight, normed, gemm, layer: int) -> None:
     """One layer of a sequence timing: the RMSNorm kernel that precedes q/k/v and gate/up in a
     decode step, then ``gemm(layer)``; ``gemm`` None times the norm alone."""
@@ -148,7 +154,7 @@ def _norm_then(norm_in, norm_weight, normed, gemm, layer: int) -> None:
         gemm(layer)
 
 
-def _sequence_us(layer_fn) -> float | str:
+def sequence_us(layer_fn) -> float | str:
     try:
         return sequence_seconds(layer_fn, SEQUENCE_LAYERS) * 1e6
     except Exception as exc:  # noqa: BLE001 - a tile that does not fit is a result, not a crash
@@ -166,8 +172,7 @@ def bench_gemms_in_sequence(
     rows = []
     for name in shapes:
         n, k = dims[name]
-        weights = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") / k**0.5
-                   for _ in range(SEQUENCE_LAYERS)]  # fmt: skip
+        weights = sequence_weights(n, k)
         norm_weight = torch.ones(k, dtype=torch.bfloat16, device="cuda")
         for m in batches:
             x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
@@ -180,8 +185,8 @@ def bench_gemms_in_sequence(
             }
             for key, config in skinny_configs(m).items():
                 variants[key] = partial(_skinny_layer, normed, weights, out, config)
-            norm_only = _sequence_us(partial(layer, None))
-            layer_us = {key: _sequence_us(partial(layer, gemm)) for key, gemm in variants.items()}
+            norm_only = sequence_us(partial(layer, None))
+            layer_us = {key: sequence_us(partial(layer, gemm)) for key, gemm in variants.items()}
             gemm_us = {
                 key: us - norm_only
                 for key, us in layer_us.items()

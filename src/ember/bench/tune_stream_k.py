@@ -16,7 +16,7 @@ from functools import partial
 import torch
 
 from ember.bench.kernel_bench import gpu_seconds, sequence_seconds
-from ember.bench.tune import linear_shapes
+from ember.bench.tune import linear_shapes, sequence_weights
 
 STREAM_K_ROWS = (128, 192, 256)
 # (BLOCK_M, BLOCK_N, BLOCK_K, STAGES, num_warps)
@@ -73,8 +73,7 @@ def bench_stream_k(preset: str, rows=STREAM_K_ROWS, configs=STREAM_K_CONFIGS) ->
     for name, n, k in linear_shapes(preset):
         layers = _LAYERS.get(name, _DEFAULT_LAYERS)
         gated = name == "gate_up"
-        weights = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") / k**0.5
-                   for _ in range(layers)]  # fmt: skip
+        weights = sequence_weights(n, k, layers)
         for m in rows:
             x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
             out = torch.empty(m, n // 2 if gated else n, dtype=torch.bfloat16, device="cuda")
@@ -140,8 +139,7 @@ def cublas_gate_up_splits(preset: str, rows=(128, 192, 256), splits=GATE_UP_SPLI
     """gate/up through cuBLAS in one product or two column ranges, timed in sequence."""
     dims = {name: (n, k) for name, n, k in linear_shapes(preset)}
     n, k = dims["gate_up"]
-    weights = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") / k**0.5
-               for _ in range(_DEFAULT_LAYERS)]  # fmt: skip
+    weights = sequence_weights(n, k, _DEFAULT_LAYERS)
     results = []
     for m in rows:
         x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
