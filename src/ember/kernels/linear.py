@@ -79,7 +79,7 @@ def split_k_parts(m: int, n: int, k: int, dtype: torch.dtype, device: torch.devi
     parts = SPLIT_K_MAX_PARTS
     while parts > 1 and (k % (8 * parts) or k // parts < SPLIT_K_MIN_PART_K):
         parts //= 2
-    return max(parts, 1)
+    return parts
 
 
 def linear_parts(
