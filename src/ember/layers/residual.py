@@ -5,8 +5,8 @@ fused add + RMSNorm kernel adds it): ``[T, H]``, or ``[P, T, H]`` float32 split-
 (`Ops.linear_parts`) that the add + norm sums first. Deferred norm (`ember.layers.row_norm`):
 every output is added and ``row_norm`` holds the new rows' RMSNorm statistics; the norms'
 weights were folded into the projections they feed at load, so a projection reads ``hidden``
-itself and the kernel after it applies ``1/rms``. At decode sizes the skinny GEMM's epilogue does the add and the
-statistics: the step runs no norm kernel inside the decoder.
+itself and the kernel after it applies ``1/rms``. At decode sizes the skinny GEMM's epilogue
+does the add and the statistics: the step runs no norm kernel inside the decoder.
 """
 
 from __future__ import annotations
