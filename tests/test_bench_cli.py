@@ -69,21 +69,11 @@ def test_tune_names_each_skinny_tile_once_with_m_padded():
 
 
 @pytest.fixture
-def tiny_bench(tmp_path):
+def tiny_bench(tiny_bench_factory):
     """A StepBench over the tiny preset on the CPU, with made-up ceilings."""
-    from ember.bench.make_model import make_model
     from ember.bench.roofline import Ceilings
-    from ember.bench.step_bench import StepBench
-    from ember.config import CacheConfig, EngineConfig, SchedulerConfig
-    from ember.engine.model_instance import ModelInstance
 
-    path = make_model("tiny", tmp_path / "tiny", device="cpu")
-    config = EngineConfig(
-        model=str(path),
-        cache=CacheConfig(num_blocks=64),
-        scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256),
-    )
-    return StepBench(ModelInstance(config), Ceilings(hbm_bytes_per_s=1e11, bf16_flops_per_s=1e12))
+    return tiny_bench_factory(Ceilings(hbm_bytes_per_s=1e11, bf16_flops_per_s=1e12))
 
 
 def test_step_bench_logic_runs_on_a_cpu(tiny_bench):

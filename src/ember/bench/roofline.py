@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
+
+from ember.bench.gpu_power import PowerReading, measure_power
 
 
 @dataclass(frozen=True)
@@ -45,3 +48,99 @@ def _copy_seconds(copy_bytes: int) -> float:
     src = torch.randn(copy_bytes // 2, dtype=torch.bfloat16, device="cuda")
     dst = torch.empty_like(src)
     return time_cuda(lambda: dst.copy_(src))
+
+
+@dataclass(frozen=True)
+class SustainedRate:
+    """Work per second of a bench held for seconds: its first batch of replays (the burst the
+    ceilings see) and the median of its last half (where the power limit has set the clocks)."""
+
+    burst_per_s: float
+    sustained_per_s: float
+    batches: int
+    power: PowerReading | None
+
+    def as_dict(self) -> dict:
+        return {
+            "burst_per_s": self.burst_per_s,
+            "sustained_per_s": self.sustained_per_s,
+            "sustained_over_burst": self.sustained_per_s / self.burst_per_s,
+            "batches": self.batches,
+            "power": self.power.as_dict() if self.power else None,
+        }
+
+
+def steady_rates(batch_seconds: list[float], work_per_batch: float) -> tuple[float, float]:
+    """(burst, sustained) work per second from each batch's seconds: the first batch's rate,
+    and the rate of the median batch of the last half."""
+    if not batch_seconds:
+        raise ValueError("no batches timed")
+    tail = sorted(batch_seconds[len(batch_seconds) // 2 :])
+    return work_per_batch / batch_seconds[0], work_per_batch / tail[len(tail) // 2]
+
+
+def sustained_rate(fn, work_per_call: float, seconds: float = 3.0, calls_per_graph: int = 4,
+                   batch_seconds: float = 0.05, nvml_handle=None,
+                   graph: bool = True) -> SustainedRate:  # fmt: skip
+    """``fn``'s work per second held for ``seconds``: ``calls_per_graph`` calls replayed from
+    one CUDA graph, in batches of about ``batch_seconds`` timed on the GPU and synchronized
+    (so the host never runs ahead); NVML's power over the last half when ``nvml_handle``.
+    ``graph`` False: the calls launched as they are (a device-to-device copy captured in a
+    graph becomes a memcpy node on the copy engines: 2.7 TB/s on an H200, not the 4.2 that the
+    same copy reaches launched)."""
+    fn()  # compile and allocate before the capture
+    replay = partial(_calls, fn, calls_per_graph)
+    if graph:
+        captured = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(captured):
+            replay()
+        replay = captured.replay
+    one_replay = time_cuda(replay, warmup=1, repeat=3)
+    replays = max(1, round(batch_seconds / max(one_replay, 1e-6)))
+    total = max(2, round(seconds / (replays * one_replay)))
+
+    def timed_batches(count: int) -> list[float]:
+        times = []
+        for _ in range(count):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(replays):
+                replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        return times
+
+    first = timed_batches(total // 2)
+    last, power = measure_power(nvml_handle, lambda: timed_batches(total - total // 2))
+    burst, sustained = steady_rates(first + last, work_per_call * calls_per_graph * replays)
+    return SustainedRate(burst, sustained, total, power)
+
+
+def _calls(fn, count: int) -> None:
+    for _ in range(count):
+        fn()
+
+
+def measure_sustained(seconds: float = 3.0, copy_bytes: int = 4 << 30, gemm: int = 8192,
+                      nvml_handle=None) -> dict[str, SustainedRate]:  # fmt: skip
+    """The ceilings held for ``seconds`` each: the bf16 product and the HBM copy."""
+    return {
+        "bf16_flops": _sustained_gemm(gemm, seconds, nvml_handle),
+        "hbm_copy_bytes": _sustained_copy(copy_bytes, seconds, nvml_handle),
+    }
+
+
+def _sustained_gemm(size: int, seconds: float, nvml_handle) -> SustainedRate:
+    a = torch.randn(size, size, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(size, size, dtype=torch.bfloat16, device="cuda")
+    c = torch.empty_like(a)
+    return sustained_rate(lambda: torch.matmul(a, b, out=c), 2 * size**3, seconds,
+                          nvml_handle=nvml_handle)  # fmt: skip
+
+
+def _sustained_copy(copy_bytes: int, seconds: float, nvml_handle) -> SustainedRate:
+    src = torch.randn(copy_bytes // 2, dtype=torch.bfloat16, device="cuda")
+    dst = torch.empty_like(src)
+    return sustained_rate(lambda: dst.copy_(src), 2 * copy_bytes, seconds, nvml_handle=nvml_handle,
+                          graph=False)  # fmt: skip

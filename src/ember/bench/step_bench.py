@@ -16,8 +16,9 @@ from pathlib import Path
 
 import torch
 
+from ember.bench.gpu_power import open_nvml, power_window
 from ember.bench.host_phases import host_phases, launch_parts
-from ember.bench.roofline import Ceilings, measure_ceilings, time_cuda
+from ember.bench.roofline import Ceilings, measure_ceilings, measure_sustained, time_cuda
 from ember.cli import add_fast_path_arguments, fast_path_options
 from ember.config import CacheConfig, EngineConfig, SchedulerConfig
 from ember.engine.gc_heap import SLOW_PASS_S, GcPauses, freeze_startup_heap
@@ -34,9 +35,15 @@ MIXED_STEPS = ((8, 512, 512), (64, 512, 512), (200, 512, 512), (1, 4096, 512), (
 
 
 class StepBench:
-    def __init__(self, instance: ModelInstance, ceilings: Ceilings) -> None:
+    def __init__(self, instance: ModelInstance, ceilings: Ceilings,
+                 sustained: Ceilings | None = None, nvml_handle=None) -> None:  # fmt: skip
+        """``ceilings``: the burst ceilings every roofline is taken against; ``sustained``: the
+        same held for seconds (at the power limit), for the capped sequential roofline;
+        ``nvml_handle`` (`ember.bench.gpu_power.open_nvml`): read the power over timed steps."""
         self.inst = instance
         self.ceil = ceilings
+        self.sustained = sustained
+        self.nvml_handle = nvml_handle
         cfg = instance.model_config
         self.cfg = cfg
         elem = instance.kv_cache.element_size()
@@ -113,6 +120,7 @@ class StepBench:
         ids = [self.add_warm_request(context, steps + warmup + 4) for _ in range(batch)]
         step_s, host_ms, launch_ms, gc_pauses = self._timed_steps(self.inst.step, steps, warmup)
         gpu_s = self._gpu_only_step_seconds(batch, context + warmup + steps)
+        power = self._held_graph_power(batch, context + warmup + steps)
         self.drain(ids)
         ctx = context + (warmup + steps / 2)
         kv_bytes = batch * ctx * self.kv_bytes_per_token
@@ -122,9 +130,15 @@ class StepBench:
         floor = self.ceil.floor_seconds(bytes_moved, flops)
         # The GEMMs and attention run one after the other, so a step can't overlap the GEMMs'
         # compute with attention's KV reads: the sum of the two floors is the reachable bound.
-        sequential_floor = self.ceil.floor_seconds(
-            self.weight_bytes, gemm_flops
-        ) + self.ceil.floor_seconds(kv_bytes, attn_flops)
+        sequential_floor = self._sequential_floor(self.ceil, kv_bytes, gemm_flops, attn_flops)
+        capped = {}
+        if self.sustained is not None:
+            # The same bound at the ceilings held for seconds: where the power limit has set
+            # the clocks, as it does over a run of steps.
+            capped_floor = self._sequential_floor(self.sustained, kv_bytes, gemm_flops,
+                                                  attn_flops)  # fmt: skip
+            capped = {"capped_sequential_roofline_ms": capped_floor * 1e3,
+                      "fraction_of_capped_sequential_roofline": capped_floor / step_s}  # fmt: skip
         return {
             **row,
             "step_ms": step_s * 1e3,
@@ -139,9 +153,18 @@ class StepBench:
             "fraction_of_roofline": floor / step_s,
             "sequential_roofline_ms": sequential_floor * 1e3,
             "fraction_of_sequential_roofline": sequential_floor / step_s,
+            **capped,
             "bytes_moved": bytes_moved,
             "flops": flops,
+            "power": power,
         }
+
+    def _sequential_floor(self, ceilings: Ceilings, kv_bytes: float, gemm_flops: float,
+                          attn_flops: float) -> float:  # fmt: skip
+        """The GEMMs' floor plus attention's, at ``ceilings``."""
+        return ceilings.floor_seconds(self.weight_bytes, gemm_flops) + ceilings.floor_seconds(
+            kv_bytes, attn_flops
+        )
 
     def mixed(self, batch: int, context: int, chunk: int, steps: int = 12, warmup: int = 3) -> dict:
         """Steps of ``batch`` decodes at ~``context`` tokens, each beside a new prompt of
@@ -198,6 +221,28 @@ class StepBench:
                 graphs.replay(bucket)
 
         return time_cuda(replay_all, warmup=1, repeat=8) / replays
+
+    def _held_graph_power(self, batch: int, max_seq_len: int, seconds: float = 2.0,
+                          batch_seconds: float = 0.05) -> dict | None:  # fmt: skip
+        """The decode graph of `_gpu_only_step_seconds` replayed for ``seconds`` (the loop's
+        steps last well under one, too short for NVML's energy counter), in batches synchronized
+        every ``batch_seconds``: the GPU's power at that step held (`ember.bench.gpu_power`),
+        its energy per step and the step's GPU time over the window. None without NVML."""
+        graphs = self.inst.runner.graphs
+        bucket = graphs.bucket_for(batch, max_seq_len) if graphs else None
+        if self.nvml_handle is None or bucket is None or bucket not in graphs.captured:
+            return None
+        one = time_cuda(lambda: graphs.replay(bucket), warmup=1, repeat=3)
+        per_batch = max(1, round(batch_seconds / one))
+        batches = max(1, round(seconds / (per_batch * one)))
+        with power_window(self.nvml_handle) as window:
+            for _ in range(batches):
+                for _ in range(per_batch):
+                    graphs.replay(bucket)
+                self.sync()
+        reading, replays = window.reading, batches * per_batch
+        return {**reading.as_dict(), "energy_j_per_step": reading.energy_j / replays,
+                "held_step_ms": reading.seconds / replays * 1e3}  # fmt: skip
 
     def eager_vs_graph(self, batch: int, context: int = 512) -> dict:
         with_graphs = self.decode(batch, context)
@@ -296,13 +341,22 @@ def run_step_bench(
     engine_sections = [name for name in sections if name != "attention"]
     if not engine_sections:
         return result
+    nvml_handle = open_nvml()
+    sustained = None
+    if "decode" in engine_sections:
+        # Before the engine takes the GPU's memory, as attention's rows are.
+        rates = measure_sustained(nvml_handle=nvml_handle)
+        result["sustained"] = {name: rate.as_dict() for name, rate in rates.items()}
+        sustained = Ceilings(hbm_bytes_per_s=rates["hbm_copy_bytes"].sustained_per_s,
+                             bf16_flops_per_s=rates["bf16_flops"].sustained_per_s)  # fmt: skip
+        path.write_text(json.dumps(result, indent=2))
     inst, _ = bench_instance(
         model,
         max_model_len,
         ceilings=ceilings,
         engine_options=engine_options,
     )
-    bench = StepBench(inst, ceilings)
+    bench = StepBench(inst, ceilings, sustained, nvml_handle)
     # As the engine process does once loaded (ember.engine.gc_heap).
     frozen = freeze_startup_heap() if freeze_gc else 0
     result.update(

@@ -271,6 +271,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--split-k", action="store_true",
                         help="only o and down at 96-256 rows: cuBLAS then the add + norm against "
                         "split-K partial sums the norm reduces (`ember.bench.tune_split_k`)")  # fmt: skip
+    parser.add_argument("--sustained", action="store_true",
+                        help="only the ceilings and a batch-256 step's GEMMs and attention, each "
+                        "held for seconds at the power limit, with NVML's power "
+                        "(`ember.bench.tune_sustained`)")  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
@@ -282,6 +286,12 @@ def run(args: argparse.Namespace) -> int:
               "hbm_copy_tb_per_s": hbm / 1e12}  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "tune.json"
+    if args.sustained:
+        from ember.bench.tune_sustained import bench_sustained
+
+        result["sustained"] = bench_sustained(args.preset)
+        path.write_text(json.dumps(result, indent=1))
+        return 0
     if args.split_k:
         from ember.bench.tune_split_k import bench_split_k
 
