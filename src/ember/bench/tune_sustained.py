@@ -109,12 +109,17 @@ def attention_energy(rows: int, context: int, seconds: float, nvml_handle,
         rate = sustained_rate(partial(step, config), moved, seconds, calls_per_graph=1,
                               nvml_handle=nvml_handle)  # fmt: skip
         row = {"sustained_step_ms": moved / rate.sustained_per_s * 1e3, **rate.as_dict()}
-        if rate.power is not None:
-            row["energy_j_per_step"] = rate.power.mean_w * row["sustained_step_ms"] / 1e3
+        if rate.power is not None:  # from the energy counter, and from the sampled power
+            seconds_per_step = row["sustained_step_ms"] / 1e3
+            row["energy_j_per_step"] = rate.power.mean_w * seconds_per_step
+            if rate.power.sampled_w_median is not None:
+                row["sampled_energy_j_per_step"] = rate.power.sampled_w_median * seconds_per_step
         result[f"n{block_n}_s{stages}_w{warps}"] = row
         print(json.dumps({"attention_config": f"n{block_n}_s{stages}_w{warps}",
                           "step_ms": row["sustained_step_ms"],
-                          "energy_j_per_step": row.get("energy_j_per_step")}), flush=True)  # fmt: skip
+                          "energy_j_per_step": row.get("energy_j_per_step"),
+                          "sampled_energy_j_per_step": row.get("sampled_energy_j_per_step")}),
+              flush=True)  # fmt: skip
     return result
 
 
