@@ -211,9 +211,8 @@ class StepBench:
         engine loop's whole step at batch 128). Queued replays still read above the loop at
         some batches (batch 64 in r12), so the idle fraction taken from them is an estimate;
         ``host_ms_per_step`` is the direct measure."""
-        graphs = self.inst.runner.graphs
-        bucket = graphs.bucket_for(batch, max_seq_len) if graphs else None
-        if bucket is None or bucket not in graphs.captured:
+        graphs, bucket = self.inst.runner.graphs, self._captured_bucket(batch, max_seq_len)
+        if bucket is None:
             return None
 
         def replay_all() -> None:
@@ -222,15 +221,21 @@ class StepBench:
 
         return time_cuda(replay_all, warmup=1, repeat=8) / replays
 
+    def _captured_bucket(self, batch: int, max_seq_len: int):
+        """The captured decode graph's key a step of ``batch`` at ``max_seq_len`` replays, or
+        None (no graphs, or none captured for it)."""
+        graphs = self.inst.runner.graphs
+        bucket = graphs.bucket_for(batch, max_seq_len) if graphs else None
+        return bucket if bucket is not None and bucket in graphs.captured else None
+
     def _held_graph_power(self, batch: int, max_seq_len: int, seconds: float = 2.0,
                           batch_seconds: float = 0.05) -> dict | None:  # fmt: skip
         """The decode graph of `_gpu_only_step_seconds` replayed for ``seconds`` (the loop's
         steps last well under one, too short for NVML's energy counter), in batches synchronized
         every ``batch_seconds``: the GPU's power at that step held (`ember.bench.gpu_power`),
         its energy per step and the step's GPU time over the window. None without NVML."""
-        graphs = self.inst.runner.graphs
-        bucket = graphs.bucket_for(batch, max_seq_len) if graphs else None
-        if self.nvml_handle is None or bucket is None or bucket not in graphs.captured:
+        graphs, bucket = self.inst.runner.graphs, self._captured_bucket(batch, max_seq_len)
+        if self.nvml_handle is None or bucket is None:
             return None
         one = time_cuda(lambda: graphs.replay(bucket), warmup=1, repeat=3)
         per_batch = max(1, round(batch_seconds / one))

@@ -13,8 +13,7 @@ holds each workload for seconds, replayed from a CUDA graph, and reads its rate 
 - ``decode_gemm_<name>``: each of those products alone (the output projection's work is one
   product a step, the others' 32);
 - ``decode_attention``: one step's decode attention at ``rows`` x ``context`` over 32 layers'
-  own caches, in bytes/s of K/V read.
-
+  own caches, in bytes/s of K/V read;
 - ``decode_attention_energy_by_tile``: that attention on each of a few decode tiles, its held
   time and energy per step (`attention_energy`).
 
@@ -72,7 +71,7 @@ def _decode_gemms(preset: str, rows: int, names=(*_LAYER_GEMMS, "lm_head")):
     return step, flops
 
 
-def _decode_attention(rows: int, context: int, tile_configs=(None,)):
+def _decode_attention(rows: int, context: int):
     """(``fn(tile_config)``, K/V bytes per call): decode attention over 32 layers' own caches,
     on ``tile_config`` (None: the kernel's own choice)."""
     from ember.kernels import paged_attention
