@@ -448,3 +448,30 @@ def test_decode_on_one_warp_programs(gen, device, monkeypatch, group, dtype):
                      head_dim=64, dtype=dtype)  # fmt: skip
     assert_close(*run_both(step, num_kv_splits=1, num_sms=2), dtype)
     assert [(c["BLOCK_N"], c["num_warps"]) for c in chosen] == [(32, 1)]
+
+
+def _tma_tile(page: int, warps: int = 1, stages: int = 3) -> dict[str, int]:
+    return {"BLOCK_M": 16, "BLOCK_Q": 1, "BLOCK_N": page, "num_warps": warps,
+            "KV_STAGES": stages, "KV_TMA": 1}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("group", "dtype"), [(1, torch.float32), (4, torch.bfloat16), (8, torch.bfloat16)]
+)
+def test_decode_pages_through_tma(gen, device, group, dtype):
+    """Decode tiles whose full pages come through TMA descriptors (the partial last page by
+    pointers) match the reference on ragged lengths: exact pages, one token, many pages."""
+    seq_lens = [1, 16, 17, 64, 100, 33, 129, 2]
+    step = make_step(gen, device, [1] * len(seq_lens), seq_lens, num_kv_heads=2, group=group,
+                     head_dim=64, dtype=dtype)  # fmt: skip
+    assert_close(*run_both(step, num_kv_splits=1, tile_config=_tma_tile(16)), dtype)
+
+
+def test_tma_tiles_are_whole_pages(gen, device):
+    step = make_step(gen, device, [1, 1], [40, 90], num_kv_heads=2, group=4, head_dim=32)
+    with pytest.raises(ValueError, match="whole pages"):
+        run_both(step, num_kv_splits=1, tile_config=_tma_tile(32))
+    step.k_cache = step.k_cache[:, :, :1]
+    step.v_cache = step.v_cache[:, :, :1]
+    with pytest.raises(ValueError, match="contiguous"):
+        run_both(step, num_kv_splits=1, tile_config=_tma_tile(16))
