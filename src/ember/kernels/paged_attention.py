@@ -371,6 +371,10 @@ def _paged_attention_kernel(
     num_kv_tiles = tl.cdiv(kv_end, BLOCK_N)
     # Tiles below the tile's first query position are visible to every row: no mask needed.
     num_full_tiles = (first_pos + 1) // BLOCK_N
+    if KV_TMA and ROPE:
+        # The tile holding the new key, stored by this program's threads, is read by pointers:
+        # a TMA copy (the async proxy) might not see those stores without a proxy fence.
+        num_full_tiles = first_pos // BLOCK_N
     if SPLIT_KV:
         # Segments are cut from this sequence's own length, none under min_split_tiles: a grid
         # sized for the longest sequence the step may hold (a CUDA graph's bound) leaves a
