@@ -315,9 +315,8 @@ def test_decode_split_grid_for_a_longer_bound(gen, device, num_sms):
 @pytest.mark.parametrize("group", [1, 4, 8])
 @pytest.mark.parametrize(("num_splits", "dtype"), [(1, torch.bfloat16), (3, torch.float32)])
 def test_decode_with_rope_and_cache_write_in_kernel(
-    gen, device, group, num_splits, dtype, preload_kv, num_sms, tile_config=None,
-    seq_lens=(300, 7, 65, 1),
-):  # fmt: skip
+    gen, device, group, num_splits, dtype, preload_kv, num_sms
+):
     """RoPE + KV write inside the decode kernel give the outputs and the caches of the RoPE
     kernel's reference followed by attention's; a padded token (slot -1) writes nothing. With
     ``preload_kv`` each segment's first tile is read before the new key is stored, and the tile
@@ -326,7 +325,7 @@ def test_decode_with_rope_and_cache_write_in_kernel(
     from ember.kernels.paged_attention import DecodeRope
     from ember.layers.reference_ops import build_cos_sin_cache, rope_and_cache_write_reference
 
-    seq_lens, num_kv_heads, head_dim, page = list(seq_lens), 2, 64, 16
+    seq_lens, num_kv_heads, head_dim, page = [300, 7, 65, 1], 2, 64, 16
     step = make_step(gen, device, [1] * 4, seq_lens, num_kv_heads=num_kv_heads, group=group,
                      head_dim=head_dim, page=page, dtype=dtype)  # fmt: skip
     new_k = torch.randn(4, num_kv_heads, head_dim, generator=gen).to(dtype)
@@ -353,8 +352,7 @@ def test_decode_with_rope_and_cache_write_in_kernel(
     out = torch.full_like(step.q, float("nan"))
     counters = torch.zeros(4 * num_kv_heads, dtype=torch.int32, device=device)
     paged_attention(*step.args(), scale, out, num_kv_splits=num_splits, split_counters=counters,
-                    rope=rope, preload_kv=preload_kv, num_sms=num_sms, tile_config=tile_config,
-                    **meta)  # fmt: skip
+                    rope=rope, preload_kv=preload_kv, num_sms=num_sms, **meta)  # fmt: skip
     assert_close(out.cpu(), expected, dtype)
     torch.testing.assert_close(step.k_cache.cpu(), ref_k_cache)
     torch.testing.assert_close(step.v_cache.cpu(), ref_v_cache)
@@ -450,41 +448,3 @@ def test_decode_on_one_warp_programs(gen, device, monkeypatch, group, dtype):
                      head_dim=64, dtype=dtype)  # fmt: skip
     assert_close(*run_both(step, num_kv_splits=1, num_sms=2), dtype)
     assert [(c["BLOCK_N"], c["num_warps"]) for c in chosen] == [(32, 1)]
-
-
-def _tma_tile(page: int, warps: int = 1, stages: int = 3) -> dict[str, int]:
-    return {"BLOCK_M": 16, "BLOCK_Q": 1, "BLOCK_N": page, "num_warps": warps,
-            "KV_STAGES": stages, "KV_TMA": 1}  # fmt: skip
-
-
-@pytest.mark.parametrize(
-    ("group", "dtype"), [(1, torch.float32), (4, torch.bfloat16), (8, torch.bfloat16)]
-)
-def test_decode_pages_through_tma(gen, device, group, dtype):
-    """Decode tiles whose full pages come through TMA descriptors (the partial last page by
-    pointers) match the reference on ragged lengths: exact pages, one token, many pages."""
-    seq_lens = [1, 16, 17, 64, 100, 33, 129, 2]
-    step = make_step(gen, device, [1] * len(seq_lens), seq_lens, num_kv_heads=2, group=group,
-                     head_dim=64, dtype=dtype)  # fmt: skip
-    assert_close(*run_both(step, num_kv_splits=1, tile_config=_tma_tile(16)), dtype)
-
-
-def test_tma_tiles_are_whole_pages(gen, device):
-    step = make_step(gen, device, [1, 1], [40, 90], num_kv_heads=2, group=4, head_dim=32)
-    with pytest.raises(ValueError, match="whole pages"):
-        run_both(step, num_kv_splits=1, tile_config=_tma_tile(32))
-    step.k_cache = step.k_cache[:, :, :1]
-    step.v_cache = step.v_cache[:, :, :1]
-    with pytest.raises(ValueError, match="contiguous"):
-        run_both(step, num_kv_splits=1, tile_config=_tma_tile(16))
-
-
-@pytest.mark.parametrize("preload_kv", [False, True])
-def test_decode_with_rope_over_tma_pages(gen, device, preload_kv):
-    """RoPE and the cache write in the kernel with TMA pages, new keys on a page's last slot
-    (positions 15 and 63) among others: the page a program has just written is read by
-    pointers, not copied by the TMA."""
-    test_decode_with_rope_and_cache_write_in_kernel(
-        gen, device, 4, 1, torch.bfloat16, preload_kv, 1, tile_config=_tma_tile(16),
-        seq_lens=(16, 64, 300, 7),
-    )  # fmt: skip

@@ -160,17 +160,12 @@ def attention_configs() -> list[CompiledConfig]:
              ("decode, full grid", True, False, full, 1, _ALL_SEQUENCES, False),
              ("prefill", False, False, 0, 1, _ALL_SEQUENCES, False),
              ("mixed decodes", True, False, 0, _MIXED_DECODE_SPLITS, _SINGLE_TOKEN, False),
-             ("mixed chunks", False, False, 0, 1, _MULTI_TOKEN, True),
-             ("decode, TMA pages", True, False, full, 1, _ALL_SEQUENCES, False))  # fmt: skip
+             ("mixed chunks", False, False, 0, 1, _MULTI_TOKEN, True))  # fmt: skip
     for case, decode, split_tiles, per_sm, splits, sequences, tile_map in cases:
         sequences = sequences.value
         rope = decode and sequences == _ALL_SEQUENCES.value  # a mixed step writes its cache first
-        config = {"KV_TMA": 0, **_tile_config(4, decode, 128, 2, split_tiles, per_sm)}
-        if case.endswith("TMA pages"):  # `tune --sustained`'s TMA tiles: a page per copy
-            config.update(BLOCK_N=16, KV_STAGES=8, num_warps=1, KV_TMA=1)
+        config = _tile_config(4, decode, 128, 2, split_tiles, per_sm)
         num_warps = config.pop("num_warps")
-        descriptors = "tensordesc<bf16[16,128]>" if config["KV_TMA"] else "*bf16"
-        types = {**types, "k_desc": descriptors, "v_desc": descriptors}
         constexprs = {
             "GROUP": 4, "HEAD_DIM": 128, "PAGE": 16, "DECODE_ONLY": decode,
             "SPLIT_KV": splits > 1, "DOT_PRECISION": "tf32", "BLOCK_SPLITS": splits,

@@ -90,13 +90,11 @@ def _decode_attention(rows: int, context: int):
     return step, moved
 
 
-# (BLOCK_N, KV_STAGES, num_warps, KV_TMA) of decode tiles whose energy per step is compared: at
-# the power limit a step's time is its energy over the limit, so a tile that reads the same
-# bytes for fewer joules would speed the capped step even at equal speed alone. KV_TMA tiles
-# are whole pages copied by the TMA (16 keys at the engine's page size).
-ATTENTION_ENERGY_CONFIGS = ((32, 3, 1, 0), (16, 4, 1, 0), (64, 3, 1, 0), (32, 6, 1, 0),
-                            (32, 4, 2, 0), (64, 3, 2, 0), (16, 4, 1, 1), (16, 8, 1, 1),
-                            (16, 4, 2, 1), (16, 6, 4, 1))  # fmt: skip
+# (BLOCK_N, KV_STAGES, num_warps) of decode tiles whose energy per step is compared: at the
+# power limit a step's time is its energy over the limit, so a tile that reads the same bytes
+# for fewer joules would speed the capped step even at equal speed alone.
+ATTENTION_ENERGY_CONFIGS = ((32, 3, 1), (16, 4, 1), (64, 3, 1), (32, 6, 1), (32, 4, 2),
+                            (64, 3, 2), (64, 3, 4), (128, 2, 4))  # fmt: skip
 
 
 def attention_energy(rows: int, context: int, seconds: float, nvml_handle,
@@ -104,10 +102,9 @@ def attention_energy(rows: int, context: int, seconds: float, nvml_handle,
     """Decode attention's held rate and energy per step (32 layers) for each tile config."""
     step, moved = _decode_attention(rows, context)
     result = {}
-    for block_n, stages, warps, tma in configs:
+    for block_n, stages, warps in configs:
         config = {"BLOCK_M": 16, "BLOCK_Q": 1, "BLOCK_N": block_n, "num_warps": warps,
-                  "KV_STAGES": stages, "KV_TMA": tma}  # fmt: skip
-        name = f"n{block_n}_s{stages}_w{warps}" + ("_tma" if tma else "")
+                  "KV_STAGES": stages}  # fmt: skip
         rate = sustained_rate(partial(step, config), moved, seconds, calls_per_graph=1,
                               nvml_handle=nvml_handle)  # fmt: skip
         row = {"sustained_step_ms": moved / rate.sustained_per_s * 1e3, **rate.as_dict()}
@@ -116,8 +113,8 @@ def attention_energy(rows: int, context: int, seconds: float, nvml_handle,
             row["energy_j_per_step"] = rate.power.mean_w * seconds_per_step
             if rate.power.sampled_w_median is not None:
                 row["sampled_energy_j_per_step"] = rate.power.sampled_w_median * seconds_per_step
-        result[name] = row
-        print(json.dumps({"attention_config": name,
+        result[f"n{block_n}_s{stages}_w{warps}"] = row
+        print(json.dumps({"attention_config": f"n{block_n}_s{stages}_w{warps}",
                           "step_ms": row["sustained_step_ms"],
                           "energy_j_per_step": row.get("energy_j_per_step"),
                           "sampled_energy_j_per_step": row.get("sampled_energy_j_per_step")}),

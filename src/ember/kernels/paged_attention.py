@@ -30,7 +30,6 @@ import numpy as np
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ember.kernels.compile_ahead import launch
 from ember.kernels.pdl import wait_for_producer
@@ -190,23 +189,6 @@ def _attend_kv_tile(
 
 
 @triton.jit
-def _attend_kv_page_tma(q, m_i, l_i, acc, k_desc, v_desc, table_row_ptr, kv_column, kv_start,
-                        row_pos, qk_scale, PAGE: tl.constexpr,
-                        DOT_PRECISION: tl.constexpr):  # fmt: skip
-    """`_attend_kv_tile` over one whole, fully visible page, its K and V rows of one KV head
-    fetched by the tensor memory accelerator (``k_desc``/``v_desc``: the caches as
-    [blocks * PAGE, kv_heads * head_dim]): one copy per tile instead of an address and a load
-    per thread and row."""
-    block_id = tl.load(table_row_ptr + kv_start // PAGE)
-    k = k_desc.load([block_id * PAGE, kv_column])
-    m_new, l_i, p, alpha = _softmax_step(q, k, m_i, l_i, kv_start, row_pos, qk_scale, False,
-                                         DOT_PRECISION)  # fmt: skip
-    v = v_desc.load([block_id * PAGE, kv_column])
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-    return m_new, l_i, acc
-
-
-@triton.jit
 def _rope_factors(positions_ptr, cos_sin_ptr, tok, tok_valid, HEAD_DIM: tl.constexpr):
     """Token ``tok``'s RoPE factors (neox "rotate_half"): each dim pairs with the one half a head
     away, and the sine's sign folds in the minus of the first half. Returns (cos, signed sin,
@@ -273,8 +255,6 @@ def _paged_attention_kernel(
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
-    k_desc,
-    v_desc,
     out_ptr,
     query_start_loc_ptr,
     seq_lens_ptr,
@@ -329,7 +309,6 @@ def _paged_attention_kernel(
     PRELOAD_KV: tl.constexpr,
     SEQUENCES: tl.constexpr,
     TILE_MAP: tl.constexpr,
-    KV_TMA: tl.constexpr,
 ):
     # Until the wait, a program reads only what no kernel of this step writes: the step's
     # metadata and the cache's keys of earlier steps. Under PDL that runs under the previous
@@ -371,10 +350,6 @@ def _paged_attention_kernel(
     num_kv_tiles = tl.cdiv(kv_end, BLOCK_N)
     # Tiles below the tile's first query position are visible to every row: no mask needed.
     num_full_tiles = (first_pos + 1) // BLOCK_N
-    if KV_TMA and ROPE:
-        # The tile holding the new key, stored by this program's threads, is read by pointers:
-        # a TMA copy (the async proxy) might not see those stores without a proxy fence.
-        num_full_tiles = first_pos // BLOCK_N
     if SPLIT_KV:
         # Segments are cut from this sequence's own length, none under min_split_tiles: a grid
         # sized for the longest sequence the step may hold (a CUDA graph's bound) leaves a
@@ -457,17 +432,11 @@ def _paged_attention_kernel(
     # Loop-level pipelining also prefetches the block-table loads the K/V addresses depend on.
     for kv_tile in tl.range(tile_lo_loop, tl.minimum(tile_hi, num_full_tiles),
                             num_stages=KV_STAGES):  # fmt: skip
-        if KV_TMA:  # a tile is a page (BLOCK_N == PAGE)
-            m_i, l_i, acc = _attend_kv_page_tma(
-                q, m_i, l_i, acc, k_desc, v_desc, table_row_ptr, kv_head * HEAD_DIM,
-                kv_tile * BLOCK_N, row_pos, qk_scale, PAGE, DOT_PRECISION,
-            )  # fmt: skip
-        else:
-            m_i, l_i, acc = _attend_kv_tile(
-                q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_row_ptr, kv_head_offset,
-                kv_tile * BLOCK_N, kv_end, row_pos, qk_scale, stride_cache_block,
-                stride_cache_slot, PAGE, BLOCK_N, HEAD_DIM, False, DOT_PRECISION,
-            )  # fmt: skip
+        m_i, l_i, acc = _attend_kv_tile(
+            q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_row_ptr, kv_head_offset,
+            kv_tile * BLOCK_N, kv_end, row_pos, qk_scale, stride_cache_block, stride_cache_slot,
+            PAGE, BLOCK_N, HEAD_DIM, False, DOT_PRECISION,
+        )  # fmt: skip
     for kv_tile in tl.range(tl.maximum(tile_lo_loop, num_full_tiles), tile_hi,
                             num_stages=KV_STAGES):  # fmt: skip
         m_i, l_i, acc = _attend_kv_tile(
@@ -909,21 +878,6 @@ def paged_attention(
     return out
 
 
-def _kv_descriptors(k_cache: torch.Tensor, v_cache: torch.Tensor, config: dict[str, int]):
-    """The caches' TMA descriptors for a ``KV_TMA`` tile config: one page of one KV head per
-    copy. Without it the caches themselves stand in (the kernel never reads them there)."""
-    if not config["KV_TMA"]:
-        return k_cache, v_cache
-    _, page, num_kv_heads, head_dim = k_cache.shape
-    if config["BLOCK_N"] != page:
-        raise ValueError(f"KV_TMA tiles are whole pages: BLOCK_N must be {page}")
-    if not k_cache.is_contiguous():
-        raise ValueError("KV_TMA needs contiguous caches")
-    return tuple(TensorDescriptor.from_tensor(cache.view(-1, num_kv_heads * head_dim),
-                                              [page, head_dim])
-                 for cache in (k_cache, v_cache))  # fmt: skip
-
-
 def _launch_kernel(
     q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, scale, split_counters, pdl,
     config, decode_only, sequences, *, splits=1, min_split_tokens=1, rope=None, preload_kv=False,
@@ -953,10 +907,8 @@ def _launch_kernel(
     else:
         num_tiles = num_tokens // config["BLOCK_Q"] + num_seqs  # see _find_sequence
     group = num_q_heads // num_kv_heads
-    config = {"KV_TMA": 0, **config}
-    k_desc, v_desc = _kv_descriptors(k_cache, v_cache, config)
     launch(_paged_attention_kernel, (num_tiles, num_kv_heads, splits),
-        q, k_cache, v_cache, k_desc, v_desc, out,
+        q, k_cache, v_cache, out,
         query_start_loc, seq_lens, block_tables,
         part_max, part_sum, part_acc,
         split_counters if split_kv else seq_lens,
