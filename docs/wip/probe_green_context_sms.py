@@ -63,7 +63,7 @@ def main() -> int:
                               check=False, capture_output=True, text=True, timeout=120)  # fmt: skip
         lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
         if lines:
-            row = json.loads(lines[-1][len("RESULT "):])
+            row = json.loads(lines[-1][len("RESULT ") :])
         else:
             row = {"workload": workload, "sms_asked": sms, "error": done.stderr[-1500:]}
         results["cases"].append(row)
