@@ -36,13 +36,13 @@ def run_case(workload: str, sms: int) -> dict:
         context.set_context()
     from ember.bench.gpu_power import open_nvml
     from ember.bench.roofline import sustained_rate
-    from ember.bench.tune_sustained import _decode_attention, _decode_gemms
+    from ember.bench.tune_sustained import decode_attention, decode_gemms
 
     if workload == "attention":
-        fn, work = _decode_attention(ROWS, CONTEXT)
+        fn, work = decode_attention(ROWS, CONTEXT)
         unit = "bytes"
     else:
-        fn, work = _decode_gemms("llama-3.1-8b", ROWS)
+        fn, work = decode_gemms("llama-3.1-8b", ROWS)
         unit = "flops"
     rate = sustained_rate(fn, work, SECONDS, calls_per_graph=1, nvml_handle=open_nvml(),
                           graph=False)  # fmt: skip

@@ -30,7 +30,7 @@ import torch
 
 from ember.bench.gpu_power import open_nvml
 from ember.bench.kernel_bench import LLAMA_8B, decode_attention_bytes, decode_inputs
-from ember.bench.roofline import measure_sustained, sustained_rate
+from ember.bench.roofline import SustainedRate, measure_sustained, sustained_rate
 from ember.bench.tune import SEQUENCE_LAYERS, linear_shapes, sequence_weights
 
 SUSTAINED_ROWS = 256
@@ -41,7 +41,7 @@ SUSTAINED_SECONDS = 3.0
 _LAYER_GEMMS = ("qkv", "o", "gate_up", "down")
 
 
-def _decode_gemms(preset: str, rows: int, names=(*_LAYER_GEMMS, "lm_head")):
+def decode_gemms(preset: str, rows: int, names=(*_LAYER_GEMMS, "lm_head")):
     """(``fn``, FLOPs per call): the step's products ``names``, layer after layer, then the
     logits (once a step)."""
     from ember.kernels import linear_parts
@@ -71,7 +71,7 @@ def _decode_gemms(preset: str, rows: int, names=(*_LAYER_GEMMS, "lm_head")):
     return step, flops
 
 
-def _decode_attention(rows: int, context: int):
+def decode_attention(rows: int, context: int):
     """(``fn(tile_config)``, K/V bytes per call): decode attention over 32 layers' own caches,
     on ``tile_config`` (None: the kernel's own choice)."""
     from ember.kernels import paged_attention
@@ -90,6 +90,11 @@ def _decode_attention(rows: int, context: int):
     return step, moved
 
 
+def _held_row(rate: SustainedRate, work_per_step: float) -> dict:
+    """A held workload's step time at its sustained rate, beside the rate itself."""
+    return {"sustained_step_ms": work_per_step / rate.sustained_per_s * 1e3, **rate.as_dict()}
+
+
 # (BLOCK_N, KV_STAGES, num_warps) of decode tiles whose energy per step is compared: at the
 # power limit a step's time is its energy over the limit, so a tile that reads the same bytes
 # for fewer joules would speed the capped step even at equal speed alone.
@@ -100,14 +105,14 @@ ATTENTION_ENERGY_CONFIGS = ((32, 3, 1), (16, 4, 1), (64, 3, 1), (32, 6, 1), (32,
 def attention_energy(rows: int, context: int, seconds: float, nvml_handle,
                      configs=ATTENTION_ENERGY_CONFIGS) -> dict:  # fmt: skip
     """Decode attention's held rate and energy per step (32 layers) for each tile config."""
-    step, moved = _decode_attention(rows, context)
+    step, moved = decode_attention(rows, context)
     result = {}
     for block_n, stages, warps in configs:
         config = {"BLOCK_M": 16, "BLOCK_Q": 1, "BLOCK_N": block_n, "num_warps": warps,
                   "KV_STAGES": stages}  # fmt: skip
         rate = sustained_rate(partial(step, config), moved, seconds, calls_per_graph=1,
                               nvml_handle=nvml_handle)  # fmt: skip
-        row = {"sustained_step_ms": moved / rate.sustained_per_s * 1e3, **rate.as_dict()}
+        row = _held_row(rate, moved)
         if rate.power is not None:  # from the energy counter, and from the sampled power
             seconds_per_step = row["sustained_step_ms"] / 1e3
             row["energy_j_per_step"] = rate.power.mean_w * seconds_per_step
@@ -130,17 +135,16 @@ def bench_sustained(preset: str, rows: int = SUSTAINED_ROWS, context: int = SUST
               for name, rate in measure_sustained(seconds, nvml_handle=nvml_handle).items()}  # fmt: skip
     torch.cuda.empty_cache()
     workloads = [
-        ("decode_gemms", lambda: _decode_gemms(preset, rows)),
-        ("decode_attention", lambda: _decode_attention(rows, context)),
+        ("decode_gemms", lambda: decode_gemms(preset, rows)),
+        ("decode_attention", lambda: decode_attention(rows, context)),
     ]
     for gemm in (*_LAYER_GEMMS, "lm_head"):  # each alone, for where the GEMMs' time goes
-        workloads.append((f"decode_gemm_{gemm}", partial(_decode_gemms, preset, rows, (gemm,))))
+        workloads.append((f"decode_gemm_{gemm}", partial(decode_gemms, preset, rows, (gemm,))))
     for name, make in workloads:
         fn, work = make()  # one at a time: their weights and caches are 15 and 17 GB
         rate = sustained_rate(fn, work, seconds, calls_per_graph=1, nvml_handle=nvml_handle)
         result[name] = {"rows": rows, "context": context, "work_per_step": work,
-                        "sustained_step_ms": work / rate.sustained_per_s * 1e3,
-                        **rate.as_dict()}  # fmt: skip
+                        **_held_row(rate, work)}  # fmt: skip
         del fn
         torch.cuda.empty_cache()
     result["decode_attention_energy_by_tile"] = attention_energy(rows, context, seconds,
