@@ -71,13 +71,17 @@ def decode_gemms(preset: str, rows: int, names=(*_LAYER_GEMMS, "lm_head")):
     return step, flops
 
 
-def decode_attention(rows: int, context: int):
-    """(``fn(tile_config)``, K/V bytes per call): decode attention over 32 layers' own caches,
-    on ``tile_config`` (None: the kernel's own choice)."""
+def decode_attention_layers(rows: int, context: int) -> list[dict]:
+    """32 layers' decode inputs at ``rows`` x ``context``, each over its own cache."""
+    return [decode_inputs(LLAMA_8B, rows, context, torch.bfloat16) for _ in range(SEQUENCE_LAYERS)]
+
+
+def decode_attention(rows: int, context: int, layers: list[dict] | None = None):
+    """(``fn(tile_config)``, K/V bytes per call): decode attention over 32 layers' own caches
+    (``layers``, else new ones), on ``tile_config`` (None: the kernel's own choice)."""
     from ember.kernels import paged_attention
 
-    layers = [decode_inputs(LLAMA_8B, rows, context, torch.bfloat16)
-              for _ in range(SEQUENCE_LAYERS)]  # fmt: skip
+    layers = layers or decode_attention_layers(rows, context)
     out = torch.empty_like(layers[0]["q"])
     scale = LLAMA_8B.head_dim**-0.5
 
