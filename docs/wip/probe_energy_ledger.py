@@ -15,7 +15,12 @@ for 3 s from a CUDA graph (`ember.bench.roofline.sustained_rate`) with its energ
   apart), summed and nothing else: attention's access pattern without its math;
 - ``read_pages_head_major``: as ``read_pages`` with each page's 16 rows of one KV head
   contiguous (4 KB), as a ``[blocks, kv_heads, page, head_dim]`` cache would hold them;
-- ``read_pages_evict_first``: as ``read_pages`` with the loads marked evict-first in L2.
+- ``read_pages_evict_first``: as ``read_pages`` with the loads marked evict-first in L2;
+- ``gemms_with_attention``: the GEMMs with each layer's attention between its q/k/v and o, as a
+  step orders them (no norms, activation, RoPE or sampling): the two parts at the clock they
+  share in a step;
+- ``gemms_with_read_pages``: the same with ``read_pages`` of each layer in attention's place,
+  the least such a step could spend on its K/V.
 
 So attention's joules split into what the bytes cost read plainly, what its access pattern adds,
 and what its math adds; and the GEMMs' and attention's together stand against the whole step's
@@ -116,6 +121,18 @@ def check(device: str = "cpu") -> None:
     print("readers match torch")
 
 
+def _one_layer_attention(caches: list[dict], out: torch.Tensor, layer: int) -> None:
+    from ember.kernels import paged_attention
+
+    inputs = caches[layer]
+    paged_attention(**inputs, scale=inputs["q"].shape[-1] ** -0.5, out=out, max_query_len=1,
+                    max_seq_len=CONTEXT)  # fmt: skip
+
+
+def _one_layer_read(caches: list[dict], outs: torch.Tensor, layer: int) -> None:
+    read_pages(caches[layer : layer + 1], outs[layer : layer + 1], head_major=False)
+
+
 def held(name: str, fn, work: float, nvml_handle, unit: str) -> dict:
     from ember.bench.roofline import sustained_rate
 
@@ -150,14 +167,18 @@ def main(out_path: str) -> int:
         with open(out_path, "w") as f:
             json.dump(result, f, indent=1)
 
-    fn, flops = decode_gemms("llama-3.1-8b", ROWS)
-    result["cases"].append(held("gemms", fn, flops, nvml_handle, "flops"))
-    del fn
-    torch.cuda.empty_cache()
-    save()
-
     caches = decode_attention_layers(ROWS, CONTEXT)
     attention, moved = decode_attention(ROWS, CONTEXT, caches)
+    page_outs = torch.empty(len(caches), ROWS * caches[0]["k_cache"].shape[2], device="cuda")
+    one_layer_attention = partial(_one_layer_attention, caches, torch.empty_like(caches[0]["q"]))
+    one_layer_read = partial(_one_layer_read, caches, page_outs)
+    for name, between in (("gemms", None), ("gemms_with_attention", one_layer_attention),
+                          ("gemms_with_read_pages", one_layer_read)):  # fmt: skip
+        fn, flops = decode_gemms("llama-3.1-8b", ROWS, attention=between)
+        result["cases"].append(held(name, fn, flops, nvml_handle, "flops"))
+        del fn
+        torch.cuda.empty_cache()
+        save()
     kv_bytes = sum(t.numel() * t.element_size() for inputs in caches
                    for t in (inputs["k_cache"], inputs["v_cache"]))  # fmt: skip
     page_bytes = sum(2 * inputs["block_tables"].numel() * inputs["k_cache"][0].numel()
@@ -169,7 +190,6 @@ def main(out_path: str) -> int:
     result["cases"].append(held("read_flat", lambda: read_flat(tensors, flat_outs),
                                 kv_bytes, nvml_handle, "bytes"))  # fmt: skip
     save()
-    page_outs = torch.empty(len(caches), ROWS * caches[0]["k_cache"].shape[2], device="cuda")
     readers = (("read_pages", False, ""), ("read_pages_head_major", True, ""),
                ("read_pages_evict_first", False, "evict_first"))  # fmt: skip
     for name, head_major, eviction in readers:

@@ -41,9 +41,10 @@ SUSTAINED_SECONDS = 3.0
 _LAYER_GEMMS = ("qkv", "o", "gate_up", "down")
 
 
-def decode_gemms(preset: str, rows: int, names=(*_LAYER_GEMMS, "lm_head")):
+def decode_gemms(preset: str, rows: int, names=(*_LAYER_GEMMS, "lm_head"), attention=None):
     """(``fn``, FLOPs per call): the step's products ``names``, layer after layer, then the
-    logits (once a step)."""
+    logits (once a step); ``attention(layer)``, when given, runs where the step's attention
+    does, after each layer's q/k/v (its FLOPs are not counted)."""
     from ember.kernels import linear_parts
 
     shapes = {name: (n, k) for name, n, k in linear_shapes(preset) if name in names}
@@ -66,6 +67,8 @@ def decode_gemms(preset: str, rows: int, names=(*_LAYER_GEMMS, "lm_head")):
             for name in shapes:
                 if layer < layers[name]:
                     product(name, layer)
+                if name == "qkv" and attention is not None:
+                    attention(layer)
 
     flops = 2 * rows * sum(layers[name] * n * k for name, (n, k) in shapes.items())
     return step, flops
