@@ -20,7 +20,11 @@ for 3 s from a CUDA graph (`ember.bench.roofline.sustained_rate`) with its energ
   step orders them (no norms, activation, RoPE or sampling): the two parts at the clock they
   share in a step;
 - ``gemms_with_read_pages``: the same with ``read_pages`` of each layer in attention's place,
-  the least such a step could spend on its K/V.
+  the least such a step could spend on its K/V;
+- ``gemms_with_step_kernels``: ``gemms_with_attention`` plus the engine's add + RMSNorm after o
+  and after down (summing their split-K halves), SiLU-and-multiply after gate/up and the greedy
+  argmax after the logits: a step's kernels at 256 rows but for embedding, the final norm, and
+  RoPE with the K/V write (so the real step's energy, less this, is what its engine adds).
 
 So attention's joules split into what the bytes cost read plainly, what its access pattern adds,
 and what its math adds; and the GEMMs' and attention's together stand against the whole step's
@@ -121,16 +125,50 @@ def check(device: str = "cpu") -> None:
     print("readers match torch")
 
 
-def _one_layer_attention(caches: list[dict], out: torch.Tensor, layer: int) -> None:
+def _attention_after_qkv(caches: list[dict], out: torch.Tensor, name: str, layer: int,
+                         _product: torch.Tensor) -> None:  # fmt: skip
     from ember.kernels import paged_attention
 
-    inputs = caches[layer]
-    paged_attention(**inputs, scale=inputs["q"].shape[-1] ** -0.5, out=out, max_query_len=1,
-                    max_seq_len=CONTEXT)  # fmt: skip
+    if name == "qkv":
+        inputs = caches[layer]
+        paged_attention(**inputs, scale=inputs["q"].shape[-1] ** -0.5, out=out, max_query_len=1,
+                        max_seq_len=CONTEXT)  # fmt: skip
 
 
-def _one_layer_read(caches: list[dict], outs: torch.Tensor, layer: int) -> None:
-    read_pages(caches[layer : layer + 1], outs[layer : layer + 1], head_major=False)
+def _read_after_qkv(caches: list[dict], outs: torch.Tensor, name: str, layer: int,
+                    _product: torch.Tensor) -> None:  # fmt: skip
+    if name == "qkv":
+        read_pages(caches[layer : layer + 1], outs[layer : layer + 1], head_major=False)
+
+
+def _step_kernels_after(attention_after, buffers: dict, name: str, layer: int,
+                        product: torch.Tensor) -> None:  # fmt: skip
+    """The engine's kernels after each product, on buffers of a step's shapes."""
+    from ember.kernels import add_parts_rms_norm, fused_add_rms_norm, greedy_argmax, silu_and_mul
+
+    attention_after(name, layer, product)
+    if name in ("o", "down") and product.dim() == 3:  # split-K halves, summed by the norm
+        add_parts_rms_norm(buffers["residual"], product, buffers["norm_weight"], 1e-5,
+                           out=buffers["normed"])  # fmt: skip
+    elif name in ("o", "down"):
+        fused_add_rms_norm(product, buffers["residual"], buffers["norm_weight"], 1e-5)
+    elif name == "gate_up":
+        silu_and_mul(product, out=buffers["activation"])
+    elif name == "lm_head":
+        greedy_argmax(product)
+
+
+def _step_buffers(preset: str) -> dict:
+    from ember.bench.tune import linear_shapes
+
+    shapes = {name: (n, k) for name, n, k in linear_shapes(preset)}
+    hidden = shapes["o"][0]
+
+    def new(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, dtype=torch.bfloat16, device="cuda")
+
+    return {"residual": new(ROWS, hidden), "normed": new(ROWS, hidden),
+            "norm_weight": new(hidden), "activation": new(ROWS, shapes["gate_up"][0] // 2)}  # fmt: skip
 
 
 def held(name: str, fn, work: float, nvml_handle, unit: str) -> dict:
@@ -170,11 +208,14 @@ def main(out_path: str) -> int:
     caches = decode_attention_layers(ROWS, CONTEXT)
     attention, moved = decode_attention(ROWS, CONTEXT, caches)
     page_outs = torch.empty(len(caches), ROWS * caches[0]["k_cache"].shape[2], device="cuda")
-    one_layer_attention = partial(_one_layer_attention, caches, torch.empty_like(caches[0]["q"]))
-    one_layer_read = partial(_one_layer_read, caches, page_outs)
-    for name, between in (("gemms", None), ("gemms_with_attention", one_layer_attention),
-                          ("gemms_with_read_pages", one_layer_read)):  # fmt: skip
-        fn, flops = decode_gemms("llama-3.1-8b", ROWS, attention=between)
+    attention_after = partial(_attention_after_qkv, caches, torch.empty_like(caches[0]["q"]))
+    read_after = partial(_read_after_qkv, caches, page_outs)
+    step_kernels_after = partial(_step_kernels_after, attention_after,
+                                 _step_buffers("llama-3.1-8b"))  # fmt: skip
+    for name, after in (("gemms", None), ("gemms_with_attention", attention_after),
+                        ("gemms_with_read_pages", read_after),
+                        ("gemms_with_step_kernels", step_kernels_after)):  # fmt: skip
+        fn, flops = decode_gemms("llama-3.1-8b", ROWS, after=after)
         result["cases"].append(held(name, fn, flops, nvml_handle, "flops"))
         del fn
         torch.cuda.empty_cache()

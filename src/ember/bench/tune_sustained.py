@@ -41,10 +41,11 @@ SUSTAINED_SECONDS = 3.0
 _LAYER_GEMMS = ("qkv", "o", "gate_up", "down")
 
 
-def decode_gemms(preset: str, rows: int, names=(*_LAYER_GEMMS, "lm_head"), attention=None):
+def decode_gemms(preset: str, rows: int, names=(*_LAYER_GEMMS, "lm_head"), after=None):
     """(``fn``, FLOPs per call): the step's products ``names``, layer after layer, then the
-    logits (once a step); ``attention(layer)``, when given, runs where the step's attention
-    does, after each layer's q/k/v (its FLOPs are not counted)."""
+    logits (once a step). ``after(name, layer, out)``, when given, runs after each product with
+    its output, where a step runs its attention, norms and activation (their FLOPs are not
+    counted)."""
     from ember.kernels import linear_parts
 
     shapes = {name: (n, k) for name, n, k in linear_shapes(preset) if name in names}
@@ -55,20 +56,19 @@ def decode_gemms(preset: str, rows: int, names=(*_LAYER_GEMMS, "lm_head"), atten
     outs = {name: torch.empty(rows, n, dtype=torch.bfloat16, device="cuda")
             for name, (n, _) in shapes.items()}  # fmt: skip
 
-    def product(name: str, layer: int) -> None:
+    def product(name: str, layer: int) -> torch.Tensor:
         x = inputs[shapes[name][1]]
         if name in ("o", "down"):  # split-K halves, as the engine runs them past 64 rows
-            linear_parts(x, weights[name][layer])
-        else:
-            torch.matmul(x, weights[name][layer].t(), out=outs[name])
+            return linear_parts(x, weights[name][layer])
+        return torch.matmul(x, weights[name][layer].t(), out=outs[name])
 
     def step() -> None:
         for layer in range(SEQUENCE_LAYERS):
             for name in shapes:
                 if layer < layers[name]:
-                    product(name, layer)
-                if name == "qkv" and attention is not None:
-                    attention(layer)
+                    out = product(name, layer)
+                    if after is not None:
+                        after(name, layer, out)
 
     flops = 2 * rows * sum(layers[name] * n * k for name, (n, k) in shapes.items())
     return step, flops
