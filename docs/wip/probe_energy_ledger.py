@@ -31,6 +31,7 @@ and what its math adds; and the GEMMs' and attention's together stand against th
 (`ember bench step`'s held-graph power, run in the same call).
 
     python docs/wip/probe_energy_ledger.py OUT.json
+    python docs/wip/probe_energy_ledger.py --profile OUT.json   # gemms_with_step_kernels' kernels
     TRITON_INTERPRET=1 python docs/wip/probe_energy_ledger.py --check   # the readers, on a CPU
 """
 
@@ -240,8 +241,45 @@ def main(out_path: str) -> int:
     return 0
 
 
+def profile(out_path: str, hold_seconds: float = 2.0, replays: int = 10) -> int:
+    """``gemms_with_step_kernels``' kernels, µs a step by kernel (torch.profiler), after the
+    graph is held ``hold_seconds`` so the clocks are the capped ones a step sees."""
+    from ember.bench.step_profile import _kernel_events, summarize_kernels
+    from ember.bench.tune_sustained import decode_attention_layers, decode_gemms
+
+    caches = decode_attention_layers(ROWS, CONTEXT)
+    after = partial(_step_kernels_after,
+                    partial(_attention_after_qkv, caches, torch.empty_like(caches[0]["q"])),
+                    _step_buffers("llama-3.1-8b"))  # fmt: skip
+    fn, _ = decode_gemms("llama-3.1-8b", ROWS, after=after)
+    fn()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    deadline = time.perf_counter() + hold_seconds
+    while time.perf_counter() < deadline:
+        graph.replay()
+        torch.cuda.synchronize()
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        start = time.perf_counter()
+        for _ in range(replays):
+            graph.replay()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    spans = _kernel_events(prof)
+    summary = summarize_kernels([(name, end - begin) for name, begin, end in spans], replays)
+    summary["wall_us_per_step"] = wall / replays * 1e6
+    print(json.dumps(summary), flush=True)
+    with open(out_path, "w") as f:
+        json.dump(summary, f, indent=1)
+    return 0
+
+
 if __name__ == "__main__":
     if sys.argv[1:] == ["--check"]:
         check()
         sys.exit(0)
+    if sys.argv[1] == "--profile":
+        sys.exit(profile(sys.argv[2]))
     sys.exit(main(sys.argv[1]))
