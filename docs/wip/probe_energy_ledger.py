@@ -32,6 +32,7 @@ and what its math adds; and the GEMMs' and attention's together stand against th
 
     python docs/wip/probe_energy_ledger.py OUT.json
     python docs/wip/probe_energy_ledger.py --profile OUT.json   # gemms_with_step_kernels' kernels
+    python docs/wip/probe_energy_ledger.py --placement OUT.json # attention, pages shuffled or not
     TRITON_INTERPRET=1 python docs/wip/probe_energy_ledger.py --check   # the readers, on a CPU
 """
 
@@ -276,7 +277,33 @@ def profile(out_path: str, hold_seconds: float = 2.0, replays: int = 10) -> int:
     return 0
 
 
+def placement(out_path: str) -> int:
+    """Decode attention held alone with each sequence's pages shuffled over the pool (as
+    `decode_inputs` makes them) and in order, a sequence's pages side by side (as the engine's
+    first-in-first-out block pool hands them out to requests admitted together)."""
+    from ember.bench.gpu_power import open_nvml
+    from ember.bench.tune_sustained import decode_attention, decode_attention_layers
+
+    nvml_handle = open_nvml()
+    caches = decode_attention_layers(ROWS, CONTEXT)
+    shuffled = [inputs["block_tables"] for inputs in caches]
+    in_order = torch.arange(1, shuffled[0].numel() + 1, dtype=torch.int32, device="cuda")
+    in_order = [in_order.view_as(shuffled[0])] * len(caches)
+    rows = []
+    for name, tables in (("shuffled", shuffled), ("in_order", in_order),
+                         ("shuffled_again", shuffled)):  # fmt: skip
+        for inputs, table in zip(caches, tables):
+            inputs["block_tables"] = table
+        attention, moved = decode_attention(ROWS, CONTEXT, caches)
+        rows.append(held(f"attention_pages_{name}", attention, moved, nvml_handle, "bytes"))
+        with open(out_path, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
 if __name__ == "__main__":
+    if sys.argv[1] == "--placement":
+        sys.exit(placement(sys.argv[2]))
     if sys.argv[1:] == ["--check"]:
         check()
         sys.exit(0)
