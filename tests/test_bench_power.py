@@ -95,3 +95,29 @@ def test_decode_rows_carry_the_capped_roofline(tiny_bench_factory):
     assert row["power"] is None
     plain = tiny_bench_factory(burst, None, None).decode(batch=2, context=32, steps=3, warmup=1)
     assert plain["power"] is None and "capped_sequential_roofline_ms" not in plain
+
+
+def test_decode_gemms_runs_each_product_in_step_order_and_hands_its_output_to_the_hook():
+    """The sustained GEMM workload on a CPU (tiny preset): 32 layers of q/k/v, o, gate/up and
+    down in a step's order, and the logits once, after the first layer; ``after`` sees each
+    product's output (the energy-ledger probe runs attention, norms and SiLU there), and the
+    FLOPs count only the products."""
+    from ember.bench.tune import SEQUENCE_LAYERS, linear_shapes
+    from ember.bench.tune_sustained import decode_gemms
+
+    rows = 3
+    shapes = {name: (n, k) for name, n, k in linear_shapes("tiny")}
+    seen = []
+
+    def after(name, layer, out):
+        seen.append((name, layer))
+        assert out.shape[-2:] == (rows, shapes[name][0])
+
+    step, flops = decode_gemms("tiny", rows, after=after, device="cpu")
+    step()
+    layer_order = [(name, layer) for layer in range(SEQUENCE_LAYERS)
+                   for name in ("qkv", "o", "gate_up", "down")]  # fmt: skip
+    assert seen == [*layer_order[:4], ("lm_head", 0), *layer_order[4:]]
+    per_layer = sum(n * k for name, (n, k) in shapes.items() if name != "lm_head")
+    logits = shapes["lm_head"][0] * shapes["lm_head"][1]
+    assert flops == 2 * rows * (SEQUENCE_LAYERS * per_layer + logits)

@@ -138,10 +138,12 @@ def bench_gemms(preset: str, hbm_bytes_per_s: float, batches=GEMM_BATCHES) -> li
 SEQUENCE_LAYERS = 32
 
 
-def sequence_weights(n: int, k: int, layers: int = SEQUENCE_LAYERS) -> list[torch.Tensor]:
+def sequence_weights(
+    n: int, k: int, layers: int = SEQUENCE_LAYERS, device: str = "cuda"
+) -> list[torch.Tensor]:
     """``layers`` distinct random bf16 ``[n, k]`` weights (scaled to keep products near unit
     size) for a sequence timing, so no layer finds its weight in L2."""
-    return [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") / k**0.5 for _ in range(layers)]
+    return [torch.randn(n, k, dtype=torch.bfloat16, device=device) / k**0.5 for _ in range(layers)]
 
 
 def _norm_then(norm_in, norm_weight, normed, gemm, layer: int) -> None:

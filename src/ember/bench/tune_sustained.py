@@ -41,19 +41,22 @@ SUSTAINED_SECONDS = 3.0
 _LAYER_GEMMS = ("qkv", "o", "gate_up", "down")
 
 
-def decode_gemms(preset: str, rows: int, names=(*_LAYER_GEMMS, "lm_head"), after=None):
-    """(``fn``, FLOPs per call): the step's products ``names``, layer after layer, then the
-    logits (once a step). ``after(name, layer, out)``, when given, runs after each product with
+def decode_gemms(preset: str, rows: int, names=(*_LAYER_GEMMS, "lm_head"), after=None,
+                 device: str = "cuda"):  # fmt: skip
+    """(``fn``, FLOPs per call): the step's products ``names``, layer after layer, and the
+    logits once a step (after the first layer's products, not after the last as in a step).
+    ``after(name, layer, out)``, when given, runs after each product with
     its output, where a step runs its attention, norms and activation (their FLOPs are not
     counted)."""
     from ember.kernels import linear_parts
 
     shapes = {name: (n, k) for name, n, k in linear_shapes(preset) if name in names}
     layers = {name: SEQUENCE_LAYERS if name in _LAYER_GEMMS else 1 for name in shapes}
-    weights = {name: sequence_weights(*shapes[name], layers=layers[name]) for name in shapes}
-    inputs = {k: torch.randn(rows, k, dtype=torch.bfloat16, device="cuda")
+    weights = {name: sequence_weights(*shapes[name], layers=layers[name], device=device)
+               for name in shapes}  # fmt: skip
+    inputs = {k: torch.randn(rows, k, dtype=torch.bfloat16, device=device)
               for _, k in shapes.values()}  # fmt: skip
-    outs = {name: torch.empty(rows, n, dtype=torch.bfloat16, device="cuda")
+    outs = {name: torch.empty(rows, n, dtype=torch.bfloat16, device=device)
             for name, (n, _) in shapes.items()}  # fmt: skip
 
     def product(name: str, layer: int) -> torch.Tensor:
