@@ -121,3 +121,21 @@ def test_decode_gemms_runs_each_product_in_step_order_and_hands_its_output_to_th
     per_layer = sum(n * k for name, (n, k) in shapes.items() if name != "lm_head")
     logits = shapes["lm_head"][0] * shapes["lm_head"][1]
     assert flops == 2 * rows * (SEQUENCE_LAYERS * per_layer + logits)
+
+
+def test_held_energy_is_power_times_step_time_from_each_reading():
+    """A held step's joules from the energy counter's mean power and from the sampled power;
+    nothing without NVML, and no sampled figure where none was sampled."""
+    from ember.bench.gpu_power import PowerReading
+    from ember.bench.roofline import SustainedRate
+    from ember.bench.tune_sustained import held_energy
+
+    def rate(sampled_w):
+        power = PowerReading(2.0, 1400.0, 700.0, 700.0, 1600.0, 1500.0, 1.0, sampled_w)
+        return SustainedRate(1.0, 1.0, 10, power)
+
+    assert held_energy(rate(690.0), 0.01) == pytest.approx(
+        {"energy_j_per_step": 7.0, "sampled_energy_j_per_step": 6.9}
+    )
+    assert held_energy(rate(None), 0.01) == pytest.approx({"energy_j_per_step": 7.0})
+    assert held_energy(SustainedRate(1.0, 1.0, 10, None), 0.01) == {}

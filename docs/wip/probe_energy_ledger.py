@@ -129,12 +129,10 @@ def check(device: str = "cpu") -> None:
 
 def _attention_after_qkv(caches: list[dict], out: torch.Tensor, name: str, layer: int,
                          _product: torch.Tensor) -> None:  # fmt: skip
-    from ember.kernels import paged_attention
+    from ember.bench.tune_sustained import attend_one_layer
 
     if name == "qkv":
-        inputs = caches[layer]
-        paged_attention(**inputs, scale=inputs["q"].shape[-1] ** -0.5, out=out, max_query_len=1,
-                        max_seq_len=CONTEXT)  # fmt: skip
+        attend_one_layer(caches[layer], out, CONTEXT)
 
 
 def _read_after_qkv(caches: list[dict], outs: torch.Tensor, name: str, layer: int,
@@ -175,15 +173,12 @@ def _step_buffers(preset: str) -> dict:
 
 def held(name: str, fn, work: float, nvml_handle, unit: str) -> dict:
     from ember.bench.roofline import sustained_rate
+    from ember.bench.tune_sustained import held_energy
 
     rate = sustained_rate(fn, work, SECONDS, calls_per_graph=1, nvml_handle=nvml_handle)
     seconds = work / rate.sustained_per_s
     row = {"workload": name, "unit": unit, "work_per_step": work, "step_ms": seconds * 1e3,
-           **rate.as_dict()}  # fmt: skip
-    if rate.power is not None:
-        row["energy_j_per_step"] = rate.power.mean_w * seconds
-        if rate.power.sampled_w_median is not None:
-            row["sampled_energy_j_per_step"] = rate.power.sampled_w_median * seconds
+           **rate.as_dict(), **held_energy(rate, seconds)}  # fmt: skip
     print(json.dumps({k: row.get(k) for k in ("workload", "step_ms", "energy_j_per_step",
                                               "sampled_energy_j_per_step")}
                      | {"clock": (rate.power.sm_clock_mhz_median if rate.power else None)}),

@@ -45,9 +45,8 @@ def decode_gemms(preset: str, rows: int, names=(*_LAYER_GEMMS, "lm_head"), after
                  device: str = "cuda"):  # fmt: skip
     """(``fn``, FLOPs per call): the step's products ``names``, layer after layer, and the
     logits once a step (after the first layer's products, not after the last as in a step).
-    ``after(name, layer, out)``, when given, runs after each product with
-    its output, where a step runs its attention, norms and activation (their FLOPs are not
-    counted)."""
+    ``after(name, layer, out)``, when given, runs after each product with its output, where a
+    step runs its attention, norms and activation (their FLOPs are not counted)."""
     from ember.kernels import linear_parts
 
     shapes = {name: (n, k) for name, n, k in linear_shapes(preset) if name in names}
@@ -82,19 +81,23 @@ def decode_attention_layers(rows: int, context: int) -> list[dict]:
     return [decode_inputs(LLAMA_8B, rows, context, torch.bfloat16) for _ in range(SEQUENCE_LAYERS)]
 
 
+def attend_one_layer(inputs: dict, out: torch.Tensor, context: int, tile_config=None) -> None:
+    """One layer's decode attention over its `decode_inputs`, into ``out``."""
+    from ember.kernels import paged_attention
+
+    paged_attention(**inputs, scale=LLAMA_8B.head_dim**-0.5, out=out, max_query_len=1,
+                    max_seq_len=context, tile_config=tile_config)  # fmt: skip
+
+
 def decode_attention(rows: int, context: int, layers: list[dict] | None = None):
     """(``fn(tile_config)``, K/V bytes per call): decode attention over 32 layers' own caches
     (``layers``, else new ones), on ``tile_config`` (None: the kernel's own choice)."""
-    from ember.kernels import paged_attention
-
     layers = layers or decode_attention_layers(rows, context)
     out = torch.empty_like(layers[0]["q"])
-    scale = LLAMA_8B.head_dim**-0.5
 
     def step(tile_config=None) -> None:
         for inputs in layers:
-            paged_attention(**inputs, scale=scale, out=out, max_query_len=1, max_seq_len=context,
-                            tile_config=tile_config)  # fmt: skip
+            attend_one_layer(inputs, out, context, tile_config)
 
     moved = SEQUENCE_LAYERS * decode_attention_bytes(LLAMA_8B, rows, context, 2)
     return step, moved
@@ -103,6 +106,17 @@ def decode_attention(rows: int, context: int, layers: list[dict] | None = None):
 def _held_row(rate: SustainedRate, work_per_step: float) -> dict:
     """A held workload's step time at its sustained rate, beside the rate itself."""
     return {"sustained_step_ms": work_per_step / rate.sustained_per_s * 1e3, **rate.as_dict()}
+
+
+def held_energy(rate: SustainedRate, seconds_per_step: float) -> dict:
+    """Joules a step at the held power: from NVML's energy counter and from its sampled power
+    (each where read; nothing without NVML)."""
+    if rate.power is None:
+        return {}
+    energy = {"energy_j_per_step": rate.power.mean_w * seconds_per_step}
+    if rate.power.sampled_w_median is not None:
+        energy["sampled_energy_j_per_step"] = rate.power.sampled_w_median * seconds_per_step
+    return energy
 
 
 # (BLOCK_N, KV_STAGES, num_warps) of decode tiles whose energy per step is compared: at the
@@ -123,11 +137,7 @@ def attention_energy(rows: int, context: int, seconds: float, nvml_handle,
         rate = sustained_rate(partial(step, config), moved, seconds, calls_per_graph=1,
                               nvml_handle=nvml_handle)  # fmt: skip
         row = _held_row(rate, moved)
-        if rate.power is not None:  # from the energy counter, and from the sampled power
-            seconds_per_step = row["sustained_step_ms"] / 1e3
-            row["energy_j_per_step"] = rate.power.mean_w * seconds_per_step
-            if rate.power.sampled_w_median is not None:
-                row["sampled_energy_j_per_step"] = rate.power.sampled_w_median * seconds_per_step
+        row.update(held_energy(rate, row["sustained_step_ms"] / 1e3))
         result[f"n{block_n}_s{stages}_w{warps}"] = row
         print(json.dumps({"attention_config": f"n{block_n}_s{stages}_w{warps}",
                           "step_ms": row["sustained_step_ms"],
