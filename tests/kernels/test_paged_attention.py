@@ -314,18 +314,21 @@ def test_decode_split_grid_for_a_longer_bound(gen, device, num_sms):
 @pytest.mark.parametrize("preload_kv", [False, True])
 @pytest.mark.parametrize("group", [1, 4, 8])
 @pytest.mark.parametrize(("num_splits", "dtype"), [(1, torch.bfloat16), (3, torch.float32)])
+# The second set puts each new key at a tile's last or first row (32- and 64-key tiles).
+@pytest.mark.parametrize("seq_lens", [[300, 7, 65, 1], [64, 32, 65, 33]])
 def test_decode_with_rope_and_cache_write_in_kernel(
-    gen, device, group, num_splits, dtype, preload_kv, num_sms
+    gen, device, group, num_splits, dtype, preload_kv, num_sms, seq_lens
 ):
     """RoPE + KV write inside the decode kernel give the outputs and the caches of the RoPE
     kernel's reference followed by attention's; a padded token (slot -1) writes nothing. With
     ``preload_kv`` each segment's first tile is read before the new key is stored, and the tile
     that holds it (the 7- and 1-token sequences'; with 3 splits every sequence's) must take its
-    row from registers, or keep the cache's for the padded token."""
+    row from registers, or keep the cache's for the padded token. The second ``seq_lens`` puts
+    the new keys at tile edges, where a tile read without the causal mask could hold them."""
     from ember.kernels.paged_attention import DecodeRope
     from ember.layers.reference_ops import build_cos_sin_cache, rope_and_cache_write_reference
 
-    seq_lens, num_kv_heads, head_dim, page = [300, 7, 65, 1], 2, 64, 16
+    num_kv_heads, head_dim, page = 2, 64, 16
     step = make_step(gen, device, [1] * 4, seq_lens, num_kv_heads=num_kv_heads, group=group,
                      head_dim=head_dim, page=page, dtype=dtype)  # fmt: skip
     new_k = torch.randn(4, num_kv_heads, head_dim, generator=gen).to(dtype)
