@@ -138,8 +138,9 @@ def attention_energy(rows: int, context: int, seconds: float, nvml_handle,
                               nvml_handle=nvml_handle)  # fmt: skip
         row = _held_row(rate, moved)
         row.update(held_energy(rate, row["sustained_step_ms"] / 1e3))
-        result[f"n{block_n}_s{stages}_w{warps}"] = row
-        print(json.dumps({"attention_config": f"n{block_n}_s{stages}_w{warps}",
+        name = f"n{block_n}_s{stages}_w{warps}"
+        result[name] = row
+        print(json.dumps({"attention_config": name,
                           "step_ms": row["sustained_step_ms"],
                           "energy_j_per_step": row.get("energy_j_per_step"),
                           "sampled_energy_j_per_step": row.get("sampled_energy_j_per_step")}),
