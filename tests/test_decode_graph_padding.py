@@ -14,7 +14,7 @@ from helpers.eager_graphs import EagerStepGraphs
 from helpers.tiny_models import make_tiny_model
 
 from ember import LLM, SamplingParams
-from ember.kernels.paged_attention import choose_num_kv_splits
+from ember.kernels.attention_plan import choose_num_kv_splits
 from ember.runner.cuda_graphs import (
     StepGraphs,
     decode_buckets,

@@ -171,3 +171,11 @@ class EngineConfig:
     # adds to the stream, 1/rms in the kernel that reads the next projection.
     defer_norms: bool = True
     overlap: bool | None = None  # None: overlap CPU and GPU work when on a GPU
+
+    @property
+    def asks_for_triton(self) -> bool:
+        """Whether this config names the Triton path outright (a CUDA device or the Triton
+        backend); "auto" decides only once the engine sees the device."""
+        return self.backend == "triton" or (
+            self.backend == "auto" and self.device.startswith("cuda")
+        )

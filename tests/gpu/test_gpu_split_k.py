@@ -15,7 +15,7 @@ from helpers.tiny_models import make_tiny_model
 
 from ember import LLM, SamplingParams
 from ember.bench.parity import compare_greedy
-from ember.kernels import linear_parts
+from ember.kernels.linear import linear_parts
 
 pytestmark = [
     pytest.mark.gpu,

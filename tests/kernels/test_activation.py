@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ember.kernels import silu_and_mul
+from ember.kernels.activation import silu_and_mul
 from ember.layers.reference_ops import silu_and_mul_reference
 
 

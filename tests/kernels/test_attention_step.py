@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ember.kernels import rope_and_attention
+from ember.kernels.attention_step import rope_and_attention
 from ember.layers.forward_context import ForwardContext
 from ember.layers.ops import triton_ops
 from ember.layers.reference_ops import build_cos_sin_cache, rope_and_attention_reference

@@ -12,7 +12,8 @@ import torch
 from helpers.tiny_models import make_tiny_model
 
 from ember import LLM, SamplingParams
-from ember.kernels import add_and_sum_squares, silu_and_mul
+from ember.kernels.activation import silu_and_mul
+from ember.kernels.rmsnorm import add_and_sum_squares
 from ember.kernels.skinny_gemm import skinny_gemm_add, skinny_gemm_silu
 from ember.layers.ops import reference_ops
 from ember.layers.reference_ops import (

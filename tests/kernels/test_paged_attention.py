@@ -7,7 +7,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from ember.kernels import choose_num_kv_splits, paged_attention
+from ember.kernels.attention_plan import choose_num_kv_splits
+from ember.kernels.paged_attention import paged_attention
 from ember.layers.reference_ops import paged_attention_reference
 
 TOLERANCE = {torch.float32: 2e-4, torch.bfloat16: 2e-2, torch.float16: 5e-3}
@@ -163,9 +164,9 @@ def test_mixed_step_either_launch_plan(gen, device, separate_decodes):
 def test_mixed_step_cuts_long_decodes_into_segments(gen, device):
     """A mixed step's decodes past one segment's minimum are split and merged (a 2,200-token
     decode: three segments), short ones are not; the chunk beside them is unaffected."""
-    from ember.kernels.paged_attention import _MIN_TOKENS_PER_SPLIT
+    from ember.kernels.attention_plan import MIN_TOKENS_PER_SPLIT
 
-    contexts, q_lens = [2 * _MIN_TOKENS_PER_SPLIT + 151, 0, 40], [1, 24, 1]
+    contexts, q_lens = [2 * MIN_TOKENS_PER_SPLIT + 151, 0, 40], [1, 24, 1]
     seq_lens = [c + n for c, n in zip(contexts, q_lens)]
     step = make_step(gen, device, q_lens, seq_lens, num_kv_heads=1, group=4, head_dim=32)
     counters = torch.zeros(3, dtype=torch.int32, device=device)
@@ -178,7 +179,7 @@ def test_chunk_tile_map_covers_each_chunk_once():
     padding (none) get no tile, the entries past the count are left as they were."""
     import numpy as np
 
-    from ember.kernels.paged_attention import chunk_tile_map
+    from ember.kernels.attention_plan import chunk_tile_map
 
     q_lens = [1, 33, 1, 1, 64, 2, 0, 1]
     qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
@@ -198,7 +199,7 @@ def test_mixed_step_over_a_chunk_tile_map(gen, device, group):
     longer than one tile."""
     import numpy as np
 
-    from ember.kernels.paged_attention import ChunkTiles, chunk_tile_map, prefill_query_tile
+    from ember.kernels.attention_plan import ChunkTiles, chunk_tile_map, prefill_query_tile
 
     contexts = [40, 0, 12, 100, 3, 0, 64, 9]
     q_lens = [1, 70, 1, 1, 18, 0, 1, 2]
@@ -222,12 +223,8 @@ def test_mixed_step_launches_serve_their_own_sequences(gen, device, group):
     the single-token launch leaves every chunk row as it was (a chunk's first row written on
     decode tiles would be wrong, and hidden by the other launch's rewrite), the multi-token
     launch every decode row."""
-    from ember.kernels.paged_attention import (
-        _MULTI_TOKEN,
-        _SINGLE_TOKEN,
-        _launch_kernel,
-        _tile_config,
-    )
+    from ember.kernels.attention_plan import tile_config
+    from ember.kernels.paged_attention import _MULTI_TOKEN, _SINGLE_TOKEN, _launch_kernel
 
     contexts, q_lens = [30, 0, 7, 50], [1, 20, 1, 5]
     seq_lens = [c + n for c, n in zip(contexts, q_lens)]
@@ -238,7 +235,7 @@ def test_mixed_step_launches_serve_their_own_sequences(gen, device, group):
     for sequences, decode_only, served in [(_SINGLE_TOKEN, True, decode_rows),
                                            (_MULTI_TOKEN, False, ~decode_rows)]:  # fmt: skip
         out = torch.full_like(step.q, float("nan"))
-        config = _tile_config(group, decode_only, 32, step.q.element_size())
+        config = tile_config(group, decode_only, 32, step.q.element_size())
         _launch_kernel(step.q, step.k_cache, step.v_cache, out, step.query_start_loc,
                        step.seq_lens, step.block_tables, scale, None, False, config, decode_only,
                        sequences)  # fmt: skip
@@ -403,13 +400,10 @@ def test_split_kv_rejected_for_prefill(gen, device):
 def test_tile_configs_fit_in_shared_memory(decode_only, head_dim, elem_bytes):
     """An fp32 8B model once failed to launch its prefill tiles on an H200 (256 KiB asked,
     227 KiB there): every config must fit, and bf16 at head_dim 128 keeps the measured tiles."""
-    from ember.kernels.paged_attention import (
-        _tile_config,
-        shared_memory_estimate,
-    )
+    from ember.kernels.attention_plan import shared_memory_estimate, tile_config
     from ember.kernels.tiles import SHARED_MEMORY_BUDGET
 
-    config = _tile_config(4, decode_only, head_dim, elem_bytes, split_kv=decode_only)
+    config = tile_config(4, decode_only, head_dim, elem_bytes, split_kv=decode_only)
     assert shared_memory_estimate(config, head_dim, elem_bytes) <= SHARED_MEMORY_BUDGET
     assert config["BLOCK_N"] >= 16 and config["KV_STAGES"] >= 1
     if elem_bytes == 2 and head_dim <= 128:
@@ -419,13 +413,13 @@ def test_tile_configs_fit_in_shared_memory(decode_only, head_dim, elem_bytes):
 def test_full_decode_grids_take_one_warp_programs():
     """Unsplit decode launches with enough programs per SM run one-warp, 32-key programs; fewer
     programs, split launches and mixed steps keep their tiles."""
-    from ember.kernels.paged_attention import _ONE_WARP_MIN_PROGRAMS_PER_SM, _tile_config
+    from ember.kernels.attention_plan import ONE_WARP_MIN_PROGRAMS_PER_SM, tile_config
 
-    full = _tile_config(4, True, 128, 2, programs_per_sm=_ONE_WARP_MIN_PROGRAMS_PER_SM)
+    full = tile_config(4, True, 128, 2, programs_per_sm=ONE_WARP_MIN_PROGRAMS_PER_SM)
     assert (full["BLOCK_N"], full["num_warps"], full["KV_STAGES"]) == (32, 1, 3)
-    sparse = _tile_config(4, True, 128, 2, programs_per_sm=_ONE_WARP_MIN_PROGRAMS_PER_SM - 1)
+    sparse = tile_config(4, True, 128, 2, programs_per_sm=ONE_WARP_MIN_PROGRAMS_PER_SM - 1)
     assert (sparse["BLOCK_N"], sparse["num_warps"]) == (64, 2)
-    split = _tile_config(4, True, 128, 2, split_kv=True, programs_per_sm=100)
+    split = tile_config(4, True, 128, 2, split_kv=True, programs_per_sm=100)
     assert (split["BLOCK_N"], split["num_warps"]) == (64, 4)
 
 
@@ -439,13 +433,13 @@ def test_decode_on_one_warp_programs(gen, device, monkeypatch, group, dtype):
 
     module = sys.modules["ember.kernels.paged_attention"]
     chosen = []
-    tile_config = module._tile_config
+    tile_config = module.tile_config
 
     def recorded(*args, **kwargs):
         chosen.append(tile_config(*args, **kwargs))
         return chosen[-1]
 
-    monkeypatch.setattr(module, "_tile_config", recorded)
+    monkeypatch.setattr(module, "tile_config", recorded)
     seq_lens = [1, 17, 64, 100, 33, 129, 31, 32, 65, 2, 90, 48]
     step = make_step(gen, device, [1] * len(seq_lens), seq_lens, num_kv_heads=2, group=group,
                      head_dim=64, dtype=dtype)  # fmt: skip

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ember.kernels import fused_add_rms_norm, rms_norm
+from ember.kernels.rmsnorm import fused_add_rms_norm, rms_norm
 from ember.layers.reference_ops import fused_add_rms_norm_reference, rms_norm_reference
 
 EPS = 1e-5

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from ember.config import RopeScaling
-from ember.kernels import rope_and_cache_write
+from ember.kernels.rope_cache_write import rope_and_cache_write
 from ember.layers.reference_ops import build_cos_sin_cache, rope_and_cache_write_reference
 
 LLAMA31_SCALING = RopeScaling(

@@ -7,9 +7,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ember.kernels import sample
-from ember.kernels import sampling as sampling_module
+import ember.kernels.sampling as sampling_module
 from ember.kernels.hash_rng import row_key, token_uniform
+from ember.kernels.sampling import sample
 from ember.layers.reference_ops import hash_uniform, sample_reference, sampling_keep_mask
 
 VOCAB = 3000  # three streaming blocks, the last one partial

@@ -12,8 +12,8 @@ import torch
 from helpers.tiny_models import make_tiny_model
 
 from ember import LLM, SamplingParams
-from ember.kernels import add_parts_rms_norm
 from ember.kernels.linear import split_k_parts
+from ember.kernels.rmsnorm import add_parts_rms_norm
 from ember.layers.ops import reference_ops
 from ember.layers.reference_ops import (
     add_parts_rms_norm_reference,

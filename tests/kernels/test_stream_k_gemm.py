@@ -95,7 +95,7 @@ def test_workspace_is_never_regrown(gen, device):
 def test_gate_up_silu_takes_it_past_the_skinny_kernel(gen, device):
     """`gate_up_silu` at a decode batch past the skinny GEMM's rows: on a Hopper GPU the stream-K
     kernel's one-wave form takes it, elsewhere cuBLAS and the SiLU kernel; the same result."""
-    from ember.kernels import gate_up_silu
+    from ember.kernels.linear import gate_up_silu
     from ember.kernels.stream_k_gemm import use_stream_k_gemm
 
     m, inter, k = 100, 256, 128

@@ -126,15 +126,17 @@ def attention_configs() -> list[CompiledConfig]:
     and unsplit (with RoPE, the deferred norm and the K/V preload: the most state a program
     holds), prefill tiles for all sequences, and a mixed step's two launches (its decodes on
     decode tiles, long ones in segments; its chunks on prefill tiles over the chunk tile map)."""
+    from ember.kernels.attention_plan import (
+        MAX_SPLITS,
+        MIXED_DECODE_SPLITS,
+        ONE_WARP_MIN_PROGRAMS_PER_SM,
+        tile_config,
+    )
     from ember.kernels.paged_attention import (
         _ALL_SEQUENCES,
-        _MAX_SPLITS,
-        _MIXED_DECODE_SPLITS,
         _MULTI_TOKEN,
-        _ONE_WARP_MIN_PROGRAMS_PER_SM,
         _SINGLE_TOKEN,
         _paged_attention_kernel,
-        _tile_config,
     )
 
     pointers = ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr", "rope_k_ptr", "rope_v_ptr")
@@ -154,17 +156,17 @@ def attention_configs() -> list[CompiledConfig]:
     results = []
     # (case, decode tiles, their split configuration, programs per SM, segments, sequences
     # served, tile map)
-    full = _ONE_WARP_MIN_PROGRAMS_PER_SM
-    cases = (("decode split", True, True, 0, _MAX_SPLITS, _ALL_SEQUENCES, False),
+    full = ONE_WARP_MIN_PROGRAMS_PER_SM
+    cases = (("decode split", True, True, 0, MAX_SPLITS, _ALL_SEQUENCES, False),
              ("decode", True, False, 0, 1, _ALL_SEQUENCES, False),
              ("decode, full grid", True, False, full, 1, _ALL_SEQUENCES, False),
              ("prefill", False, False, 0, 1, _ALL_SEQUENCES, False),
-             ("mixed decodes", True, False, 0, _MIXED_DECODE_SPLITS, _SINGLE_TOKEN, False),
+             ("mixed decodes", True, False, 0, MIXED_DECODE_SPLITS, _SINGLE_TOKEN, False),
              ("mixed chunks", False, False, 0, 1, _MULTI_TOKEN, True))  # fmt: skip
     for case, decode, split_tiles, per_sm, splits, sequences, tile_map in cases:
         sequences = sequences.value
         rope = decode and sequences == _ALL_SEQUENCES.value  # a mixed step writes its cache first
-        config = _tile_config(4, decode, 128, 2, split_tiles, per_sm)
+        config = tile_config(4, decode, 128, 2, split_tiles, per_sm)
         num_warps = config.pop("num_warps")
         constexprs = {
             "GROUP": 4, "HEAD_DIM": 128, "PAGE": 16, "DECODE_ONLY": decode,

@@ -61,7 +61,7 @@ def make_block_weights(shape: AttentionShape, hidden: int, groups: int, device, 
 
 
 def _attend(q, k_cache, v_cache, meta, out, scale, max_seq_len, tiles=None):
-    from ember.kernels import paged_attention
+    from ember.kernels.paged_attention import paged_attention
 
     paged_attention(q, k_cache, v_cache, meta["query_start_loc"], meta["seq_lens"],
                     meta["block_tables"], scale, out, max_query_len=1,

@@ -148,7 +148,8 @@ def bench_attention(
     """
     from triton.testing import do_bench
 
-    from ember.kernels import choose_num_kv_splits, paged_attention
+    from ember.kernels.attention_plan import choose_num_kv_splits
+    from ember.kernels.paged_attention import paged_attention
 
     if hbm_bytes_per_s is None:
         hbm_bytes_per_s = measure_hbm_bytes_per_s()
@@ -205,7 +206,7 @@ def bench_prefill_attention(
     """One causal prefill chunk from position 0: time against the bf16 tensor-core peak."""
     from triton.testing import do_bench
 
-    from ember.kernels import paged_attention
+    from ember.kernels.paged_attention import paged_attention
 
     rows = []
     for chunk in chunks:
@@ -233,7 +234,7 @@ def bench_sampling(
 ) -> list[dict]:  # fmt: skip
     """The sampler per batch size on a Qwen-sized vocabulary: plain temperature sampling (one
     pass) and top-k 50 + top-p 0.9 (the threshold search), with logits-read time for scale."""
-    from ember.kernels import sample
+    from ember.kernels.sampling import sample
 
     rows = []
     for batch in batches:

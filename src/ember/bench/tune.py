@@ -149,9 +149,9 @@ def sequence_weights(
 def _norm_then(norm_in, norm_weight, normed, gemm, layer: int) -> None:
     """One layer of a sequence timing: the RMSNorm kernel that precedes q/k/v and gate/up in a
     decode step, then ``gemm(layer)``; ``gemm`` None times the norm alone."""
-    from ember import kernels
+    from ember.kernels.rmsnorm import rms_norm
 
-    kernels.rms_norm(norm_in, norm_weight, 1e-5, out=normed)
+    rms_norm(norm_in, norm_weight, 1e-5, out=normed)
     if gemm is not None:
         gemm(layer)
 
@@ -219,7 +219,7 @@ def _skinny_layer(x, weights, out, config, layer: int) -> None:
 
 
 def bench_attention_tiles(hbm_bytes_per_s: float, points=ATTENTION_POINTS) -> list[dict]:
-    from ember.kernels import paged_attention
+    from ember.kernels.paged_attention import paged_attention
 
     shape = LLAMA_8B
     scale = shape.head_dim**-0.5

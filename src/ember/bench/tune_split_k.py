@@ -27,23 +27,24 @@ SPLIT_K_SHAPES = ("o", "down")
 
 
 def _cublas_then_norm(x, weights, residual, norm_weight, layer: int) -> None:
-    from ember import kernels
+    from ember.kernels.rmsnorm import fused_add_rms_norm
 
     product = torch.nn.functional.linear(x, weights[layer])
-    kernels.fused_add_rms_norm(product, residual, norm_weight, 1e-5)
+    fused_add_rms_norm(product, residual, norm_weight, 1e-5)
 
 
 def _norm_only(product, residual, norm_weight, layer: int) -> None:
-    from ember import kernels
+    from ember.kernels.rmsnorm import fused_add_rms_norm
 
-    kernels.fused_add_rms_norm(product, residual, norm_weight, 1e-5)
+    fused_add_rms_norm(product, residual, norm_weight, 1e-5)
 
 
 def _parts_then_norm(x, weights, residual, norm_weight, normed, parts, layer: int) -> None:
-    from ember import kernels
+    from ember.kernels.linear import linear_parts
+    from ember.kernels.rmsnorm import add_parts_rms_norm
 
-    partial_sums = kernels.linear_parts(x, weights[layer], parts=parts)
-    kernels.add_parts_rms_norm(residual, partial_sums, norm_weight, 1e-5, out=normed)
+    partial_sums = linear_parts(x, weights[layer], parts=parts)
+    add_parts_rms_norm(residual, partial_sums, norm_weight, 1e-5, out=normed)
 
 
 def bench_split_k(
@@ -51,7 +52,7 @@ def bench_split_k(
 ) -> list[dict]:
     """One row per (shape, rows): µs per layer of each variant, how far each split's summed
     halves are from cuBLAS's product, and the best split with what it saves over cuBLAS."""
-    from ember.kernels import linear_parts
+    from ember.kernels.linear import linear_parts
 
     dims = {name: (n, k) for name, n, k in linear_shapes(preset)}
     results = []

@@ -49,11 +49,11 @@ def _us(layer_fn, layers: int) -> float | str:
 
 
 def _cublas_layer(x, weights, product, silu_out, layer: int) -> None:
-    from ember import kernels
+    from ember.kernels.activation import silu_and_mul
 
     torch.matmul(x, weights[layer].t(), out=product)
     if silu_out is not None:
-        kernels.silu_and_mul(product, out=silu_out)
+        silu_and_mul(product, out=silu_out)
 
 
 def _stream_k_layer(x, weights, workspace, gated, out, config, programs, layer: int) -> None:
@@ -64,7 +64,7 @@ def _stream_k_layer(x, weights, workspace, gated, out, config, programs, layer: 
 
 
 def bench_stream_k(preset: str, rows=STREAM_K_ROWS, configs=STREAM_K_CONFIGS) -> list[dict]:
-    from ember import kernels
+    from ember.kernels.activation import silu_and_mul
     from ember.kernels.stream_k_gemm import StreamKWorkspace, num_tiles
 
     workspace = StreamKWorkspace()
@@ -81,7 +81,7 @@ def bench_stream_k(preset: str, rows=STREAM_K_ROWS, configs=STREAM_K_CONFIGS) ->
             cublas = partial(_cublas_layer, x, weights, product, out if gated else None)
             reference = torch.matmul(x, weights[0].t())
             if gated:
-                reference = kernels.silu_and_mul(reference)
+                reference = silu_and_mul(reference)
             row = {"shape": name, "n": n, "k": k, "m": m, "gated": gated, "layers": layers,
                    "flops": 2 * m * n * k, "cublas_us": _us(cublas, layers), "stream_k": {}}  # fmt: skip
             for config in configs:

@@ -47,7 +47,7 @@ def decode_gemms(preset: str, rows: int, names=(*_LAYER_GEMMS, "lm_head"), after
     logits once a step (after the first layer's products, not after the last as in a step).
     ``after(name, layer, out)``, when given, runs after each product with its output, where a
     step runs its attention, norms and activation (their FLOPs are not counted)."""
-    from ember.kernels import linear_parts
+    from ember.kernels.linear import linear_parts
 
     shapes = {name: (n, k) for name, n, k in linear_shapes(preset) if name in names}
     layers = {name: SEQUENCE_LAYERS if name in _LAYER_GEMMS else 1 for name in shapes}
@@ -83,7 +83,7 @@ def decode_attention_layers(rows: int, context: int) -> list[dict]:
 
 def attend_one_layer(inputs: dict, out: torch.Tensor, context: int, tile_config=None) -> None:
     """One layer's decode attention over its `decode_inputs`, into ``out``."""
-    from ember.kernels import paged_attention
+    from ember.kernels.paged_attention import paged_attention
 
     paged_attention(**inputs, scale=LLAMA_8B.head_dim**-0.5, out=out, max_query_len=1,
                     max_seq_len=context, tile_config=tile_config)  # fmt: skip

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ember.config import EngineConfig
+from ember.dependencies import MissingDependencyError
 from ember.engine.gc_heap import SLOW_PASS_S, GcPauses, freeze_startup_heap
 from ember.engine.ipc import (
     AbortRequests,
@@ -217,6 +218,10 @@ def run_engine(configs: list[EngineConfig], addresses: IpcAddresses) -> None:
         logger.info("froze %d start-up objects out of the collector's passes", frozen)
         channel.send(EngineReady([model_info(name, inst) for name, inst in instances.items()]))
         EngineCore(instances, channel).run()
+    except MissingDependencyError as exc:  # a setup problem, said in one line: no traceback
+        logger.error("%s", exc)
+        channel.send(EngineFailed(str(exc)))
+        raise SystemExit(1) from exc
     except BaseException as exc:
         logger.exception("engine failed")
         channel.send(EngineFailed(f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))

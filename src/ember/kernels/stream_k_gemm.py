@@ -35,8 +35,8 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ember.kernels.activation import silu_mul_rounded
+from ember.kernels.attention_plan import device_sm_count
 from ember.kernels.compile_ahead import launch
-from ember.kernels.paged_attention import device_sm_count
 from ember.kernels.pdl import wait_for_producer
 from ember.kernels.tiles import shrink_to_fit
 

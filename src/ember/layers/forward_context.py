@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from ember.kernels.paged_attention import ChunkTiles
+    from ember.kernels.attention_plan import ChunkTiles
 
 
 @dataclass

@@ -13,6 +13,8 @@ from functools import partial
 
 import torch
 
+from ember.dependencies import require_triton
+
 
 @dataclass(frozen=True)
 class Ops:
@@ -108,8 +110,18 @@ def triton_ops(
     ``decode_rope_in_attention`` lets decode steps rotate and write the cache inside the
     attention kernel; ``defer_norms``: models fold their decoder norms into the projections
     (`ember.layers.row_norm`)."""
-    from ember import kernels
+    require_triton()
     from ember.config import PDL_MODES
+    from ember.kernels import (
+        activation,
+        argmax,
+        attention_step,
+        linear,
+        paged_attention,
+        rmsnorm,
+        rope_cache_write,
+        sampling,
+    )
     from ember.kernels.pdl import pdl_for_rows
     from ember.kernels.skinny_gemm import MAX_M as SKINNY_MAX_M
 
@@ -123,22 +135,22 @@ def triton_ops(
             return partial(op, pdl=True)
         return partial(_launch_by_rows, op, pdl_for_rows) if programmatic_launch == "auto" else op
 
-    rope_and_attention = kernels.rope_and_attention
+    rope_and_attention = attention_step.rope_and_attention
     if not decode_rope_in_attention:
         rope_and_attention = partial(rope_and_attention, fuse_decode=False)
 
     return Ops(
         name="triton",
-        linear=chained(kernels.linear),
-        rms_norm=chained(kernels.rms_norm),
-        fused_add_rms_norm=chained(kernels.fused_add_rms_norm),
-        silu_and_mul=chained(kernels.silu_and_mul),
-        gate_up_silu=chained(kernels.gate_up_silu),
-        rope_and_cache_write=chained(kernels.rope_and_cache_write),
-        paged_attention=chained(kernels.paged_attention),
+        linear=chained(linear.linear),
+        rms_norm=chained(rmsnorm.rms_norm),
+        fused_add_rms_norm=chained(rmsnorm.fused_add_rms_norm),
+        silu_and_mul=chained(activation.silu_and_mul),
+        gate_up_silu=chained(linear.gate_up_silu),
+        rope_and_cache_write=chained(rope_cache_write.rope_and_cache_write),
+        paged_attention=chained(paged_attention.paged_attention),
         rope_and_attention=chained(rope_and_attention),
-        sample=kernels.sample,
-        greedy_argmax=kernels.greedy_argmax,
+        sample=sampling.sample,
+        greedy_argmax=argmax.greedy_argmax,
         capturable=True,
         programmatic_launch=programmatic_launch,
         defer_norms=defer_norms,
@@ -147,10 +159,10 @@ def triton_ops(
         # measured faster at batch 256 (bench/results/README.md, "Batch 256: ... norms past the
         # skinny GEMM").
         defer_norms_max_rows=SKINNY_MAX_M,
-        linear_add=chained(kernels.linear_add),
-        add_and_sum_squares=chained(kernels.add_and_sum_squares),
-        linear_parts=chained(kernels.linear_parts),
-        add_parts_rms_norm=chained(kernels.add_parts_rms_norm),
+        linear_add=chained(linear.linear_add),
+        add_and_sum_squares=chained(rmsnorm.add_and_sum_squares),
+        linear_parts=chained(linear.linear_parts),
+        add_parts_rms_norm=chained(rmsnorm.add_parts_rms_norm),
     )
 
 
@@ -171,6 +183,7 @@ def select_ops(
         return reference_ops()
     if backend not in ("auto", "triton"):
         raise ValueError(f"unknown attention backend {backend!r}; choose auto, triton or reference")
+    require_triton()
     from ember.kernels.pdl import supports_programmatic_launch
 
     if programmatic_launch != "off" and not supports_programmatic_launch(device):

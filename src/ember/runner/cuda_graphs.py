@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ember.kernels.paged_attention import (
+from ember.kernels.attention_plan import (
     ChunkTiles,
     choose_num_kv_splits,
     chunk_tile_bound,

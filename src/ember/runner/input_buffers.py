@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ember.kernels.paged_attention import chunk_tile_bound
+from ember.kernels.attention_plan import chunk_tile_bound
 
 _ALIGN = 16
 # Copy the gap between two used runs rather than start another copy when it is this small:

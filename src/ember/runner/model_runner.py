@@ -19,8 +19,8 @@ import numpy as np
 import torch
 
 from ember.engine.step_types import RunnerOutput, SchedulerOutput, TokenLogprobs
+from ember.kernels.attention_plan import ChunkTiles, chunk_tile_map, prefill_query_tile
 from ember.kernels.compile_ahead import compile_ahead
-from ember.kernels.paged_attention import ChunkTiles, chunk_tile_map, prefill_query_tile
 from ember.layers.forward_context import ForwardContext
 from ember.runner.cuda_graphs import GraphKey, StepGraphs
 from ember.runner.input_buffers import InputBlock, InputBuffers

@@ -10,6 +10,7 @@ from types import FrameType
 
 import uvicorn
 
+from ember.dependencies import MissingDependencyError, require_triton
 from ember.server.app import build_app
 from ember.server.config import ServerConfig
 from ember.server.lifecycle import Lifecycle
@@ -68,8 +69,12 @@ class DrainingServer(uvicorn.Server):
 def run_server(config: ServerConfig) -> int:
     """Serve until drained; the process exit code."""
     try:
+        for spec in config.models:
+            if spec.engine.asks_for_triton:
+                require_triton()  # here, before an engine process is started for nothing
         models = [load_served_model(spec) for spec in config.models]
-    except (OSError, ValueError) as exc:  # no such model, unreadable file, bad template
+    except (OSError, ValueError, MissingDependencyError) as exc:
+        # no such model, unreadable file, bad template, a package the asked-for path needs
         logger.error("cannot serve: %s", exc)
         return 1
     app = build_app(config, models)
