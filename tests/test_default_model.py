@@ -11,6 +11,8 @@ from helpers.hf_reference import hf_greedy_tokens
 from ember import LLM, SamplingParams
 from ember.weights.default_model import default_model_path
 
+pytestmark = pytest.mark.slow
+
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")  # transformers' GGUF loading needs it
 

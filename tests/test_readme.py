@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 from server.server_process import ServerProcess
 
+pytestmark = pytest.mark.slow
+
 README = (Path(__file__).parents[1] / "README.md").read_text()
 README_URL = "http://localhost:8000"
 
@@ -38,8 +40,14 @@ def run_python(code: str, timeout: float = 600) -> str:
 @pytest.fixture(scope="module")
 def readme_server():
     """The README's server for its client examples, sized for a 2-core CPU."""
-    flags = ("--served-model-name", "llama", "--max-model-len", "1024",
-             "--num-gpu-blocks-override", "200")  # fmt: skip
+    flags = (
+        "--served-model-name",
+        "llama",
+        "--max-model-len",
+        "1024",
+        "--num-gpu-blocks-override",
+        "200",
+    )
     process = ServerProcess(*flags, api_key="secret").start()
     yield process
     process.kill()

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow
+
 BLOCK_TRITON = 'import sys\nsys.modules["triton"] = None\n'
 
 

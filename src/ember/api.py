@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ember.config import CacheConfig, EngineConfig, SchedulerConfig
+from ember.config import engine_config
 from ember.engine.model_instance import ModelInstance
 from ember.engine.step_types import TokenLogprobs
 from ember.sampling_params import SamplingParams
@@ -40,55 +40,13 @@ class RequestOutput:
 class LLM:
     """A model loaded in this process. `LLM()` with no model loads the embedded SmolLM2."""
 
-    def __init__(
-        self,
-        model: str | None = None,
-        *,
-        dtype: str = "auto",
-        max_model_len: int | None = None,
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int | None = None,
-        block_size: int = 16,
-        num_kv_blocks: int | None = None,
-        kv_cache_memory_bytes: int | None = None,
-        gpu_memory_utilization: float = 0.90,
-        device: str = "auto",
-        seed: int = 0,
-        long_prefill_token_threshold: int = 0,
-        enforce_eager: bool = False,
-        lazy_cuda_graphs: bool = False,
-        overlap: bool | None = None,
-        backend: str = "auto",
-        programmatic_launch: str = "auto",
-        compile_workers: int | None = None,
-    ) -> None:
-        scheduler = SchedulerConfig(
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens or max(2048, max_model_len or 0),
-            max_model_len=max_model_len or 0,
-            long_prefill_token_threshold=long_prefill_token_threshold,
-        )
-        cache = CacheConfig(
-            block_size=block_size,
-            num_blocks=num_kv_blocks,
-            kv_cache_memory_bytes=kv_cache_memory_bytes,
-            gpu_memory_utilization=gpu_memory_utilization,
-        )
-        config = EngineConfig(
-            model=model,
-            dtype=dtype,
-            device=device,
-            cache=cache,
-            scheduler=scheduler,
-            seed=seed,
-            enforce_eager=enforce_eager,
-            lazy_cuda_graphs=lazy_cuda_graphs,
-            overlap=overlap,
-            backend=backend,
-            programmatic_launch=programmatic_launch,
-            compile_workers=compile_workers,
-        )
-        self.instance = ModelInstance(config)
+    def __init__(self, model: str | None = None, **options: Any) -> None:
+        """``model``: a GGUF file, a model directory or a Hugging Face id in the local cache
+        (None: the embedded SmolLM2). ``options``: the engine's, named as `ember serve`'s flags
+        and vLLM's `LLM` keywords (`ember.config.ENGINE_OPTIONS`: ``max_model_len``,
+        ``max_num_seqs``, ``max_num_batched_tokens``, ``gpu_memory_utilization``, ``dtype``,
+        ``device``, ``seed``, ``enforce_eager``, ...); one left out keeps its default."""
+        self.instance = ModelInstance(engine_config(model, **options))
         self._ids = itertools.count()
 
     def get_tokenizer(self):

@@ -13,9 +13,9 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
-from ember.config import PDL_MODES
+from ember.config import ENGINE_OPTIONS, PDL_MODES, engine_config
 from ember.server.config import (
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_QUEUE,
@@ -57,19 +57,8 @@ BENCH_COMMANDS: dict[str, BenchCommand] = {
         "ember.bench.tune",
         "add_arguments",
         "run",
-        "sweep GEMM (cuBLAS vs skinny Triton) and decode-attention tiles on a GPU",
-    ),
-    "head-split": BenchCommand(
-        "ember.bench.head_split",
-        "add_arguments",
-        "run",
-        "attention overlapped with the q/k/v and o GEMMs by KV-head groups, against the chain",
-    ),
-    "targets": BenchCommand(
-        "ember.bench.targets",
-        "add_arguments",
-        "run",
-        "compare recorded step/serve/peer results with the project's targets",
+        "the sweeps behind the GPU tables of ember.kernels.tuning: skinny GEMM vs cuBLAS, decode "
+        "attention tiles x splits, split-K, stream-K (--sections)",
     ),
     "make-model": BenchCommand(
         "ember.bench.make_model",
@@ -87,7 +76,8 @@ BENCH_COMMANDS: dict[str, BenchCommand] = {
         "ember.bench.cpu_step",
         "add_arguments",
         "run",
-        "host-side cost of one engine step (schedule, stage inputs, update), no model",
+        "host cost of one engine step (schedule, launch, collect, update) on a stand-in model, "
+        "no GPU",
     ),
 }
 
@@ -107,40 +97,59 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--served-model-name", help="the name clients use in 'model' (default: MODEL as given)"
     )
+    defaults = engine_config()
     parser.add_argument(
         "--dtype",
-        default="auto",
-        help="auto (float32 on CPU, the checkpoint's bf16/fp16 on GPU), float32, float16, bfloat16",
+        help="auto (float32 on CPU, the checkpoint's bf16/fp16 on GPU; the default), float32, "
+        "float16, bfloat16",
     )
-    parser.add_argument("--device", default="auto", help="auto, cuda, cuda:N or cpu")
+    parser.add_argument("--device", help="auto (the default), cuda, cuda:N or cpu")
     parser.add_argument("--max-model-len", type=int, help="context length (default: the model's)")
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.90)
-    parser.add_argument("--max-num-seqs", type=int, default=256, help="sequences per step")
     parser.add_argument(
-        "--max-num-batched-tokens", type=int, help="tokens per step (default: 2048 or more)"
+        "--gpu-memory-utilization",
+        type=float,
+        help=f"fraction of GPU memory for weights and KV cache "
+        f"(default: {defaults.cache.gpu_memory_utilization})",
     )
-    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
+    parser.add_argument(
+        "--max-num-seqs",
+        type=int,
+        help=f"sequences per step (default: {defaults.limits.max_num_seqs})",
+    )
+    parser.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        help=f"tokens per step (default: {defaults.limits.max_num_batched_tokens}, or the "
+        "context length if larger)",
+    )
+    parser.add_argument(
+        "--block-size",
+        type=int,
+        help=f"tokens per KV cache block (default: {defaults.cache.block_size})",
+    )
     parser.add_argument(
         "--num-gpu-blocks-override",
         type=int,
-        dest="num_kv_blocks",
         help="KV cache blocks, instead of sizing the pool from memory (also on CPU)",
     )
     parser.add_argument(
         "--kv-cache-memory-bytes", type=int, help="KV cache budget in bytes (CPU: 1 GiB default)"
     )
-    parser.add_argument("--seed", type=int, default=0, help="seed for unseeded requests")
-    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    parser.add_argument(
+        "--seed", type=int, help=f"seed for unseeded requests (default: {defaults.seed})"
+    )
+    parser.add_argument("--enforce-eager", action="store_true", default=None, help="no CUDA graphs")
     parser.add_argument(
         "--lazy-cuda-graphs",
         action="store_true",
+        default=None,
         help="capture each CUDA graph when a step first needs it (faster start, slower first steps)",
     )
     parser.add_argument(
         "--cuda-graph-mode",
         choices=("full", "decode"),
-        default="full",
-        help="full: CUDA graphs for decode and prefill steps; decode: decode steps only",
+        help="full (the default): CUDA graphs for decode and prefill steps; decode: decode "
+        "steps only",
     )
     add_fast_path_arguments(parser)
     parser.add_argument(
@@ -186,10 +195,9 @@ def add_fast_path_arguments(parser: argparse.ArgumentParser) -> None:
         "--programmatic-launch",
         nargs="?",
         const="on",
-        default="auto",
         choices=PDL_MODES,
         help="launch a step's Triton kernels with programmatic dependent launch (Hopper+): at the "
-        "step sizes where it measured faster on an H200 (auto, the default), always (on, or the "
+        "step sizes where it measured faster on the GPU (auto, the default), always (on, or the "
         "bare flag) or never (off)",
     )
     parser.add_argument(
@@ -207,52 +215,35 @@ def add_fast_path_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--compile-workers",
         type=int,
-        default=None,
         metavar="N",
         help="threads that compile the CUDA graphs' Triton kernels before the captures "
         "(default: one per CPU, up to 16; 0: each kernel compiles at its first launch)",
     )
 
 
-def fast_path_options(args: argparse.Namespace) -> dict:
-    """The EngineConfig fields set by `add_fast_path_arguments`."""
-    return {
-        "programmatic_launch": args.programmatic_launch,
-        "decode_rope_in_attention": not args.separate_decode_rope,
-        "defer_norms": not args.separate_norms,
-        "compile_workers": args.compile_workers,
+def engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The `engine_config` options that `ember serve`'s (or a benchmark's) flags set; flags
+    left out are left out, so each keeps the one default `ember.config` defines."""
+    options = {
+        name: getattr(args, name)
+        for name in ENGINE_OPTIONS
+        if getattr(args, name, None) is not None
     }
+    if getattr(args, "separate_decode_rope", False):
+        options["decode_rope_in_attention"] = False
+    if getattr(args, "separate_norms", False):
+        options["defer_norms"] = False
+    return options
 
 
 def server_config(args: argparse.Namespace):
     """The ServerConfig described by `ember serve` flags."""
-    from ember.config import CacheConfig, EngineConfig, SchedulerConfig
     from ember.server.config import ServedModelSpec, ServerConfig
     from ember.server.models import served_name_for
 
-    engine = EngineConfig(
-        model=args.model,
-        dtype=args.dtype,
-        device=args.device,
-        served_model_name=served_name_for(args.model, args.served_model_name),
-        cache=CacheConfig(
-            block_size=args.block_size,
-            num_blocks=args.num_kv_blocks,
-            kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-            gpu_memory_utilization=args.gpu_memory_utilization,
-        ),
-        scheduler=SchedulerConfig(
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens
-            or max(2048, args.max_model_len or 0),
-            max_model_len=args.max_model_len or 0,
-        ),
-        seed=args.seed,
-        enforce_eager=args.enforce_eager,
-        lazy_cuda_graphs=args.lazy_cuda_graphs,
-        cuda_graph_mode=args.cuda_graph_mode,
-        **fast_path_options(args),
-    )
+    options = engine_options(args)
+    options["served_model_name"] = served_name_for(args.model, args.served_model_name)
+    engine = engine_config(args.model, **options)
     return ServerConfig(
         models=(ServedModelSpec(engine, chat_template=args.chat_template),),
         host=args.host,

@@ -15,7 +15,7 @@ SUPPORTED_ARCHITECTURES = (
 
 
 # How a step's Triton kernels launch (ember.kernels.pdl): programmatic dependent launch at the
-# step sizes where it measured faster, always, or never.
+# device's measured step sizes (`KernelTuning.pdl_rows`), always, or never.
 PDL_MODES = ("auto", "on", "off")
 
 
@@ -128,28 +128,37 @@ class CacheConfig:
 
     block_size: int = 16
     num_blocks: int | None = None  # None: sized from the memory budget
-    kv_cache_memory_bytes: int | None = None  # budget on CPU; on GPU derived from utilisation
+    kv_cache_memory_bytes: int | None = None  # budget on CPU (1 GiB if None); on GPU derived
     gpu_memory_utilization: float = 0.90
 
 
 @dataclass(frozen=True)
-class SchedulerConfig:
-    """Limits of one engine step."""
+class StepLimits:
+    """What one engine step may hold, passed as one object to everything sized by it (the
+    scheduler, the runner's buffers, its CUDA graphs, the sampler): sequences per step, tokens
+    fed per step, a sequence's length (0: the model's), and the most tokens one prompt feeds in
+    a step (0: the whole remaining budget)."""
 
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
-    max_model_len: int = 4096
-    long_prefill_token_threshold: int = 0  # 0: a prompt may take the whole remaining budget
+    max_model_len: int = 0
+    long_prefill_token_threshold: int = 0
+
+    @property
+    def max_step_tokens(self) -> int:
+        """Rows the step's token arrays hold: a decode step may feed one per sequence even
+        where that is more than the token budget."""
+        return max(self.max_num_batched_tokens, self.max_num_seqs)
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str
+    model: str | None = None
     dtype: str = "auto"
     device: str = "auto"
     served_model_name: str | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    limits: StepLimits = field(default_factory=StepLimits)
     seed: int = 0
     enforce_eager: bool = False  # no CUDA graphs
     lazy_cuda_graphs: bool = False  # capture each graph when first needed instead of at start
@@ -160,15 +169,15 @@ class EngineConfig:
     cuda_graph_mode: str = "full"
     backend: str = "auto"  # compute primitives: auto (Triton on CUDA), triton or reference
     # Programmatic dependent launch between the Triton kernels of a step (Hopper and later):
-    # "auto" where it measured faster (ember.kernels.pdl.AUTO_PDL_ROWS), "on" or "off"
-    # (PDL_MODES).
+    # "auto" at the device's measured step sizes (`KernelTuning.pdl_rows`), "on" or "off".
     programmatic_launch: str = "auto"
-    # Decode steps apply RoPE and write the KV cache inside the attention kernel (Triton path):
-    # 61-88 us less per step than a separate kernel at batch 1-64 on an H200.
+    # Decode steps apply RoPE and write the KV cache inside the attention kernel (Triton path;
+    # bench/results/README.md, "RoPE in decode attention").
     decode_rope_in_attention: bool = True
     # Deferred RMSNorm (Triton path, ember.layers.row_norm): decoder norm weights folded into the
     # projections they feed; the residual add and the norm's statistics ride in the GEMM that
-    # adds to the stream, 1/rms in the kernel that reads the next projection.
+    # adds to the stream, 1/rms in the kernel that reads the next projection
+    # (bench/results/README.md, "Deferred norms").
     defer_norms: bool = True
     overlap: bool | None = None  # None: overlap CPU and GPU work when on a GPU
 
@@ -179,3 +188,52 @@ class EngineConfig:
         return self.backend == "triton" or (
             self.backend == "auto" and self.device.startswith("cuda")
         )
+
+
+# Options of `engine_config` that set a field of a section, by the name users know them by
+# (vLLM's, where vLLM has one).
+_SECTION_OPTIONS: dict[str, tuple[str, str]] = {
+    "block_size": ("cache", "block_size"),
+    "num_gpu_blocks_override": ("cache", "num_blocks"),
+    "kv_cache_memory_bytes": ("cache", "kv_cache_memory_bytes"),
+    "gpu_memory_utilization": ("cache", "gpu_memory_utilization"),
+    "max_num_seqs": ("limits", "max_num_seqs"),
+    "max_num_batched_tokens": ("limits", "max_num_batched_tokens"),
+    "max_model_len": ("limits", "max_model_len"),
+    "long_prefill_token_threshold": ("limits", "long_prefill_token_threshold"),
+}
+_ENGINE_FIELDS = frozenset(f.name for f in dataclasses.fields(EngineConfig)) - {
+    "model",
+    "cache",
+    "limits",
+}
+ENGINE_OPTIONS = tuple(sorted(_ENGINE_FIELDS | set(_SECTION_OPTIONS)))
+
+
+def engine_config(model: str | None = None, **options: Any) -> EngineConfig:
+    """The one way an `EngineConfig` is built from flat options (`ember serve`'s flags and the
+    offline `LLM`'s keywords): each of `ENGINE_OPTIONS`; one left out or None keeps the default
+    of its dataclass field above. ``max_num_batched_tokens`` defaults to the larger of its field's
+    default and ``max_model_len``, so a whole prompt of the context fits one step."""
+    unknown = sorted(set(options) - set(ENGINE_OPTIONS))
+    if unknown:
+        raise TypeError(f"unknown engine option(s): {', '.join(unknown)}")
+    given = {name: value for name, value in options.items() if value is not None}
+    sections: dict[str, dict[str, Any]] = {"cache": {}, "limits": {}}
+    top: dict[str, Any] = {}
+    for name, value in given.items():
+        if name in _SECTION_OPTIONS:
+            section, field_name = _SECTION_OPTIONS[name]
+            sections[section][field_name] = value
+        else:
+            top[name] = value
+    limits = sections["limits"]
+    if "max_num_batched_tokens" not in limits:
+        default = StepLimits.max_num_batched_tokens
+        limits["max_num_batched_tokens"] = max(default, limits.get("max_model_len") or 0)
+    return EngineConfig(
+        model=model,
+        cache=CacheConfig(**sections["cache"]),
+        limits=StepLimits(**limits),
+        **top,
+    )

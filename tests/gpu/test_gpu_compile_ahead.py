@@ -69,8 +69,9 @@ def test_engine_compiles_its_kernels_before_the_first_request(tmp_path, compiles
     assert report.graphs_captured > 0
     compiles.clear()
     tokens = [o.outputs[0].token_ids for o in ahead.generate(prompts, params)]
-    drawn = ahead.generate(prompts, SamplingParams(temperature=0.8, top_p=0.9, seed=1,
-                                                   max_tokens=8))  # fmt: skip
+    drawn = ahead.generate(
+        prompts, SamplingParams(temperature=0.8, top_p=0.9, seed=1, max_tokens=8)
+    )
     assert all(o.outputs[0].token_ids for o in drawn)
     assert compiles == []
     del ahead

@@ -108,8 +108,12 @@ def test_programmatic_launch_does_not_change_tokens(tmp_path):
     would change them)."""
     path = make_tiny_model("LlamaForCausalLM", tmp_path)
     prompts = random_prompts(24, seed=11)
-    kwargs = {"device": "cuda", "dtype": "float32", "max_model_len": 256,
-              "kv_cache_memory_bytes": 1 << 30}  # fmt: skip
+    kwargs = {
+        "device": "cuda",
+        "dtype": "float32",
+        "max_model_len": 256,
+        "kv_cache_memory_bytes": 1 << 30,
+    }
     plain = greedy_tokens(LLM(str(path), programmatic_launch="off", **kwargs), prompts)
     for mode in ("on", "auto"):  # auto mixes PDL and plain steps (and kernels, in mixed steps)
         chained = LLM(str(path), programmatic_launch=mode, **kwargs)

@@ -33,8 +33,14 @@ def test_pinned_multi_stream_load_is_bit_exact(tmp_path, target_dtype):
         dtype = target_dtype if tensor.is_floating_point() and target_dtype else tensor.dtype
         targets[name] = torch.full(tensor.shape, 7, dtype=dtype, device=device)
     # Small chunks and few buffers: every buffer is reused many times across the streams.
-    load_extents(read_extents(path), lambda e: targets[e.name], device, read_threads=3,
-                 copy_streams=3, chunk_bytes=4096)  # fmt: skip
+    load_extents(
+        read_extents(path),
+        lambda e: targets[e.name],
+        device,
+        read_threads=3,
+        copy_streams=3,
+        chunk_bytes=4096,
+    )
     for name, tensor in tensors.items():
         assert torch.equal(targets[name].cpu(), tensor.to(targets[name].dtype)), name
 
@@ -43,8 +49,13 @@ def test_loading_while_compiling_gives_the_tokens_of_a_load_without_compiling(tm
     path = make_tiny_model("LlamaForCausalLM", tmp_path / "m", max_shard_size="300KB")
     prompts = [{"prompt_token_ids": [5, 9, 14, 3, 77, 21, 8]}, {"prompt_token_ids": [40] * 19}]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    kwargs = {"device": "cuda", "max_model_len": 128, "max_num_seqs": 8, "dtype": "float32",
-              "kv_cache_memory_bytes": 64 << 20}  # fmt: skip
+    kwargs = {
+        "device": "cuda",
+        "max_model_len": 128,
+        "max_num_seqs": 8,
+        "dtype": "float32",
+        "kv_cache_memory_bytes": 64 << 20,
+    }
     overlapped = LLM(str(path), compile_workers=4, **kwargs)
     assert overlapped.instance.load_report.weight_load_seconds > 0
     ours = [o.outputs[0].token_ids for o in overlapped.generate(prompts, params)]

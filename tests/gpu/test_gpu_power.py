@@ -1,7 +1,7 @@
 """The sustained ceilings and the power window on a real GPU: a product held in graph replays
 gives a rate per batch, and NVML (where present) a reading whose energy matches its power.
 
-Skipped without a CUDA GPU; `scripts/gpu_run.sh` runs these on the H200.
+Skipped without a CUDA GPU; `tools/gpu_run.sh` runs these on the H200.
 """
 
 from __future__ import annotations
@@ -23,8 +23,13 @@ def test_sustained_rate_of_a_product_with_its_power():
     b = torch.randn(2048, 2048, dtype=torch.bfloat16, device="cuda")
     c = torch.empty_like(a)
     nvml_handle = open_nvml()
-    rate = sustained_rate(lambda: torch.matmul(a, b, out=c), 2 * 2048**3, seconds=0.5,
-                          batch_seconds=0.02, nvml_handle=nvml_handle)  # fmt: skip
+    rate = sustained_rate(
+        lambda: torch.matmul(a, b, out=c),
+        2 * 2048**3,
+        seconds=0.5,
+        batch_seconds=0.02,
+        nvml_handle=nvml_handle,
+    )
     torch.testing.assert_close(c.float(), a.float() @ b.float(), atol=0.5, rtol=0.05)
     assert rate.batches >= 2
     # Far above a CPU's rate and under any GPU's bf16 peak.

@@ -1,13 +1,11 @@
-"""Split-K partial sums on the GPU: the batched cuBLAS product `linear_parts` runs, and an
-engine whose o and down products take it (routing forced onto a tiny model) still gives the
-reference path's greedy tokens, with CUDA graphs.
+"""Split-K partial sums on the GPU: the batched cuBLAS product `LinearRouter.linear_parts` runs,
+and an engine whose o and down products take it (its routes set so a tiny model's do) still
+gives the reference path's greedy tokens, with CUDA graphs.
 
-Skipped without a CUDA GPU; `scripts/gpu_run.sh` runs these on the H200.
+Skipped without a CUDA GPU; `tools/gpu_run.sh` runs these on the H200.
 """
 
 from __future__ import annotations
-
-import importlib
 
 import pytest
 import torch
@@ -15,7 +13,9 @@ from helpers.tiny_models import make_tiny_model
 
 from ember import LLM, SamplingParams
 from ember.bench.parity import compare_greedy
-from ember.kernels.linear import linear_parts
+from ember.kernels.attention_plan import AttentionTuning
+from ember.kernels.linear import LinearRouter
+from ember.kernels.tuning import KernelTuning, LinearRoutes
 
 pytestmark = [
     pytest.mark.gpu,
@@ -28,35 +28,46 @@ def test_linear_parts_sum_to_the_product(parts):
     g = torch.Generator(device="cuda").manual_seed(parts)
     x = torch.randn(128, 1024, device="cuda", generator=g).to(torch.bfloat16)
     weight = (torch.randn(256, 1024, device="cuda", generator=g) / 32).to(torch.bfloat16)
-    got = linear_parts(x, weight, parts=parts)
+    got = LinearRouter(LinearRoutes()).linear_parts(x, weight, parts=parts)
     assert got.shape == (parts, 128, 256) and got.dtype == torch.float32
     expected = x.float() @ weight.float().T
     torch.testing.assert_close(got.sum(0), expected, atol=1e-3, rtol=1e-3)
     slice_k = 1024 // parts
-    torch.testing.assert_close(got[-1], x[:, -slice_k:].float() @ weight[:, -slice_k:].float().T,
-                               atol=1e-3, rtol=1e-3)  # fmt: skip
+    torch.testing.assert_close(
+        got[-1], x[:, -slice_k:].float() @ weight[:, -slice_k:].float().T, atol=1e-3, rtol=1e-3
+    )
 
 
 def test_engine_on_partial_sums_matches_the_reference_path(tmp_path, monkeypatch):
-    linear_module = importlib.import_module("ember.kernels.linear")
-    monkeypatch.setattr(linear_module, "SPLIT_K_MAX_PARTS", 2)
-    monkeypatch.setattr(linear_module, "SPLIT_K_MIN_PART_K", 16)
+    # The tiny model's 64-wide products split in two where an 8B model's would.
+    routes = LinearRoutes(split_k_max_parts=2, split_k_min_part_k=16)
+    monkeypatch.setattr(
+        KernelTuning,
+        "for_device",
+        classmethod(lambda cls, device: cls(routes, AttentionTuning.for_device(device))),
+    )
     routed = []
-    route = linear_module.split_k_parts
+    route = LinearRouter.split_k_parts
 
-    def spy(*args):
-        parts = route(*args)
+    def spy(self, *args):
+        parts = route(self, *args)
         routed.append(parts)
         return parts
 
-    monkeypatch.setattr(linear_module, "split_k_parts", spy)
+    monkeypatch.setattr(LinearRouter, "split_k_parts", spy)
     path = make_tiny_model("LlamaForCausalLM", tmp_path)
     g = torch.Generator().manual_seed(7)
-    prompts = [torch.randint(3, 4000, (int(n),), generator=g).tolist()
-               for n in torch.randint(1, 40, (100,), generator=g)]  # fmt: skip
+    prompts = [
+        torch.randint(3, 4000, (int(n),), generator=g).tolist()
+        for n in torch.randint(1, 40, (100,), generator=g)
+    ]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=5)
-    kwargs = {"device": "cuda", "dtype": "bfloat16", "max_model_len": 128,
-              "kv_cache_memory_bytes": 1 << 30}  # fmt: skip
+    kwargs = {
+        "device": "cuda",
+        "dtype": "bfloat16",
+        "max_model_len": 128,
+        "kv_cache_memory_bytes": 1 << 30,
+    }
 
     def run(backend):
         llm = LLM(str(path), backend=backend, **kwargs)

@@ -1,10 +1,55 @@
-"""A stand-in for CUDA graph replay that runs on a CPU."""
+"""Stand-ins that run the CUDA-graph step paths on a CPU.
+
+`EagerStepGraphs` replays a "graph" by running its forward pass eagerly over the padded buffers.
+`PlannedReferenceAttention` plans and stages as the Triton backend does (chunk tile maps, graph
+grids, decode split variants) but computes with the reference attention, so the runner's
+staging for the fast path is checked without running a kernel.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
+from ember import LLM
+from ember.config import StepLimits
+from ember.kernels.attention_plan import AttentionPlanner, AttentionTuning
+from ember.layers.attention import ReferenceAttention, TritonAttention
 from ember.runner.cuda_graphs import GraphKey, StepGraphs
+
+
+class PlannedReferenceAttention(TritonAttention):
+    """The Triton backend's planning with the reference backend's arithmetic."""
+
+    def forward(self, q, k, v, ctx, cos_sin_cache, k_cache, v_cache, scale, out, row_norm=None):
+        reference = ReferenceAttention()
+        return reference.forward(
+            q, k, v, ctx, cos_sin_cache, k_cache, v_cache, scale, out, row_norm
+        )
+
+
+def planned_attention(
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    limits: StepLimits,
+    tuning: AttentionTuning | None = None,
+) -> PlannedReferenceAttention:
+    """A planned reference backend for this shape (an H200's table unless ``tuning``)."""
+    planner = AttentionPlanner(tuning or AttentionTuning(), num_q_heads, num_kv_heads, head_dim, 4)
+    return PlannedReferenceAttention(planner, limits, torch.device("cpu"), lambda rows: False)
+
+
+def llm_with_planned_attention(monkeypatch, *args, **kwargs) -> LLM:
+    """``LLM(*args, **kwargs)`` on the CPU whose attention plans as Triton's does."""
+    import ember.engine.model_instance as instance_module
+
+    def select(ops, num_q_heads, num_kv_heads, head_dim, dtype, device, limits, *a, **k):
+        return planned_attention(num_q_heads, num_kv_heads, head_dim, limits)
+
+    monkeypatch.setattr(instance_module, "select_attention", select)
+    return LLM(*args, **kwargs)
 
 
 class EagerStepGraphs(StepGraphs):
@@ -25,13 +70,19 @@ class EagerStepGraphs(StepGraphs):
         return self._forward(key)
 
     @classmethod
-    def install(cls, llm, max_tokens: int, **graph_options) -> EagerStepGraphs:
-        """Replace ``llm``'s runner graphs (None on a CPU) with eager ones; returns them."""
-        runner, config = llm.instance.runner, llm.instance.config.scheduler
-        graph_options.setdefault("chunk_tile_tokens", runner.chunk_tile_tokens)
+    def install(cls, llm: LLM, max_tokens: int, mixed: bool = True) -> EagerStepGraphs:
+        """Replace ``llm``'s runner graphs (None on a CPU) with eager ones for steps of up to
+        ``max_tokens`` tokens; returns them."""
+        runner = llm.instance.runner
+        limits = dataclasses.replace(runner.limits, max_num_batched_tokens=max_tokens)
+        instance = llm.instance
         runner.graphs = cls(
-            llm.instance.model, runner.buffers, runner.kv_cache, runner.cos_sin_cache,
-            max_batch=config.max_num_seqs, max_seq_len=llm.instance.max_model_len,
-            max_tokens=max_tokens, **graph_options,
-        )  # fmt: skip
+            instance.model,
+            runner.buffers,
+            runner.attention,
+            runner.kv_cache,
+            runner.cos_sin_cache,
+            limits,
+            mixed=mixed,
+        )
         return runner.graphs

@@ -6,10 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ember.kernels.attention_step import rope_and_attention
+from ember.config import StepLimits
+from ember.layers.attention import ReferenceAttention, select_attention
 from ember.layers.forward_context import ForwardContext
 from ember.layers.ops import triton_ops
-from ember.layers.reference_ops import build_cos_sin_cache, rope_and_attention_reference
+from ember.layers.reference_ops import build_cos_sin_cache
 from ember.layers.row_norm import RowNorm
 
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 8, 2, 64, 16
@@ -43,7 +44,21 @@ def _step(gen, q_lens, seq_lens):
     }
 
 
-def _run(op, step, device, deferred_norm=False, **kwargs):
+def _triton(device, fuse_decode=True):
+    """The Triton attention backend of this shape (the kernels under the CPU interpreter)."""
+    return select_attention(
+        triton_ops(),
+        HEADS,
+        KV_HEADS,
+        HEAD_DIM,
+        torch.float32,
+        device,
+        StepLimits(max_num_seqs=8),
+        fuse_decode=fuse_decode,
+    )
+
+
+def _run(backend, step, device, deferred_norm=False, inputs=None, **kwargs):
     s = {k: v.clone().to(device) if torch.is_tensor(v) else v for k, v in step.items()}
     if deferred_norm:  # q/k/v as products of un-normalised rows: 1/rms applied in the kernels
         kwargs["row_norm"] = RowNorm(s["parts"], 512, 1e-5)
@@ -55,14 +70,20 @@ def _run(op, step, device, deferred_norm=False, **kwargs):
         v.view(n, KV_HEADS, HEAD_DIM),
     )
     ctx = ForwardContext(
-        positions=s["positions"], slot_mapping=s["slots"], query_start_loc=s["query_start_loc"],
-        seq_lens=s["seq_lens"], block_tables=s["block_tables"],
-        max_query_len=s["max_query_len"], max_seq_len=s["max_seq_len"],
-        split_kv_counters=torch.zeros(len(s["seq_lens"]) * KV_HEADS, dtype=torch.int32,
-                                      device=device),
-    )  # fmt: skip
+        positions=s["positions"],
+        slot_mapping=s["slots"],
+        query_start_loc=s["query_start_loc"],
+        seq_lens=s["seq_lens"],
+        block_tables=s["block_tables"],
+        max_query_len=s["max_query_len"],
+        max_seq_len=s["max_seq_len"],
+    )
     out = torch.full_like(q, float("nan"))
-    op(q, k, v, ctx, s["cos_sin"], s["k_cache"], s["v_cache"], HEAD_DIM**-0.5, out, **kwargs)
+    backend.forward(
+        q, k, v, ctx, s["cos_sin"], s["k_cache"], s["v_cache"], HEAD_DIM**-0.5, out, **kwargs
+    )
+    if inputs is not None:
+        inputs.update(q=q.cpu(), k=k.cpu())
     return out.cpu(), s["k_cache"].cpu(), s["v_cache"].cpu()
 
 
@@ -75,14 +96,21 @@ def test_matches_reference(gen, device, fuse_decode, q_lens, seq_lens, deferred_
     step = _step(gen, q_lens, seq_lens)
     # Sums of squares of rows 512 wide, mean square 4-64, over 3 parts: 1/rms of 0.125-0.5.
     step["parts"] = 512 * (4 + 60 * torch.rand(sum(q_lens), 3, generator=gen)) / 3
-    expected = _run(rope_and_attention_reference, step, "cpu", deferred_norm)
-    got = _run(rope_and_attention, step, device, deferred_norm, fuse_decode=fuse_decode)
+    expected = _run(ReferenceAttention(), step, "cpu", deferred_norm)
+    got = _run(_triton(device, fuse_decode), step, device, deferred_norm)
     for actual, wanted in zip(got, expected):
         torch.testing.assert_close(actual, wanted, atol=2e-4, rtol=2e-4)
 
 
-def test_the_ops_switch_reaches_the_kernel():
-    assert triton_ops(decode_rope_in_attention=False).rope_and_attention.keywords == {
-        "fuse_decode": False
-    }
-    assert triton_ops().rope_and_attention is rope_and_attention
+@pytest.mark.parametrize("fuse_decode", [True, False])
+def test_a_fused_decode_leaves_q_and_k_unrotated(gen, device, fuse_decode):
+    """The switch reaches the kernels: fused into the attention kernel, a decode rotates q and k
+    in registers only; apart, the RoPE kernel rotates them in place first."""
+    step = _step(gen, [1, 1], [20, 9])
+    seen = {}
+    _run(_triton(device, fuse_decode), step, device, inputs=seen)
+    q, k, _ = step["qkv"].split([HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], -1)
+    unchanged = torch.equal(seen["q"].reshape(q.shape), q) and torch.equal(
+        seen["k"].reshape(k.shape), k
+    )
+    assert unchanged == fuse_decode

@@ -54,8 +54,9 @@ def test_silu_and_mul_applies_the_row_norm(gen, device, dtype, num_parts):
     row_norm = random_row_norm(gen, rows + 2, num_parts, 4096)  # more rows than x: allowed
     on_device = RowNorm(row_norm.parts.to(device), row_norm.hidden_size, row_norm.eps)
     out = silu_and_mul(x.to(device), row_norm=on_device)
-    expected = silu_and_mul_reference(x, row_norm=RowNorm(row_norm.parts[:rows].contiguous(),
-                                                          4096, 1e-5))  # fmt: skip
+    expected = silu_and_mul_reference(
+        x, row_norm=RowNorm(row_norm.parts[:rows].contiguous(), 4096, 1e-5)
+    )
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(out.cpu().float(), expected.float(), atol=tol, rtol=tol)
 
@@ -70,8 +71,13 @@ def test_gated_skinny_gemm_applies_the_row_norm(gen, device, dtype, rows, num_pa
     weight = (torch.randn(2 * inter, k, generator=gen) * 3 / k**0.5).to(dtype)
     row_norm = random_row_norm(gen, rows, num_parts, 4096)
     on_device = RowNorm(row_norm.parts.to(device), row_norm.hidden_size, row_norm.eps)
-    config = {"BLOCK_M": 16 if rows <= 16 else 32, "BLOCK_N": 32, "BLOCK_K": 64, "STAGES": 2,
-              "num_warps": 4}  # fmt: skip
+    config = {
+        "BLOCK_M": 16 if rows <= 16 else 32,
+        "BLOCK_N": 32,
+        "BLOCK_K": 64,
+        "STAGES": 2,
+        "num_warps": 4,
+    }
     out = skinny_gemm_silu(x.to(device), weight.to(device), row_norm=on_device, config=config)
     expected = gate_up_silu_reference(x.double(), weight.double(), row_norm=row_norm)
     tol = 1e-4 if dtype == torch.float32 else 3e-2  # bf16: the product and scaling each rounded
@@ -109,8 +115,9 @@ def test_skinny_gemm_add_updates_the_stream_and_sums_its_squares(gen, device, dt
     expected_sums = linear_add_reference(x, weight, expected_residual)
     assert parts.dtype == torch.float32 and parts.shape[0] == m and parts.shape[1] > 1
     tol = 1e-4 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(got_residual.cpu().float(), expected_residual.float(), atol=tol,
-                               rtol=tol)  # fmt: skip
+    torch.testing.assert_close(
+        got_residual.cpu().float(), expected_residual.float(), atol=tol, rtol=tol
+    )
     # The statistics are those of the stored (rounded) rows, whatever the product's last bits.
     own_sums = got_residual.cpu().float().pow(2).sum(-1)
     torch.testing.assert_close(parts.cpu().sum(-1), own_sums, atol=1e-3, rtol=1e-5)
@@ -127,9 +134,14 @@ def _greedy_tokens(path, device, backend, dtype="float32"):
     gen = torch.Generator().manual_seed(11)
     prompts = [torch.randint(3, 4000, (n,), generator=gen).tolist() for n in (4, 19, 33)]
     llm = LLM(
-        str(path), device=str(device), max_model_len=64, backend=backend, dtype=dtype,
-        max_num_batched_tokens=16, kv_cache_memory_bytes=16 << 20,
-    )  # fmt: skip
+        str(path),
+        device=str(device),
+        max_model_len=64,
+        backend=backend,
+        dtype=dtype,
+        max_num_batched_tokens=16,
+        kv_cache_memory_bytes=16 << 20,
+    )
     params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     return [o.outputs[0].token_ids for o in outs], llm
@@ -155,19 +167,19 @@ def test_the_deferred_reference_gives_the_plain_tokens_and_folds_only_where_it_c
     assert deferred == plain
 
 
+@pytest.mark.slow
 def test_the_skinny_epilogue_path_gives_the_reference_tokens(tmp_path, device, monkeypatch):
     """Every product of <= 64 rows through the skinny kernel (routing forced for the CPU), so o
     and down add into the stream in its epilogue: the reference backend's tokens."""
-    from ember.kernels.skinny_gemm import MAX_M
+    from ember.kernels.linear import LinearRouter
 
-    linear_module = importlib.import_module("ember.kernels.linear")
     routed = []
 
-    def small_products(m, n, k, dtype, device, pdl=False):
+    def small_products(router, m, n, k, dtype, device, pdl=False):
         routed.append(m)
-        return 0 < m <= MAX_M
+        return 0 < m <= router.routes.skinny_max_rows
 
-    monkeypatch.setattr(linear_module, "use_skinny_gemm", small_products)
+    monkeypatch.setattr(LinearRouter, "takes_skinny", small_products)
     path = make_tiny_model("LlamaForCausalLM", tmp_path)
     expected, _ = _greedy_tokens(path, device, "reference")
     got, llm = _greedy_tokens(path, device, "triton")
@@ -214,6 +226,7 @@ def test_folding_in_row_blocks_gives_the_whole_matrix_fold(tmp_path, monkeypatch
     monkeypatch.setattr(llama, "_FOLD_ROWS", 5)
     blocks = LLM(str(path), device="cpu", max_model_len=64).instance.model
     assert whole.defers_norms and blocks.defers_norms
-    for (name, ours), theirs in zip(blocks.state_dict().items(), whole.state_dict().values(),
-                                    strict=True):  # fmt: skip
+    for (name, ours), theirs in zip(
+        blocks.state_dict().items(), whole.state_dict().values(), strict=True
+    ):
         assert torch.equal(ours, theirs), name

@@ -12,6 +12,8 @@ from helpers.tiny_models import make_tiny_model
 
 from ember import LLM, SamplingParams
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen3ForCausalLM"])
 def test_triton_backend_matches_reference_backend(arch, tmp_path, device, gen):
@@ -48,9 +50,13 @@ def test_parity_bench_runs_and_agrees(tmp_path, device):
     saved = os.environ.get("EMBER_TEST_TOKENIZER_DIR")
     path = make_model("tiny", tmp_path / "tiny", device="cpu", tokenizer_dir=saved and Path(saved))
     result = run_parity(
-        str(path), num_prompts=2, max_tokens=3, dtype="float32", max_prompt_len=20,
+        str(path),
+        num_prompts=2,
+        max_tokens=3,
+        dtype="float32",
+        max_prompt_len=20,
         kv_bytes=16 << 20,
-    )  # fmt: skip
+    )
     assert result["identical_sequences"] == 2
     assert all(row["first_difference_at"] is None for row in result["rows"])
 
@@ -65,10 +71,16 @@ def test_padded_graph_inputs_on_the_kernels_give_the_reference_tokens(tmp_path, 
     outputs = {}
     for backend in ("reference", "triton"):
         llm = LLM(
-            str(path), device=str(device), max_model_len=64, backend=backend, max_num_seqs=8,
+            str(path),
+            device=str(device),
+            max_model_len=64,
+            backend=backend,
+            max_num_seqs=8,
             dtype="float32",
-            max_num_batched_tokens=24, kv_cache_memory_bytes=16 << 20, lazy_cuda_graphs=True,
-        )  # fmt: skip
+            max_num_batched_tokens=24,
+            kv_cache_memory_bytes=16 << 20,
+            lazy_cuda_graphs=True,
+        )
         graphs = EagerStepGraphs.install(llm, max_tokens=24) if backend == "triton" else None
         if graphs is not None:  # start-up capture's padded empty steps, through the kernels
             assert llm.instance.runner.capture_graphs() == len(graphs.all_keys)

@@ -2,14 +2,23 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import pytest
 import torch
 
-from ember.kernels.attention_plan import choose_num_kv_splits
+from ember.kernels.attention_plan import (
+    AttentionLaunch,
+    AttentionPlanner,
+    AttentionTuning,
+    ChunkTiles,
+    Sequences,
+)
 from ember.kernels.paged_attention import paged_attention
 from ember.layers.reference_ops import paged_attention_reference
+
+pytestmark = pytest.mark.slow
 
 TOLERANCE = {torch.float32: 2e-4, torch.bfloat16: 2e-2, torch.float16: 5e-3}
 
@@ -26,14 +35,28 @@ class Step:
     max_seq_len: int
 
     def args(self):
-        return (self.q, self.k_cache, self.v_cache, self.query_start_loc, self.seq_lens,
-                self.block_tables)  # fmt: skip
+        return (
+            self.q,
+            self.k_cache,
+            self.v_cache,
+            self.query_start_loc,
+            self.seq_lens,
+            self.block_tables,
+        )
 
 
 def make_step(
-    gen, device, q_lens, seq_lens, *, num_kv_heads, group, head_dim, page=16,
+    gen,
+    device,
+    q_lens,
+    seq_lens,
+    *,
+    num_kv_heads,
+    group,
+    head_dim,
+    page=16,
     dtype=torch.float32,
-) -> Step:  # fmt: skip
+) -> Step:
     """Random q and cache; each sequence's blocks are a shuffled, non-contiguous draw (never
     block 0), and tables have unused trailing entries."""
     blocks_per_seq = [-(-n // page) for n in seq_lens]
@@ -58,15 +81,41 @@ def make_step(
     )
 
 
-def run_both(step: Step, **kernel_kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+def planner_for(step: Step, num_sms: int = 132) -> AttentionPlanner:
+    """The planner of the step's shape on a GPU of ``num_sms`` SMs (an H200's table else)."""
+    num_q_heads, head_dim = step.q.shape[1], step.q.shape[2]
+    tuning = AttentionTuning(num_sms=num_sms)
+    return AttentionPlanner(tuning, num_q_heads, step.k_cache.shape[2], head_dim,
+                            step.q.element_size())  # fmt: skip
+
+
+def plan_for(step: Step, *, num_sms: int = 132, splits: int | None = None, bound: int = 0):
+    """The step's launches as the engine plans them (``bound``: a graph's longer max_seq_len)."""
+    planner = planner_for(step, num_sms)
+    max_seq_len = bound or step.max_seq_len
+    return planner.plan(step.seq_lens.shape[0], step.max_query_len, max_seq_len, splits=splits)
+
+
+def run_both(
+    step: Step,
+    *,
+    launches: tuple[AttentionLaunch, ...] | None = None,
+    splits: int | None = None,
+    num_sms: int = 132,
+    **kernel_kwargs,
+) -> tuple[torch.Tensor, torch.Tensor]:
     scale = step.q.shape[-1] ** -0.5
     out = torch.full_like(step.q, float("nan"))  # poisoned: every row must be written
-    paged_attention(*step.args(), scale, out, max_query_len=step.max_query_len,
-                    max_seq_len=step.max_seq_len, **kernel_kwargs)  # fmt: skip
+    if launches is None:
+        launches = plan_for(step, num_sms=num_sms, splits=splits)
+    paged_attention(*step.args(), scale, out, launches, **kernel_kwargs)
     expected = paged_attention_reference(
-        *(t.cpu() for t in step.args()), scale, torch.empty_like(step.q, device="cpu"),
-        max_query_len=step.max_query_len, max_seq_len=step.max_seq_len,
-    )  # fmt: skip
+        *(t.cpu() for t in step.args()),
+        scale,
+        torch.empty_like(step.q, device="cpu"),
+        max_query_len=step.max_query_len,
+        max_seq_len=step.max_seq_len,
+    )
     return out.cpu(), expected
 
 
@@ -99,25 +148,44 @@ def test_reference_matches_dense_attention(gen):
 def run_both_reference_only(step: Step):
     out = torch.empty_like(step.q)
     return None, paged_attention_reference(
-        *step.args(), step.q.shape[-1] ** -0.5, out,
-        max_query_len=step.max_query_len, max_seq_len=step.max_seq_len,
-    )  # fmt: skip
+        *step.args(),
+        step.q.shape[-1] ** -0.5,
+        out,
+        max_query_len=step.max_query_len,
+        max_seq_len=step.max_seq_len,
+    )
 
 
 @pytest.mark.parametrize("group", [1, 4, 8])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_ragged_gqa(gen, device, group, dtype):
     seq_lens = [1, 17, 64, 100, 33]  # partial blocks, an exact tile, a single token
-    step = make_step(gen, device, [1] * len(seq_lens), seq_lens, num_kv_heads=2, group=group,
-                     head_dim=64, dtype=dtype)  # fmt: skip
-    assert_close(*run_both(step, num_kv_splits=1), dtype)
+    step = make_step(
+        gen,
+        device,
+        [1] * len(seq_lens),
+        seq_lens,
+        num_kv_heads=2,
+        group=group,
+        head_dim=64,
+        dtype=dtype,
+    )
+    assert_close(*run_both(step, splits=1), dtype)
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_decode_head_dims(gen, device, head_dim):
-    step = make_step(gen, device, [1, 1, 1], [70, 5, 129], num_kv_heads=2, group=4,
-                     head_dim=head_dim, dtype=torch.bfloat16)  # fmt: skip
-    assert_close(*run_both(step, num_kv_splits=1), torch.bfloat16)
+    step = make_step(
+        gen,
+        device,
+        [1, 1, 1],
+        [70, 5, 129],
+        num_kv_heads=2,
+        group=4,
+        head_dim=head_dim,
+        dtype=torch.bfloat16,
+    )
+    assert_close(*run_both(step, splits=1), torch.bfloat16)
 
 
 @pytest.mark.parametrize("num_splits", [2, 5])
@@ -125,15 +193,16 @@ def test_decode_head_dims(gen, device, head_dim):
 def test_decode_split_kv(gen, device, num_splits, dtype):
     """Forced split-KV: long sequences use every split, short ones leave splits empty."""
     seq_lens = [300, 7, 130, 64]
-    step = make_step(gen, device, [1] * 4, seq_lens, num_kv_heads=2, group=4, head_dim=64,
-                     dtype=dtype)  # fmt: skip
-    assert_close(*run_both(step, num_kv_splits=num_splits), dtype)
+    step = make_step(
+        gen, device, [1] * 4, seq_lens, num_kv_heads=2, group=4, head_dim=64, dtype=dtype
+    )
+    assert_close(*run_both(step, splits=num_splits), dtype)
 
 
 def test_decode_split_kv_chosen_by_heuristic(gen, device):
     """Few sequences and few SMs: the wrapper picks more than one split on its own."""
     step = make_step(gen, device, [1, 1], [600, 513], num_kv_heads=1, group=4, head_dim=64)
-    assert choose_num_kv_splits(2, 1, step.max_seq_len, num_sms=8) == 8
+    assert planner_for(step, num_sms=8).num_splits(2, step.max_seq_len) == 8
     assert_close(*run_both(step, num_sms=8), torch.float32)
 
 
@@ -144,8 +213,9 @@ def test_mixed_prefill_and_decode(gen, device, group, dtype):
     contexts = [0, 30, 20, 70, 9, 0]
     q_lens = [21, 1, 17, 1, 40, 1]
     seq_lens = [c + n for c, n in zip(contexts, q_lens)]
-    step = make_step(gen, device, q_lens, seq_lens, num_kv_heads=2, group=group, head_dim=64,
-                     dtype=dtype)  # fmt: skip
+    step = make_step(
+        gen, device, q_lens, seq_lens, num_kv_heads=2, group=group, head_dim=64, dtype=dtype
+    )
     assert_close(*run_both(step), dtype)
 
 
@@ -156,17 +226,19 @@ def test_mixed_step_either_launch_plan(gen, device, separate_decodes):
     contexts = [40, 0, 12, 100, 3, 0, 64]
     q_lens = [1, 33, 1, 1, 18, 0, 1]
     seq_lens = [c + n for c, n in zip(contexts, q_lens)]
-    step = make_step(gen, device, q_lens, seq_lens, num_kv_heads=2, group=4, head_dim=64,
-                     dtype=torch.bfloat16)  # fmt: skip
-    assert_close(*run_both(step, separate_decodes=separate_decodes), torch.bfloat16)
+    step = make_step(
+        gen, device, q_lens, seq_lens, num_kv_heads=2, group=4, head_dim=64, dtype=torch.bfloat16
+    )
+    launches = None  # the engine's: decodes and chunks in launches of their own
+    if not separate_decodes:  # one launch on prefill tiles for all
+        launches = (AttentionLaunch(planner_for(step).prefill_tiles, False),)
+    assert_close(*run_both(step, launches=launches), torch.bfloat16)
 
 
 def test_mixed_step_cuts_long_decodes_into_segments(gen, device):
     """A mixed step's decodes past one segment's minimum are split and merged (a 2,200-token
     decode: three segments), short ones are not; the chunk beside them is unaffected."""
-    from ember.kernels.attention_plan import MIN_TOKENS_PER_SPLIT
-
-    contexts, q_lens = [2 * MIN_TOKENS_PER_SPLIT + 151, 0, 40], [1, 24, 1]
+    contexts, q_lens = [2 * AttentionTuning().min_tokens_per_split + 151, 0, 40], [1, 24, 1]
     seq_lens = [c + n for c, n in zip(contexts, q_lens)]
     step = make_step(gen, device, q_lens, seq_lens, num_kv_heads=1, group=4, head_dim=32)
     counters = torch.zeros(3, dtype=torch.int32, device=device)
@@ -179,17 +251,18 @@ def test_chunk_tile_map_covers_each_chunk_once():
     padding (none) get no tile, the entries past the count are left as they were."""
     import numpy as np
 
-    from ember.kernels.attention_plan import chunk_tile_map
-
+    planner = AttentionPlanner(AttentionTuning(), 8, 2, 64, 2)  # GQA 4: 32-token chunk tiles
+    assert planner.chunk_query_tile == 32
     q_lens = [1, 33, 1, 1, 64, 2, 0, 1]
     qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     out = np.full(12, -7, dtype=np.int32)
-    n = chunk_tile_map(qsl, len(q_lens), 32, out)
+    n = planner.chunk_tile_map(qsl, len(q_lens), out)
     pairs = [(int(e) >> 16, int(e) & 0xFFFF) for e in out[:n]]
     assert pairs == [(1, 0), (1, 1), (4, 0), (4, 1), (5, 0)]
     assert (out[n:] == -7).all()
+    assert planner.chunk_tile_bound(sum(q_lens), len(q_lens)) >= n
     with pytest.raises(ValueError, match="do not fit"):
-        chunk_tile_map(qsl, len(q_lens), 32, np.zeros(4, dtype=np.int32))
+        planner.chunk_tile_map(qsl, len(q_lens), np.zeros(4, dtype=np.int32))
 
 
 @pytest.mark.parametrize("group", [1, 4])
@@ -199,17 +272,24 @@ def test_mixed_step_over_a_chunk_tile_map(gen, device, group):
     longer than one tile."""
     import numpy as np
 
-    from ember.kernels.attention_plan import ChunkTiles, chunk_tile_map, prefill_query_tile
-
     contexts = [40, 0, 12, 100, 3, 0, 64, 9]
     q_lens = [1, 70, 1, 1, 18, 0, 1, 2]
     seq_lens = [c + n for c, n in zip(contexts, q_lens)]
     num_kv_heads = 2
-    step = make_step(gen, device, q_lens, seq_lens, num_kv_heads=num_kv_heads, group=group,
-                     head_dim=32, dtype=torch.bfloat16)  # fmt: skip
-    block_q = prefill_query_tile(num_kv_heads * group, num_kv_heads)
+    step = make_step(
+        gen,
+        device,
+        q_lens,
+        seq_lens,
+        num_kv_heads=num_kv_heads,
+        group=group,
+        head_dim=32,
+        dtype=torch.bfloat16,
+    )
+    planner = planner_for(step)
+    block_q = planner.chunk_query_tile
     tiles = np.full(16, -1, dtype=np.int32)
-    count = chunk_tile_map(step.query_start_loc.cpu().numpy(), len(q_lens), block_q, tiles)
+    count = planner.chunk_tile_map(step.query_start_loc.cpu().numpy(), len(q_lens), tiles)
     assert count == sum(-(-n // block_q) for n in q_lens if n > 1)
     chunk_tiles = ChunkTiles(torch.from_numpy(tiles).to(device), count + 3, block_q)
     assert_close(*run_both(step, chunk_tiles=chunk_tiles), torch.bfloat16)
@@ -223,8 +303,7 @@ def test_mixed_step_launches_serve_their_own_sequences(gen, device, group):
     the single-token launch leaves every chunk row as it was (a chunk's first row written on
     decode tiles would be wrong, and hidden by the other launch's rewrite), the multi-token
     launch every decode row."""
-    from ember.kernels.attention_plan import tile_config
-    from ember.kernels.paged_attention import _MULTI_TOKEN, _SINGLE_TOKEN, _launch_kernel
+    from ember.kernels.paged_attention import _launch_kernel
 
     contexts, q_lens = [30, 0, 7, 50], [1, 20, 1, 5]
     seq_lens = [c + n for c, n in zip(contexts, q_lens)]
@@ -232,13 +311,28 @@ def test_mixed_step_launches_serve_their_own_sequences(gen, device, group):
     _, expected = run_both(step)
     decode_rows = torch.tensor([n == 1 for n in q_lens]).repeat_interleave(torch.tensor(q_lens))
     scale = step.q.shape[-1] ** -0.5
-    for sequences, decode_only, served in [(_SINGLE_TOKEN, True, decode_rows),
-                                           (_MULTI_TOKEN, False, ~decode_rows)]:  # fmt: skip
+    planner = planner_for(step)
+    for sequences, decode_only, served in [
+        (Sequences.SINGLE_TOKEN, True, decode_rows),
+        (Sequences.MULTI_TOKEN, False, ~decode_rows),
+    ]:
         out = torch.full_like(step.q, float("nan"))
-        config = tile_config(group, decode_only, 32, step.q.element_size())
-        _launch_kernel(step.q, step.k_cache, step.v_cache, out, step.query_start_loc,
-                       step.seq_lens, step.block_tables, scale, None, False, config, decode_only,
-                       sequences)  # fmt: skip
+        tiles = planner.decode_tiles() if decode_only else planner.prefill_tiles
+        _launch_kernel(
+            step.q,
+            step.k_cache,
+            step.v_cache,
+            out,
+            step.query_start_loc,
+            step.seq_lens,
+            step.block_tables,
+            scale,
+            AttentionLaunch(tiles, decode_only, sequences),
+            None,
+            None,
+            False,
+            None,
+        )
         out = out.cpu()
         assert out[~served].isnan().all(), "a launch wrote rows of the other kind"
         assert_close(out[served], expected[served], torch.float32)
@@ -246,8 +340,17 @@ def test_mixed_step_launches_serve_their_own_sequences(gen, device, group):
 
 def test_prefill_long_chunk_head_dim_128(gen, device):
     """A chunk spanning several query tiles and key tiles, mid-sequence, head_dim 128."""
-    step = make_step(gen, device, [150, 2], [170, 40], num_kv_heads=1, group=4, head_dim=128,
-                     page=8, dtype=torch.bfloat16)  # fmt: skip
+    step = make_step(
+        gen,
+        device,
+        [150, 2],
+        [170, 40],
+        num_kv_heads=1,
+        group=4,
+        head_dim=128,
+        page=8,
+        dtype=torch.bfloat16,
+    )
     assert_close(*run_both(step), torch.bfloat16)
 
 
@@ -264,7 +367,7 @@ def test_strided_views_and_empty_sequence(gen, device):
 
 def test_decode_with_empty_sequence_split(gen, device):
     step = make_step(gen, device, [1, 0, 1], [40, 3, 300], num_kv_heads=1, group=4, head_dim=32)
-    assert_close(*run_both(step, num_kv_splits=3), torch.float32)
+    assert_close(*run_both(step, splits=3), torch.float32)
 
 
 @pytest.mark.parametrize("group", [1, 4, 8])
@@ -275,11 +378,12 @@ def test_decode_split_kv_merged_in_kernel(gen, device, group, dtype):
     counters zero again after each launch, so they serve the next (as across layers and graph
     replays)."""
     q_lens, seq_lens = [1, 1, 0, 1], [300, 7, 2, 130]
-    step = make_step(gen, device, q_lens, seq_lens, num_kv_heads=2, group=group, head_dim=64,
-                     dtype=dtype)  # fmt: skip
+    step = make_step(
+        gen, device, q_lens, seq_lens, num_kv_heads=2, group=group, head_dim=64, dtype=dtype
+    )
     counters = torch.zeros(4 * 2 + 3, dtype=torch.int32, device=device)
     for num_splits in (5, 3, 19):  # 19: several unrolled merge chunks, most splits empty
-        assert_close(*run_both(step, num_kv_splits=num_splits, split_counters=counters), dtype)
+        assert_close(*run_both(step, splits=num_splits, split_counters=counters), dtype)
         assert not counters.any()
 
 
@@ -291,23 +395,27 @@ def test_decode_split_grid_for_a_longer_bound(gen, device, num_sms):
     2, 1 and 1 of 2, and no merge for the two short sequences), the surplus programs take no
     arrival (the counters end at zero), and the answers are the reference's."""
     seq_lens, bound = [1100, 100, 1], 8320
-    step = make_step(gen, device, [1] * 3, seq_lens, num_kv_heads=2, group=4, head_dim=32,
-                     dtype=torch.bfloat16)  # fmt: skip
-    assert choose_num_kv_splits(3, 2, bound, num_sms) == (32 if num_sms == 132 else 2)
+    step = make_step(
+        gen, device, [1] * 3, seq_lens, num_kv_heads=2, group=4, head_dim=32, dtype=torch.bfloat16
+    )
+    assert planner_for(step, num_sms).num_splits(3, bound) == (32 if num_sms == 132 else 2)
     scale = step.q.shape[-1] ** -0.5
     counters = torch.zeros(3 * 2, dtype=torch.int32, device=device)
     out = torch.full_like(step.q, float("nan"))
-    paged_attention(*step.args(), scale, out, max_query_len=1, max_seq_len=bound,
-                    num_sms=num_sms, split_counters=counters)  # fmt: skip
+    launches = plan_for(step, num_sms=num_sms, bound=bound)
+    paged_attention(*step.args(), scale, out, launches, split_counters=counters)
     expected = paged_attention_reference(
-        *(t.cpu() for t in step.args()), scale, torch.empty_like(step.q, device="cpu"),
-        max_query_len=1, max_seq_len=max(seq_lens),
-    )  # fmt: skip
+        *(t.cpu() for t in step.args()),
+        scale,
+        torch.empty_like(step.q, device="cpu"),
+        max_query_len=1,
+        max_seq_len=max(seq_lens),
+    )
     assert_close(out.cpu(), expected, torch.bfloat16)
     assert not counters.any()
 
 
-@pytest.mark.parametrize("num_sms", [None, 1])  # 1: unsplit, the one-warp programs
+@pytest.mark.parametrize("num_sms", [132, 1])  # 1: unsplit, the one-warp programs
 @pytest.mark.parametrize("preload_kv", [False, True])
 @pytest.mark.parametrize("group", [1, 4, 8])
 @pytest.mark.parametrize(("num_splits", "dtype"), [(1, torch.bfloat16), (3, torch.float32)])
@@ -326,8 +434,17 @@ def test_decode_with_rope_and_cache_write_in_kernel(
     from ember.layers.reference_ops import build_cos_sin_cache, rope_and_cache_write_reference
 
     num_kv_heads, head_dim, page = 2, 64, 16
-    step = make_step(gen, device, [1] * 4, seq_lens, num_kv_heads=num_kv_heads, group=group,
-                     head_dim=head_dim, page=page, dtype=dtype)  # fmt: skip
+    step = make_step(
+        gen,
+        device,
+        [1] * 4,
+        seq_lens,
+        num_kv_heads=num_kv_heads,
+        group=group,
+        head_dim=head_dim,
+        page=page,
+        dtype=dtype,
+    )
     new_k = torch.randn(4, num_kv_heads, head_dim, generator=gen).to(dtype)
     new_v = torch.randn(4, num_kv_heads, head_dim, generator=gen).to(dtype)
     positions = torch.tensor(seq_lens) - 1
@@ -340,19 +457,33 @@ def test_decode_with_rope_and_cache_write_in_kernel(
 
     ref_q, ref_k, ref_v = step.q.cpu().clone(), new_k.clone(), new_v.clone()
     ref_k_cache, ref_v_cache = step.k_cache.cpu().clone(), step.v_cache.cpu().clone()
-    rope_and_cache_write_reference(ref_q, ref_k, ref_v, positions, cos_sin, slots, ref_k_cache,
-                                   ref_v_cache)  # fmt: skip
+    rope_and_cache_write_reference(
+        ref_q, ref_k, ref_v, positions, cos_sin, slots, ref_k_cache, ref_v_cache
+    )
     expected = paged_attention_reference(
-        ref_q, ref_k_cache, ref_v_cache, step.query_start_loc.cpu(), step.seq_lens.cpu(),
-        table.int(), scale, torch.empty_like(ref_q), **meta,
-    )  # fmt: skip
+        ref_q,
+        ref_k_cache,
+        ref_v_cache,
+        step.query_start_loc.cpu(),
+        step.seq_lens.cpu(),
+        table.int(),
+        scale,
+        torch.empty_like(ref_q),
+        **meta,
+    )
 
-    rope = DecodeRope(new_k.to(device), new_v.to(device), positions.to(device),
-                      cos_sin.to(device), slots.to(device))  # fmt: skip
+    rope = DecodeRope(
+        new_k.to(device),
+        new_v.to(device),
+        positions.to(device),
+        cos_sin.to(device),
+        slots.to(device),
+    )
     out = torch.full_like(step.q, float("nan"))
     counters = torch.zeros(4 * num_kv_heads, dtype=torch.int32, device=device)
-    paged_attention(*step.args(), scale, out, num_kv_splits=num_splits, split_counters=counters,
-                    rope=rope, preload_kv=preload_kv, num_sms=num_sms, **meta)  # fmt: skip
+    (launch,) = plan_for(step, num_sms=num_sms, splits=num_splits)
+    launch = dataclasses.replace(launch, preload_kv=preload_kv)  # as under PDL, small batches
+    paged_attention(*step.args(), scale, out, (launch,), split_counters=counters, rope=rope)
     assert_close(out.cpu(), expected, dtype)
     torch.testing.assert_close(step.k_cache.cpu(), ref_k_cache)
     torch.testing.assert_close(step.v_cache.cpu(), ref_v_cache)
@@ -362,8 +493,13 @@ def test_rope_in_kernel_is_for_decode_only(gen, device):
     from ember.kernels.paged_attention import DecodeRope
 
     step = make_step(gen, device, [2], [5], num_kv_heads=1, group=1, head_dim=16)
-    rope = DecodeRope(step.q[:, :1], step.q[:, :1], step.seq_lens.long(),
-                      torch.zeros(8, 16, device=device), step.seq_lens.long())  # fmt: skip
+    rope = DecodeRope(
+        step.q[:, :1],
+        step.q[:, :1],
+        step.seq_lens.long(),
+        torch.zeros(8, 16, device=device),
+        step.seq_lens.long(),
+    )
     with pytest.raises(ValueError, match="decode-only"):
         run_both(step, rope=rope)
 
@@ -372,26 +508,31 @@ def test_split_counters_are_checked(gen, device):
     step = make_step(gen, device, [1, 1], [40, 90], num_kv_heads=2, group=2, head_dim=32)
     too_few = torch.zeros(3, dtype=torch.int32, device=device)
     with pytest.raises(ValueError, match="split_counters"):
-        run_both(step, num_kv_splits=2, split_counters=too_few)
+        run_both(step, splits=2, split_counters=too_few)
 
 
 def test_split_heuristic():
+    """On an H200's table (132 SMs, an 8B model's 8 KV heads)."""
+    planner = AttentionPlanner(AttentionTuning(), 32, 8, 128, 2)
     # Under one wave (8 programs on 132 SMs): split down to 64-key segments, at most 32.
-    assert choose_num_kv_splits(1, 8, 512, 132) == 8
-    assert choose_num_kv_splits(1, 8, 4096, 132) == 32
-    assert choose_num_kv_splits(8, 8, 512, 132) == 5  # 64 programs: 5 x 64 fill two per SM
+    assert planner.num_splits(1, 512) == 8
+    assert planner.num_splits(1, 4096) == 32
+    assert planner.num_splits(8, 512) == 5  # 64 programs: 5 x 64 fill two per SM
     # A full wave: split only segments of 1,024 tokens or more.
-    assert choose_num_kv_splits(32, 8, 512, 132) == 1
-    assert choose_num_kv_splits(32, 8, 4096, 132) == 2
+    assert planner.num_splits(32, 512) == 1
+    assert planner.num_splits(32, 4096) == 2
     # Enough programs already: no split.
-    assert choose_num_kv_splits(64, 8, 4096, 132) == 1
-    assert choose_num_kv_splits(256, 8, 4096, 132) == 1
+    assert planner.num_splits(64, 4096) == 1
+    assert planner.num_splits(256, 4096) == 1
+    # Another GPU's table splits by its own numbers.
+    small = AttentionPlanner(AttentionTuning(num_sms=16, max_splits=4), 32, 8, 128, 2)
+    assert small.num_splits(1, 4096) == 4
 
 
 def test_split_kv_rejected_for_prefill(gen, device):
     step = make_step(gen, device, [3], [3], num_kv_heads=1, group=1, head_dim=16)
     with pytest.raises(ValueError, match="decode-only"):
-        run_both(step, num_kv_splits=2)
+        run_both(step, splits=2)
 
 
 @pytest.mark.parametrize("decode_only", [True, False])
@@ -399,49 +540,57 @@ def test_split_kv_rejected_for_prefill(gen, device):
 @pytest.mark.parametrize("elem_bytes", [2, 4])
 def test_tile_configs_fit_in_shared_memory(decode_only, head_dim, elem_bytes):
     """An fp32 8B model once failed to launch its prefill tiles on an H200 (256 KiB asked,
-    227 KiB there): every config must fit, and bf16 at head_dim 128 keeps the measured tiles."""
-    from ember.kernels.attention_plan import shared_memory_estimate, tile_config
-    from ember.kernels.tiles import SHARED_MEMORY_BUDGET
+    227 KiB there): every config must fit, and where the table's tiles fit they are kept."""
+    from ember.kernels.attention_plan import shared_memory_estimate
 
-    config = tile_config(4, decode_only, head_dim, elem_bytes, split_kv=decode_only)
-    assert shared_memory_estimate(config, head_dim, elem_bytes) <= SHARED_MEMORY_BUDGET
-    assert config["BLOCK_N"] >= 16 and config["KV_STAGES"] >= 1
-    if elem_bytes == 2 and head_dim <= 128:
-        assert (config["BLOCK_N"], config["KV_STAGES"]) == ((64, 2) if decode_only else (128, 2))
+    tuning = AttentionTuning()
+    planner = AttentionPlanner(tuning, 16, 4, head_dim, elem_bytes)
+    tiles = planner.decode_tiles(split_kv=True) if decode_only else planner.prefill_tiles
+    assert shared_memory_estimate(tiles, head_dim, elem_bytes) <= tuning.shared_memory_budget
+    assert tiles["BLOCK_N"] >= 16 and tiles["KV_STAGES"] >= 1
+    wanted = tuning.split_decode_tiles if decode_only else tuning.prefill_tiles
+    as_wanted = dict(tiles, BLOCK_N=wanted[0], KV_STAGES=wanted[2])
+    if shared_memory_estimate(as_wanted, head_dim, elem_bytes) <= tuning.shared_memory_budget:
+        assert (tiles["BLOCK_N"], tiles["num_warps"], tiles["KV_STAGES"]) == wanted
 
 
 def test_full_decode_grids_take_one_warp_programs():
-    """Unsplit decode launches with enough programs per SM run one-warp, 32-key programs; fewer
-    programs, split launches and mixed steps keep their tiles."""
-    from ember.kernels.attention_plan import ONE_WARP_MIN_PROGRAMS_PER_SM, tile_config
+    """Unsplit decode launches with enough programs per SM run the table's one-warp tiles;
+    fewer programs, split launches and a mixed step's decodes keep theirs."""
+    tuning = AttentionTuning(num_sms=4)
+    planner = AttentionPlanner(tuning, 16, 4, 128, 2)
 
-    full = tile_config(4, True, 128, 2, programs_per_sm=ONE_WARP_MIN_PROGRAMS_PER_SM)
-    assert (full["BLOCK_N"], full["num_warps"], full["KV_STAGES"]) == (32, 1, 3)
-    sparse = tile_config(4, True, 128, 2, programs_per_sm=ONE_WARP_MIN_PROGRAMS_PER_SM - 1)
-    assert (sparse["BLOCK_N"], sparse["num_warps"]) == (64, 2)
-    split = tile_config(4, True, 128, 2, split_kv=True, programs_per_sm=100)
-    assert (split["BLOCK_N"], split["num_warps"]) == (64, 4)
+    def shape(tiles):
+        return tiles["BLOCK_N"], tiles["num_warps"], tiles["KV_STAGES"]
+
+    full = tuning.one_warp_min_programs_per_sm * tuning.num_sms / 4  # sequences, 4 KV heads
+    (launch,) = planner.plan(int(full), 1, 64, splits=1)
+    assert shape(launch.tiles) == tuning.one_warp_decode_tiles
+    (launch,) = planner.plan(int(full) - 1, 1, 64, splits=1)
+    assert shape(launch.tiles) == tuning.decode_tiles
+    (launch,) = planner.plan(int(full), 1, 64, splits=2)
+    assert shape(launch.tiles) == tuning.split_decode_tiles
+    decodes, _ = planner.plan(int(full), 7, 64)
+    assert shape(decodes.tiles) == tuning.decode_tiles
 
 
 @pytest.mark.parametrize(
     ("group", "dtype"), [(1, torch.float32), (4, torch.bfloat16), (8, torch.float32)]
 )
-def test_decode_on_one_warp_programs(gen, device, monkeypatch, group, dtype):
+def test_decode_on_one_warp_programs(gen, device, group, dtype):
     """A decode step whose grid fills the SMs (two of them here) runs on one-warp programs,
     with ragged lengths."""
-    import sys
-
-    module = sys.modules["ember.kernels.paged_attention"]
-    chosen = []
-    tile_config = module.tile_config
-
-    def recorded(*args, **kwargs):
-        chosen.append(tile_config(*args, **kwargs))
-        return chosen[-1]
-
-    monkeypatch.setattr(module, "tile_config", recorded)
     seq_lens = [1, 17, 64, 100, 33, 129, 31, 32, 65, 2, 90, 48]
-    step = make_step(gen, device, [1] * len(seq_lens), seq_lens, num_kv_heads=2, group=group,
-                     head_dim=64, dtype=dtype)  # fmt: skip
-    assert_close(*run_both(step, num_kv_splits=1, num_sms=2), dtype)
-    assert [(c["BLOCK_N"], c["num_warps"]) for c in chosen] == [(32, 1)]
+    step = make_step(
+        gen,
+        device,
+        [1] * len(seq_lens),
+        seq_lens,
+        num_kv_heads=2,
+        group=group,
+        head_dim=64,
+        dtype=dtype,
+    )
+    (launch,) = plan_for(step, num_sms=2, splits=1)
+    assert launch.tiles["num_warps"] == 1
+    assert_close(*run_both(step, launches=(launch,)), dtype)

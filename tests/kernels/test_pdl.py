@@ -14,10 +14,14 @@ from functools import partial
 import pytest
 import torch
 
-from ember.cli import add_fast_path_arguments, fast_path_options
-from ember.kernels.linear import use_skinny_gemm
-from ember.kernels.pdl import AUTO_PDL_ROWS, pdl_for_rows, supports_programmatic_launch
+from ember.cli import add_fast_path_arguments, engine_options
+from ember.config import StepLimits, engine_config
+from ember.kernels.linear import LinearRouter
+from ember.kernels.pdl import supports_programmatic_launch
 from ember.kernels.skinny_gemm import skinny_gemm, skinny_gemm_silu
+from ember.kernels.tuning import KernelTuning, LinearRoutes
+from ember.layers.attention import select_attention
+from ember.layers.forward_context import ForwardContext
 from ember.layers.ops import Ops, _launch_by_rows, reference_ops, select_ops, triton_ops
 from ember.layers.reference_ops import build_cos_sin_cache
 
@@ -28,33 +32,44 @@ PAGE, CONTEXTS = 16, (37, 100, 260)
 
 def test_ops_pass_pdl_to_the_step_kernels_only():
     ops = triton_ops(programmatic_launch="on")
-    assert ops.programmatic_launch == "on"
-    for op in (ops.linear, ops.rms_norm, ops.fused_add_rms_norm, ops.silu_and_mul,
-               ops.gate_up_silu, ops.rope_and_cache_write, ops.paged_attention):  # fmt: skip
+    assert ops.programmatic_launch == "on" and ops.launches_with_pdl(512)
+    for op in (
+        ops.linear,
+        ops.rms_norm,
+        ops.fused_add_rms_norm,
+        ops.silu_and_mul,
+        ops.gate_up_silu,
+    ):
         assert op.keywords == {"pdl": True}
     assert not hasattr(ops.sample, "keywords")  # the sampler follows plain torch ops
-    assert triton_ops().programmatic_launch == "off"
-    assert not hasattr(triton_ops().linear, "keywords")
+    plain = triton_ops()
+    assert plain.programmatic_launch == "off" and not plain.launches_with_pdl(1)
+    assert not hasattr(plain.linear, "keywords")
     with pytest.raises(ValueError, match="programmatic_launch must be one of"):
         triton_ops(programmatic_launch="sometimes")
 
 
-def test_auto_launches_with_pdl_only_at_the_measured_step_sizes():
+def test_auto_launches_with_pdl_at_the_tunings_step_sizes():
+    """Under "auto" a step launches with PDL where its device's table says so, and two tables
+    route the same step differently."""
     seen = []
 
     def op(x, *args, pdl=False, **kwargs):
         seen.append((x.shape[0], args, kwargs, pdl))
         return x
 
-    auto = partial(_launch_by_rows, op, pdl_for_rows)
-    for rows in (1, 2, 17, 64, 65, 512):
-        auto(torch.zeros(rows, 3), "w", row_norm=None)
-    assert seen == [(r, ("w",), {"row_norm": None}, r in AUTO_PDL_ROWS)
-                    for r in (1, 2, 17, 64, 65, 512)]  # fmt: skip
-    assert not any(pdl_for_rows("off", r) for r in AUTO_PDL_ROWS)
-    assert pdl_for_rows("on", 512) and not pdl_for_rows("auto", 512)
-    ops = triton_ops(programmatic_launch="auto")
-    assert ops.linear.func is _launch_by_rows and ops.sample is triton_ops().sample
+    rows = frozenset({2, 17})
+    auto = partial(_launch_by_rows, op, rows)
+    for n in (1, 2, 17, 64):
+        auto(torch.zeros(n, 3), "w", row_norm=None)
+    assert seen == [(n, ("w",), {"row_norm": None}, n in rows) for n in (1, 2, 17, 64)]
+    tuned = triton_ops(programmatic_launch="auto", tuning=KernelTuning(pdl_rows=rows))
+    other = triton_ops(programmatic_launch="auto", tuning=KernelTuning(pdl_rows=frozenset({1})))
+    assert tuned.linear.func is _launch_by_rows and tuned.linear.args[1] == rows
+    assert tuned.launches_with_pdl(17) and not other.launches_with_pdl(17)
+    assert other.launches_with_pdl(1) and not tuned.launches_with_pdl(1)
+    off = triton_ops(programmatic_launch="off", tuning=KernelTuning(pdl_rows=rows))
+    assert not off.launches_with_pdl(2)
 
 
 def test_select_ops_launches_plainly_unless_asked_and_checks_support():
@@ -67,13 +82,17 @@ def test_select_ops_launches_plainly_unless_asked_and_checks_support():
 
 
 def test_pdl_routes_every_decode_product_to_the_chainable_kernel():
-    """A cuBLAS kernel would break the chain, so q/k/v and gate/up (a measured tie) move too."""
+    """A cuBLAS kernel would break the chain, so q/k/v and gate/up move too, up to the skinny
+    kernel's rows."""
     cuda, bf16 = torch.device("cuda"), torch.bfloat16
-    assert not use_skinny_gemm(32, 6144, 4096, bf16, cuda)  # qkv: cuBLAS without PDL
-    assert use_skinny_gemm(32, 6144, 4096, bf16, cuda, pdl=True)
-    assert use_skinny_gemm(64, 28672, 4096, bf16, cuda, pdl=True)
-    assert not use_skinny_gemm(65, 6144, 4096, bf16, cuda, pdl=True)  # prefill: cuBLAS
-    assert not use_skinny_gemm(1, 6144, 4096, torch.float32, cuda, pdl=True)
+    routes = LinearRoutes()
+    router = LinearRouter(routes)
+    rows = routes.skinny_qkv_max_rows + 1
+    assert not router.takes_skinny(rows, 6144, 4096, bf16, cuda)  # qkv: cuBLAS without PDL
+    assert router.takes_skinny(rows, 6144, 4096, bf16, cuda, pdl=True)
+    assert router.takes_skinny(routes.skinny_max_rows, 28672, 4096, bf16, cuda, pdl=True)
+    assert not router.takes_skinny(routes.skinny_max_rows + 1, 6144, 4096, bf16, cuda, pdl=True)
+    assert not router.takes_skinny(1, 6144, 4096, torch.float32, cuda, pdl=True)
 
 
 def test_cli_flag_is_auto_by_default_and_on_when_bare():
@@ -81,7 +100,7 @@ def test_cli_flag_is_auto_by_default_and_on_when_bare():
     add_fast_path_arguments(parser)
 
     def mode(*argv):
-        return fast_path_options(parser.parse_args(list(argv)))["programmatic_launch"]
+        return engine_config(**engine_options(parser.parse_args(list(argv)))).programmatic_launch
 
     assert mode() == "auto"
     assert mode("--programmatic-launch") == "on"
@@ -91,23 +110,21 @@ def test_cli_flag_is_auto_by_default_and_on_when_bare():
 
 
 def test_fast_path_flags_reach_the_engine_config_and_default_to_its_defaults():
-    from ember.config import EngineConfig
-
     parser = argparse.ArgumentParser()
     add_fast_path_arguments(parser)
     args = parser.parse_args(
         ["--separate-decode-rope", "--programmatic-launch", "--separate-norms"]
     )
-    config = EngineConfig(model="m", **fast_path_options(args))
+    config = engine_config("m", **engine_options(args))
     assert config.decode_rope_in_attention is False and config.programmatic_launch == "on"
     assert config.defer_norms is False
-    assert EngineConfig(model="m", **fast_path_options(parser.parse_args([]))) == EngineConfig("m")
+    assert engine_config("m", **engine_options(parser.parse_args([]))) == engine_config("m")
 
 
 class DecoderChain:
-    """Two Llama-shaped decoder layers at decode through an `Ops`: norm, q/k/v, RoPE + cache
-    write, split-KV attention (3 sequences, 2 KV heads: the heuristic splits; partials merged in
-    the kernel), o, add + norm, gate/up, SiLU, down."""
+    """Two Llama-shaped decoder layers at decode through an `Ops` and its attention backend:
+    norm, q/k/v, RoPE + cache write + split-KV attention (3 sequences, 2 KV heads: the
+    heuristic splits; partials merged in the kernel), o, add + norm, gate/up, SiLU, down."""
 
     def __init__(
         self, device: torch.device, gen: torch.Generator, dtype: torch.dtype, layers: int = 2
@@ -143,37 +160,47 @@ class DecoderChain:
             "k_cache": rand(*cache_shape),
             "v_cache": rand(*cache_shape),
         }
-        self.meta = {
-            "positions": positions.to(device),
-            "slot_mapping": slots.to(device),
-            "cos_sin": build_cos_sin_cache(HEAD_DIM, 512, 10000.0, None).to(device),
-            "query_start_loc": torch.arange(batch + 1, dtype=torch.int32, device=device),
-            "seq_lens": torch.tensor(CONTEXTS, dtype=torch.int32, device=device),
-            "block_tables": table.to(device),
-            "split_counters": torch.zeros(batch * KV_HEADS, dtype=torch.int32, device=device),
-        }
+        self.dtype, self.device = dtype, device
+        self.cos_sin = build_cos_sin_cache(HEAD_DIM, 512, 10000.0, None).to(device)
+        self.ctx = ForwardContext(
+            positions=positions.to(device),
+            slot_mapping=slots.to(device),
+            query_start_loc=torch.arange(batch + 1, dtype=torch.int32, device=device),
+            seq_lens=torch.tensor(CONTEXTS, dtype=torch.int32, device=device),
+            block_tables=table.to(device),
+            max_query_len=1,
+            max_seq_len=max(CONTEXTS),
+        )
 
     def fresh_state(self) -> dict[str, torch.Tensor]:
         return {name: t.clone() for name, t in self.state.items()}
 
     def run(self, s: dict[str, torch.Tensor], ops: Ops) -> None:
         """One step in place on ``s``; the result is ``s['x']``, ``s['residual']`` and caches."""
-        m, x, residual = self.meta, s["x"], s["residual"]
+        x, residual = s["x"], s["residual"]
         batch = x.shape[0]
+        limits = StepLimits(max_num_seqs=batch)
+        attention = select_attention(
+            ops, HEADS, KV_HEADS, HEAD_DIM, self.dtype, self.device, limits
+        )
         for i, w in enumerate(self.weights):
             ops.fused_add_rms_norm(x, residual, w["norm1"], EPS)
             qkv = ops.linear(x, w["qkv"])
             q, k, v = qkv.split([HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], -1)
             q = q.view(batch, HEADS, HEAD_DIM)
             k, v = (t.view(batch, KV_HEADS, HEAD_DIM) for t in (k, v))
-            k_cache, v_cache = s["k_cache"][i], s["v_cache"][i]
-            ops.rope_and_cache_write(q, k, v, m["positions"], m["cos_sin"], m["slot_mapping"],
-                                     k_cache, v_cache)  # fmt: skip
             attn = torch.empty_like(q)
-            ops.paged_attention(q, k_cache, v_cache, m["query_start_loc"], m["seq_lens"],
-                                m["block_tables"], HEAD_DIM**-0.5, attn, max_query_len=1,
-                                max_seq_len=max(CONTEXTS),
-                                split_counters=m["split_counters"])  # fmt: skip
+            attention.forward(
+                q,
+                k,
+                v,
+                self.ctx,
+                self.cos_sin,
+                s["k_cache"][i],
+                s["v_cache"][i],
+                HEAD_DIM**-0.5,
+                attn,
+            )
             out = ops.linear(attn.view(batch, -1), w["o"])
             ops.fused_add_rms_norm(out, residual, w["norm2"], EPS)
             x = ops.linear(ops.gate_up_silu(out, w["gate_up"]), w["down"])
@@ -200,8 +227,11 @@ def test_pdl_chain_in_a_cuda_graph_is_bitwise_the_plain_chain(gen):
     chain = DecoderChain(device, gen, torch.bfloat16)
     # The same kernels both ways (every product on the skinny GEMM), launched plainly or with PDL.
     plain_ops = replace(triton_ops(), linear=skinny_gemm, gate_up_silu=skinny_gemm_silu)
-    pdl_ops = replace(triton_ops(programmatic_launch="on"), linear=partial(skinny_gemm, pdl=True),
-                      gate_up_silu=partial(skinny_gemm_silu, pdl=True))  # fmt: skip
+    pdl_ops = replace(
+        triton_ops(programmatic_launch="on"),
+        linear=partial(skinny_gemm, pdl=True),
+        gate_up_silu=partial(skinny_gemm_silu, pdl=True),
+    )
     plain = chain.fresh_state()
     chain.run(plain, plain_ops)
 

@@ -28,8 +28,13 @@ def _hf_cos_sin(head_dim, max_positions, theta, scaling):
             "high_freq_factor": scaling.high_freq_factor,
             "original_max_position_embeddings": scaling.original_max_position_embeddings,
         }
-    config = LlamaConfig(hidden_size=head_dim * 4, num_attention_heads=4, head_dim=head_dim,
-                         max_position_embeddings=max_positions, rope_parameters=rope)  # fmt: skip
+    config = LlamaConfig(
+        hidden_size=head_dim * 4,
+        num_attention_heads=4,
+        head_dim=head_dim,
+        max_position_embeddings=max_positions,
+        rope_parameters=rope,
+    )
     positions = torch.arange(max_positions)[None, :]
     cos, sin = LlamaRotaryEmbedding(config)(torch.zeros(1, dtype=torch.float32), positions)
     return cos[0, :, : head_dim // 2], sin[0, :, : head_dim // 2]
@@ -50,10 +55,19 @@ def test_llama3_inv_freq_matches_transformers_helper():
     from transformers import LlamaConfig
     from transformers.modeling_rope_utils import _compute_llama3_parameters
 
-    config = LlamaConfig(hidden_size=512, num_attention_heads=4, head_dim=128, rope_parameters={
-        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192,
-    })  # fmt: skip
+    config = LlamaConfig(
+        hidden_size=512,
+        num_attention_heads=4,
+        head_dim=128,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    )
     inv_freq, _ = _compute_llama3_parameters(config)
     ours = build_cos_sin_cache(128, 2, 500000.0, LLAMA31_SCALING)
     # Row 1 is position 1: cos(inv_freq), sin(inv_freq).
@@ -73,8 +87,9 @@ def test_reference_rotation_matches_transformers(gen):
     sin = cache[positions, head_dim // 2 :].repeat(1, 2)[None]
     hf_q, hf_k = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
     k_cache = torch.zeros(4, 4, 1, head_dim)
-    rope_and_cache_write_reference(q, k, k.clone(), positions, cache, torch.arange(tokens),
-                                   k_cache, k_cache.clone())  # fmt: skip
+    rope_and_cache_write_reference(
+        q, k, k.clone(), positions, cache, torch.arange(tokens), k_cache, k_cache.clone()
+    )
     torch.testing.assert_close(q, hf_q[0].transpose(0, 1))
     torch.testing.assert_close(k, hf_k[0].transpose(0, 1))
 
@@ -96,18 +111,29 @@ def test_kernel_matches_reference(gen, device, num_q_heads, num_kv_heads, head_d
     v_cache = torch.randn(num_blocks, page, num_kv_heads, head_dim, generator=gen).to(dtype)
 
     def split(buffer):
-        q, k, v = buffer.split([num_q_heads * head_dim, num_kv_heads * head_dim,
-                                num_kv_heads * head_dim], dim=-1)  # fmt: skip
-        return (q.view(tokens, num_q_heads, head_dim), k.view(tokens, num_kv_heads, head_dim),
-                v.view(tokens, num_kv_heads, head_dim))  # fmt: skip
+        q, k, v = buffer.split(
+            [num_q_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1
+        )
+        return (
+            q.view(tokens, num_q_heads, head_dim),
+            k.view(tokens, num_kv_heads, head_dim),
+            v.view(tokens, num_kv_heads, head_dim),
+        )
 
     expected_qkv, expected_k_cache, expected_v_cache = qkv.clone(), k_cache.clone(), v_cache.clone()
-    rope_and_cache_write_reference(*split(expected_qkv), positions, cos_sin, slots,
-                                   expected_k_cache, expected_v_cache)  # fmt: skip
+    rope_and_cache_write_reference(
+        *split(expected_qkv), positions, cos_sin, slots, expected_k_cache, expected_v_cache
+    )
 
     got_qkv, got_k_cache, got_v_cache = (t.to(device) for t in (qkv, k_cache, v_cache))
-    rope_and_cache_write(*split(got_qkv), positions.to(device), cos_sin.to(device),
-                         slots.to(device), got_k_cache, got_v_cache)  # fmt: skip
+    rope_and_cache_write(
+        *split(got_qkv),
+        positions.to(device),
+        cos_sin.to(device),
+        slots.to(device),
+        got_k_cache,
+        got_v_cache,
+    )
 
     tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 1e-2, "rtol": 1e-2}
     torch.testing.assert_close(got_qkv.cpu(), expected_qkv, **tol)

@@ -12,11 +12,14 @@ from ember.kernels.hash_rng import row_key, token_uniform
 from ember.kernels.sampling import sample
 from ember.layers.reference_ops import hash_uniform, sample_reference, sampling_keep_mask
 
+pytestmark = pytest.mark.slow
+
 VOCAB = 3000  # three streaming blocks, the last one partial
 
 
-def params(batch, device, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seeds=None,
-           steps=None):  # fmt: skip
+def params(
+    batch, device, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seeds=None, steps=None
+):
     """Per-row sampling tensors; scalars are broadcast, tensors used as given."""
 
     def full(value, dtype):
@@ -114,8 +117,16 @@ def _random_params(gen, batch, device):
     min_p = torch.where(choice == 2, 0.2 * u[3], torch.where(u[3] > 0.8, 0.05, 0.0))
     seeds = torch.randint(0, 2**40, (batch,), generator=gen)
     steps = torch.randint(0, 1000, (batch,), generator=gen)
-    return params(batch, device, temperature=temperature, top_k=top_k, top_p=top_p,
-                  min_p=min_p, seeds=seeds, steps=steps)  # fmt: skip
+    return params(
+        batch,
+        device,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        min_p=min_p,
+        seeds=seeds,
+        steps=steps,
+    )
 
 
 @pytest.mark.parametrize("candidates", [32, sampling_module._CANDIDATES])
@@ -134,8 +145,14 @@ def test_same_tokens_as_reference(gen, device, monkeypatch, candidates):
 
 def test_top_k_one_is_greedy(gen, device):
     logits = torch.randn(6, VOCAB, generator=gen) * 2
-    p = params(6, device, temperature=torch.linspace(0.5, 2.0, 6), top_k=1,
-               seeds=torch.arange(6), steps=torch.arange(6) * 7)  # fmt: skip
+    p = params(
+        6,
+        device,
+        temperature=torch.linspace(0.5, 2.0, 6),
+        top_k=1,
+        seeds=torch.arange(6),
+        steps=torch.arange(6) * 7,
+    )
     got = sample(logits.to(device), **p).cpu()
     assert got.tolist() == logits.argmax(dim=-1).tolist()
 
@@ -151,8 +168,9 @@ def test_samples_stay_in_kept_set(gen, device, filters):
     logits = (torch.randn(1, vocab, generator=gen) * 2.5).expand(draws, vocab).contiguous()
     p = params(draws, device, temperature=1.0, seeds=42, steps=torch.arange(draws), **filters)
     tokens = sample(logits.to(device), **p).cpu()
-    keep = sampling_keep_mask(logits[:1], *(p[k][:1].cpu() for k in ("temperature", "top_k",
-                              "top_p", "min_p")))[0]  # fmt: skip
+    keep = sampling_keep_mask(
+        logits[:1], *(p[k][:1].cpu() for k in ("temperature", "top_k", "top_p", "min_p"))
+    )[0]
     assert keep[tokens].all()
     kept_probs = logits[0].masked_fill(~keep, float("-inf")).softmax(-1)
     if kept_probs.max() < 0.8:  # else 32 equal draws are likely enough (>0.1%) to be fair
@@ -185,7 +203,12 @@ def test_large_vocab(gen, device):
     """Qwen-sized vocabulary through the fast path and the filtered path."""
     vocab = 151_936
     logits = torch.randn(2, vocab, generator=gen) * 3
-    p = params(2, device, temperature=torch.tensor([1.0, 0.8]), top_k=torch.tensor([0, 40]),
-               top_p=torch.tensor([1.0, 0.9]))  # fmt: skip
+    p = params(
+        2,
+        device,
+        temperature=torch.tensor([1.0, 0.8]),
+        top_k=torch.tensor([0, 40]),
+        top_p=torch.tensor([1.0, 0.9]),
+    )
     got, expected = run_both(logits.to(device), p)
     assert got.tolist() == expected.tolist()

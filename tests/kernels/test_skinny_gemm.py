@@ -60,8 +60,16 @@ def test_gated_kernel_matches_gemm_then_silu_and_mul(gen, device, dtype, m, inte
     weight = (torch.randn(2 * inter, k, generator=gen) * 2 / k**0.5).to(dtype)
     expected = gate_up_silu_reference(x.double(), weight.double())
     tol = 1e-5 if dtype == torch.float32 else 3e-2  # bf16: the two products each rounded
-    for config in (None, {"BLOCK_M": 64 if m > 16 else 16, "BLOCK_N": 32, "BLOCK_K": 64,
-                          "STAGES": 2, "num_warps": 4}):  # fmt: skip
+    for config in (
+        None,
+        {
+            "BLOCK_M": 64 if m > 16 else 16,
+            "BLOCK_N": 32,
+            "BLOCK_K": 64,
+            "STAGES": 2,
+            "num_warps": 4,
+        },
+    ):
         out = torch.full((m, inter), float("nan"), dtype=dtype, device=device)
         skinny_gemm_silu(x.to(device), weight.to(device), out=out, config=config)
         torch.testing.assert_close(out.cpu().double(), expected, atol=tol, rtol=tol)
@@ -85,35 +93,47 @@ def test_empty_batch(device):
     assert out.shape == (0, 8)
 
 
-def test_routing_follows_the_measured_wins():
-    from ember.kernels.linear import use_skinny_gemm
+def test_routing_follows_the_routes():
+    """Which products the skinny kernel takes is the routes' (one GPU's table): those no wider
+    than their input or far wider (the vocabulary), q/k/v-like ones up to their row limit, none
+    past the kernel's rows or in fp32 or off CUDA; another table routes otherwise."""
+    from ember.kernels.linear import LinearRouter
+    from ember.kernels.tuning import LinearRoutes
 
     cuda, cpu, bf16 = torch.device("cuda"), torch.device("cpu"), torch.bfloat16
-    assert use_skinny_gemm(1, 4096, 4096, bf16, cuda)  # attention output
-    assert use_skinny_gemm(64, 4096, 14336, bf16, cuda)  # MLP down
-    assert use_skinny_gemm(8, 128256, 4096, bf16, cuda)  # vocabulary projection
-    assert use_skinny_gemm(1, 6144, 4096, bf16, cuda)  # q/k/v at batch 1-16: won in the step
-    assert use_skinny_gemm(16, 6144, 4096, bf16, cuda)
-    assert not use_skinny_gemm(17, 6144, 4096, bf16, cuda)  # q/k/v above: cuBLAS kept
-    assert not use_skinny_gemm(1, 28672, 4096, bf16, cuda)  # gate/up: a tie
-    assert not use_skinny_gemm(MAX_M + 1, 4096, 4096, bf16, cuda)
-    assert not use_skinny_gemm(0, 4096, 4096, bf16, cuda)
-    assert not use_skinny_gemm(1, 4096, 4096, torch.float32, cuda)  # fp32 stays exact on cuBLAS
-    assert not use_skinny_gemm(1, 4096, 4096, bf16, cpu)
+    routes = LinearRoutes()
+    takes = LinearRouter(routes).takes_skinny
+    qkv_rows = routes.skinny_qkv_max_rows
+    assert takes(1, 4096, 4096, bf16, cuda)  # attention output
+    assert takes(routes.skinny_max_rows, 4096, 14336, bf16, cuda)  # MLP down
+    assert takes(8, 128256, 4096, bf16, cuda)  # vocabulary projection
+    assert takes(1, 6144, 4096, bf16, cuda) and takes(qkv_rows, 6144, 4096, bf16, cuda)
+    assert not takes(qkv_rows + 1, 6144, 4096, bf16, cuda)  # q/k/v above: cuBLAS
+    assert not takes(1, 28672, 4096, bf16, cuda)  # gate/up: 7x wider
+    assert not takes(routes.skinny_max_rows + 1, 4096, 4096, bf16, cuda)
+    assert not takes(0, 4096, 4096, bf16, cuda)
+    assert not takes(1, 4096, 4096, torch.float32, cuda)  # fp32 stays exact on cuBLAS
+    assert not takes(1, 4096, 4096, bf16, cpu)
+    other = LinearRouter(LinearRoutes(skinny_qkv_max_rows=4))
+    assert not other.takes_skinny(8, 6144, 4096, bf16, cuda) and takes(8, 6144, 4096, bf16, cuda)
 
 
-def test_gated_routing_follows_the_measured_wins():
-    from ember.kernels.linear import use_gated_skinny_gemm
+def test_gated_routing_follows_the_routes():
+    from ember.kernels.linear import LinearRouter
+    from ember.kernels.tuning import LinearRoutes
 
     cuda, bf16 = torch.device("cuda"), torch.bfloat16
-    assert use_gated_skinny_gemm(1, 28672, 4096, bf16, cuda, pdl=True)  # under PDL: every size
-    assert use_gated_skinny_gemm(16, 28672, 4096, bf16, cuda, pdl=True)
-    assert not use_gated_skinny_gemm(16, 28672, 4096, bf16, cuda)  # plain: cuBLAS + SiLU won
-    assert use_gated_skinny_gemm(17, 28672, 4096, bf16, cuda)  # plain past 16 rows: fused won
-    assert use_gated_skinny_gemm(MAX_M, 28672, 4096, bf16, cuda)
-    assert not use_gated_skinny_gemm(MAX_M + 1, 28672, 4096, bf16, cuda, pdl=True)
-    assert not use_gated_skinny_gemm(32, 28672, 4096, torch.float32, cuda)
-    assert not use_gated_skinny_gemm(32, 28672, 4096, bf16, torch.device("cpu"))
+    routes = LinearRoutes()
+    takes = LinearRouter(routes).takes_gated_skinny
+    plain_max = routes.gated_plain_max_rows
+    assert takes(1, 28672, 4096, bf16, cuda, pdl=True)  # under PDL: every size
+    assert takes(plain_max, 28672, 4096, bf16, cuda, pdl=True)
+    assert not takes(plain_max, 28672, 4096, bf16, cuda)  # plain: cuBLAS + SiLU
+    assert takes(plain_max + 1, 28672, 4096, bf16, cuda)  # plain past them: fused
+    assert takes(routes.skinny_max_rows, 28672, 4096, bf16, cuda)
+    assert not takes(routes.skinny_max_rows + 1, 28672, 4096, bf16, cuda, pdl=True)
+    assert not takes(32, 28672, 4096, torch.float32, cuda)
+    assert not takes(32, 28672, 4096, bf16, torch.device("cpu"))
 
 
 @pytest.mark.parametrize("elem_bytes", [2, 4])

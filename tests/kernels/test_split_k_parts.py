@@ -12,8 +12,9 @@ import torch
 from helpers.tiny_models import make_tiny_model
 
 from ember import LLM, SamplingParams
-from ember.kernels.linear import split_k_parts
+from ember.kernels.linear import LinearRouter
 from ember.kernels.rmsnorm import add_parts_rms_norm
+from ember.kernels.tuning import LinearRoutes
 from ember.layers.ops import reference_ops
 from ember.layers.reference_ops import (
     add_parts_rms_norm_reference,
@@ -63,8 +64,9 @@ def test_add_parts_rms_norm_rejects_misshapen_parts(device):
     residual = torch.zeros(3, 32, device=device)
     weight = torch.ones(32, device=device)
     with pytest.raises(ValueError, match="float32"):
-        add_parts_rms_norm(residual, torch.zeros(2, 3, 32, dtype=torch.float16, device=device),
-                           weight, EPS)  # fmt: skip
+        add_parts_rms_norm(
+            residual, torch.zeros(2, 3, 32, dtype=torch.float16, device=device), weight, EPS
+        )
     with pytest.raises(ValueError, match=r"\[P, T, H\]"):
         add_parts_rms_norm(residual, torch.zeros(2, 4, 32, device=device), weight, EPS)
 
@@ -78,30 +80,37 @@ def test_linear_parts_reference_sums_to_the_product(gen):
     torch.testing.assert_close(parts[1], x[:, 32:64] @ weight[:, 32:64].T)
 
 
-def test_split_k_routing(monkeypatch):
-    linear_module = importlib.import_module("ember.kernels.linear")
-    monkeypatch.setattr(linear_module, "SPLIT_K_ROWS", (65, 256))
-    monkeypatch.setattr(linear_module, "SPLIT_K_MAX_PARTS", 4)
-    monkeypatch.setattr(linear_module, "SPLIT_K_MIN_PART_K", 2048)
+def test_split_k_routing():
+    """Products no wider than their input, at the routes' rows, split into as many parts as
+    keep each slice whole 16-byte rows and at least the routes' minimum width."""
+    routes = LinearRoutes(split_k_rows=(65, 256), split_k_max_parts=4, split_k_min_part_k=2048)
+    split_k_parts = LinearRouter(routes).split_k_parts
     cuda, bf16 = torch.device("cuda"), torch.bfloat16
     assert split_k_parts(256, 4096, 14336, bf16, cuda) == 4  # down: 3,584 columns a slice
     assert split_k_parts(256, 4096, 4096, bf16, cuda) == 2  # o: no slice under 2,048
     assert split_k_parts(65, 4096, 4096, bf16, cuda) == 2
-    assert split_k_parts(64, 4096, 4096, bf16, cuda) == 1  # the skinny GEMM's rows
+    assert split_k_parts(64, 4096, 4096, bf16, cuda) == 1  # below the routes' rows
     assert split_k_parts(257, 4096, 4096, bf16, cuda) == 1
     assert split_k_parts(256, 6144, 4096, bf16, cuda) == 1  # wider than its input (q/k/v)
     assert split_k_parts(256, 4096, 4096, torch.float32, cuda) == 1
     assert split_k_parts(256, 4096, 4096, bf16, torch.device("cpu")) == 1
     assert split_k_parts(256, 1000, 4100, bf16, cuda) == 1  # slices of 2,050: not 16-byte rows
-    monkeypatch.setattr(linear_module, "SPLIT_K_MAX_PARTS", 1)
-    assert split_k_parts(256, 4096, 14336, bf16, cuda) == 1  # switched off
+    off = dataclasses.replace(routes, split_k_max_parts=1)
+    assert LinearRouter(off).split_k_parts(256, 4096, 14336, bf16, cuda) == 1  # switched off
 
 
 def _greedy_tokens(path):
     gen = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, 4000, (n,), generator=gen).tolist() for n in (4, 19, 33)]
-    llm = LLM(str(path), device="cpu", max_model_len=64, backend="reference", dtype="float32",
-              max_num_batched_tokens=16, kv_cache_memory_bytes=16 << 20)  # fmt: skip
+    llm = LLM(
+        str(path),
+        device="cpu",
+        max_model_len=64,
+        backend="reference",
+        dtype="float32",
+        max_num_batched_tokens=16,
+        kv_cache_memory_bytes=16 << 20,
+    )
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     return [o.outputs[0].token_ids for o in outs]

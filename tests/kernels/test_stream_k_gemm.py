@@ -50,8 +50,9 @@ def test_kernel_matches_matmul(gen, device, m, n, k, programs):
 def test_gated_kernel_matches_gemm_then_silu_and_mul(gen, device, m, inter, k, programs):
     x, weight = _inputs(gen, device, m, 2 * inter, k)
     config = dict(_SMALL, BLOCK_N=32)  # 16 gate and 16 up columns a tile
-    out = stream_k_gemm(x, weight, StreamKWorkspace(), gated=True, config=config,
-                        num_programs=programs)  # fmt: skip
+    out = stream_k_gemm(
+        x, weight, StreamKWorkspace(), gated=True, config=config, num_programs=programs
+    )
     expected = gate_up_silu_reference(x.cpu().double(), weight.cpu().double())
     torch.testing.assert_close(out.cpu().double(), expected, atol=3e-2, rtol=3e-2)
 
@@ -73,8 +74,9 @@ def test_rejects_bad_operands(device):
     with pytest.raises(ValueError, match="columns"):
         stream_k_gemm(torch.zeros(2, 16, dtype=torch.bfloat16, device=device), w, workspace)
     with pytest.raises(ValueError, match="even number"):
-        stream_k_gemm(torch.zeros(2, 32, dtype=torch.bfloat16, device=device), w[:63], workspace,
-                      gated=True)  # fmt: skip
+        stream_k_gemm(
+            torch.zeros(2, 32, dtype=torch.bfloat16, device=device), w[:63], workspace, gated=True
+        )
 
 
 def test_workspace_is_never_regrown(gen, device):
@@ -95,15 +97,16 @@ def test_workspace_is_never_regrown(gen, device):
 def test_gate_up_silu_takes_it_past_the_skinny_kernel(gen, device):
     """`gate_up_silu` at a decode batch past the skinny GEMM's rows: on a Hopper GPU the stream-K
     kernel's one-wave form takes it, elsewhere cuBLAS and the SiLU kernel; the same result."""
-    from ember.kernels.linear import gate_up_silu
-    from ember.kernels.stream_k_gemm import use_stream_k_gemm
+    from ember.kernels.linear import LinearRouter
+    from ember.kernels.tuning import LinearRoutes
 
+    router = LinearRouter(LinearRoutes(stream_k_rows=(65, 128)))
     m, inter, k = 100, 256, 128
     x, weight = _inputs(gen, device, m, 2 * inter, k)
     hopper = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
-    assert use_stream_k_gemm(x, weight) == hopper
-    assert not use_stream_k_gemm(x[:64], weight), "the skinny kernel's rows"
-    assert not use_stream_k_gemm(torch.cat([x, x]), weight), "past 128 rows: cuBLAS"
-    out = gate_up_silu(x, weight)
+    assert router.takes_stream_k(x, weight) == hopper
+    assert not router.takes_stream_k(x[:64], weight), "below the routes' rows"
+    assert not router.takes_stream_k(torch.cat([x, x]), weight), "past them: cuBLAS"
+    out = router.gate_up_silu(x, weight)
     expected = gate_up_silu_reference(x.cpu().double(), weight.cpu().double())
     torch.testing.assert_close(out.cpu().double(), expected, atol=3e-2, rtol=3e-2)

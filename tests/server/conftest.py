@@ -12,13 +12,19 @@ from .server_process import API_KEY, ServerProcess
 # Sized for a 2-core CPU: a short context and a small KV pool load fast; 64 sequences per step
 # let the concurrency test run in one batch.
 SESSION_SERVER_FLAGS = (
-    "--max-model-len", "1024",
-    "--num-gpu-blocks-override", "400",
-    "--max-num-seqs", "64",
-    "--max-queue", "256",
-    "--max-request-body-bytes", "65536",
-    "--api-key", API_KEY,
-)  # fmt: skip
+    "--max-model-len",
+    "1024",
+    "--num-gpu-blocks-override",
+    "400",
+    "--max-num-seqs",
+    "64",
+    "--max-queue",
+    "256",
+    "--max-request-body-bytes",
+    "65536",
+    "--api-key",
+    API_KEY,
+)
 
 
 @pytest.fixture(scope="package")

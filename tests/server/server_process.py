@@ -32,11 +32,18 @@ class ServerProcess:
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
         self.command = [
-            sys.executable, "-m", "ember.cli", "serve",
-            "--host", "127.0.0.1", "--port", str(self.port),
-            "--disable-progress-bar", "--disable-uvicorn-access-log",
+            sys.executable,
+            "-m",
+            "ember.cli",
+            "serve",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--disable-progress-bar",
+            "--disable-uvicorn-access-log",
             *flags,
-        ]  # fmt: skip
+        ]
         fd, log_path = tempfile.mkstemp(prefix="ember-test-server-", suffix=".log")
         os.close(fd)
         self.log_path = Path(log_path)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+pytestmark = pytest.mark.slow
+
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 
 

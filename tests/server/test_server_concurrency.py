@@ -6,6 +6,10 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
+
+pytestmark = pytest.mark.slow
+
 PROMPTS = [
     "The capital of France is",
     "Once upon a time",

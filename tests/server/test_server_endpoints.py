@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import httpx
+import pytest
+
+pytestmark = pytest.mark.slow
 
 METRIC_NAMES = (
     "ember:num_requests_running",
@@ -78,8 +81,9 @@ def test_metrics_count_the_engine_steps_by_kind(server, client, model_name):
 
     before = counts(server.metrics())
     assert len(before) == 4
-    reply = client.completions.create(model=model_name, prompt="Hello there", max_tokens=3,
-                                      temperature=0)  # fmt: skip
+    reply = client.completions.create(
+        model=model_name, prompt="Hello there", max_tokens=3, temperature=0
+    )
     deadline, after = time.monotonic() + 5, before
     while time.monotonic() < deadline:  # until the counts have moved and settled
         time.sleep(0.3)

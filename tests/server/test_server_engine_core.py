@@ -30,8 +30,9 @@ class FakeInstance:
     def __init__(self, vocab_size: int = 100) -> None:
         self.vocab_size = vocab_size
         self.requests: dict[str, list] = {}
-        self.scheduler = SimpleNamespace(running=[], waiting=[], num_preemptions=0,
-                                         step_counts=StepCounts())  # fmt: skip
+        self.scheduler = SimpleNamespace(
+            running=[], waiting=[], num_preemptions=0, step_counts=StepCounts()
+        )
         self.kv_manager = SimpleNamespace(pool=SimpleNamespace(capacity=10), num_free_blocks=10)
 
     def add_request(self, request_id, prompt_token_ids, params):
@@ -126,8 +127,9 @@ def test_collector_passes_during_the_loop_reach_the_stats():
     EngineCore({"a": CollectingInstance()}, channel).run()
     assert channel.sent[-1].gc.passes[2] >= 2
     assert channel.sent[-1].gc.pause_seconds[2] > 0
-    assert not any(getattr(cb, "__self__", None).__class__.__name__ == "GcPauses"
-                   for cb in collector.callbacks)  # fmt: skip
+    assert not any(
+        getattr(cb, "__self__", None).__class__.__name__ == "GcPauses" for cb in collector.callbacks
+    )
 
 
 def test_invalid_request_and_unknown_model_are_rejected_not_fatal():

@@ -6,6 +6,8 @@ import httpx
 import openai
 import pytest
 
+pytestmark = pytest.mark.slow
+
 
 def assert_error(reply: httpx.Response, status: int, param: str | None = None) -> dict:
     assert reply.status_code == status, reply.text

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow
+
 # What `ember serve` does in its own process before the engine process takes over: parse the
 # flags, open the default model's checkpoint and build its tokenizer, build the app (whose
 # lifespan spawns the engine through `ember.engine.launch`).

@@ -16,14 +16,21 @@ import pytest
 
 from .server_process import ServerProcess
 
+pytestmark = pytest.mark.slow
+
 # One sequence at a time and two may wait: the queue is easy to fill.
 SMALL_SERVER_FLAGS = (
-    "--max-model-len", "512",
-    "--num-gpu-blocks-override", "64",
-    "--max-num-seqs", "1",
-    "--max-queue", "2",
-    "--shutdown-timeout", "60",
-)  # fmt: skip
+    "--max-model-len",
+    "512",
+    "--num-gpu-blocks-override",
+    "64",
+    "--max-num-seqs",
+    "1",
+    "--max-queue",
+    "2",
+    "--shutdown-timeout",
+    "60",
+)
 
 LONG = {"max_tokens": 400, "temperature": 0, "extra_body": {"ignore_eos": True}}
 

@@ -79,9 +79,11 @@ def test_without_the_server_send_in_the_scope_everything_goes_through_send():
 
 @pytest.mark.parametrize(
     ("error", "expected_type"),
-    [(BadRequestError("the engine rejected it"), "invalid_request_error"),
-     (RuntimeError("boom"), "server_error")],
-)  # fmt: skip
+    [
+        (BadRequestError("the engine rejected it"), "invalid_request_error"),
+        (RuntimeError("boom"), "server_error"),
+    ],
+)
 def test_an_error_mid_stream_is_one_error_event_before_done(error, expected_type):
     async def events():
         yield sse_event({"n": 1})
@@ -138,8 +140,13 @@ def test_chunk_encoder_writes_what_the_whole_chunk_encodes_to(usage):
     header = {"id": "cmpl-1", "object": "text_completion", "created": 1, "model": "m"}
     if usage:
         header["usage"] = None
-    choice = {"index": 3, "text": 'a "quoted"\nline é', "logprobs": None,
-              "finish_reason": None, "stop_reason": None}  # fmt: skip
+    choice = {
+        "index": 3,
+        "text": 'a "quoted"\nline é',
+        "logprobs": None,
+        "finish_reason": None,
+        "stop_reason": None,
+    }
     event = ChunkEncoder(header).event(choice)
     assert event == sse_event({**header, "choices": [choice]})
     assert msgspec.json.decode(event.removeprefix(b"data: ")) == {**header, "choices": [choice]}

@@ -2,11 +2,10 @@
 launch configuration, before any device time is spent.
 
 Triton's CPU interpreter has no shared-memory limit, so a tile configuration that outgrows an
-SM passes every CPU test and fails only when the GPU launches it (a stream-K GEMM's 256-wide K
-steps at 64 rows asked 256 KiB and cost a device call). Triton's compiler itself runs without a
-device: this compiles each kernel as the engine launches it (its default tiles for the
-Llama-3.1-8B shapes; pointers and sizes divisible by 16, as Triton specializes them at launch)
-for sm_90 and reads the shared memory the compiled kernel asks for.
+SM passes every CPU test and fails only when the GPU launches it. Triton's compiler itself runs
+without a device: this compiles each kernel as the engine launches it (its default tiles and
+planned launches for the Llama-3.1-8B shapes; pointers and sizes divisible by 16, as Triton
+specializes them at launch) for sm_90 and reads the shared memory the compiled kernel asks for.
 
     TRITON_INTERPRET=0 python -m ember.bench.compile_check [--json]
 
@@ -45,8 +44,9 @@ class CompiledConfig:
         return self.shared_bytes <= SM90_SHARED_MEMORY_LIMIT
 
 
-def compile_for_sm90(kernel, types: dict[str, str], divisible: set[str], constexprs: dict,
-                     num_warps: int) -> int:  # fmt: skip
+def compile_for_sm90(
+    kernel, types: dict[str, str], divisible: set[str], constexprs: dict, num_warps: int
+) -> int:
     """Shared bytes of ``kernel`` compiled for sm_90 with these argument ``types`` (names not
     given are i32), ``constexprs``, and 16-divisibility on the ``divisible`` arguments."""
     import triton
@@ -77,15 +77,33 @@ def skinny_gemm_config(name: str, m: int, config: dict[str, int]) -> CompiledCon
     num_warps = config.pop("num_warps")
     row_norm = name in ("qkv", "gate_up")  # the deferred RMSNorm's readers
     constexprs = {
-        "HAS_BIAS": False, "ADD_TO_OUT": name in ("o", "down"), "GATED": gated,
-        "ROW_NORM": row_norm, "BLOCK_P": 128 if row_norm else 16, "EVEN_K": True,
-        "DOT_PRECISION": "tf32", "PDL": True, **config,
-    }  # fmt: skip
+        "HAS_BIAS": False,
+        "ADD_TO_OUT": name in ("o", "down"),
+        "GATED": gated,
+        "ROW_NORM": row_norm,
+        "BLOCK_P": 128 if row_norm else 16,
+        "EVEN_K": True,
+        "DOT_PRECISION": "tf32",
+        "PDL": True,
+        **config,
+    }
     pointers = ("x_ptr", "w_ptr", "bias_ptr", "out_ptr")
-    types = {**{p: "*bf16" for p in pointers}, "parts_ptr": "*fp32", "norm_parts_ptr": "*fp32",
-             "eps": "fp32"}  # fmt: skip
-    divisible = {*pointers, "parts_ptr", "norm_parts_ptr", "N", "K", "stride_xm", "stride_wn",
-                 "stride_om"}  # fmt: skip
+    types = {
+        **{p: "*bf16" for p in pointers},
+        "parts_ptr": "*fp32",
+        "norm_parts_ptr": "*fp32",
+        "eps": "fp32",
+    }
+    divisible = {
+        *pointers,
+        "parts_ptr",
+        "norm_parts_ptr",
+        "N",
+        "K",
+        "stride_xm",
+        "stride_wn",
+        "stride_om",
+    }
     shared = compile_for_sm90(_skinny_gemm_kernel, types, divisible, constexprs, num_warps)
     return CompiledConfig("skinny_gemm", f"{name} m={m}", constexprs, num_warps, shared)
 
@@ -113,68 +131,104 @@ def stream_k_gemm_configs() -> list[CompiledConfig]:
     num_warps = config.pop("num_warps")
     block_m, block_n, block_k = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
     constexprs = {"GATED": True, "PDL": False, **config}
-    types = {"x_desc": f"tensordesc<bf16[{block_m},{block_k}]>",
-             "w_desc": f"tensordesc<bf16[{block_n // 2},{block_k}]>", "out_ptr": "*bf16",
-             "partials_ptr": "*fp32", "counters_ptr": "*i32"}  # fmt: skip
+    types = {
+        "x_desc": f"tensordesc<bf16[{block_m},{block_k}]>",
+        "w_desc": f"tensordesc<bf16[{block_n // 2},{block_k}]>",
+        "out_ptr": "*bf16",
+        "partials_ptr": "*fp32",
+        "counters_ptr": "*i32",
+    }
     divisible = {"out_ptr", "partials_ptr", "counters_ptr", "stride_om"}
     shared = compile_for_sm90(_stream_k_gemm_kernel, types, divisible, constexprs, num_warps)
     return [CompiledConfig("stream_k_gemm", "gate_up m=128", constexprs, num_warps, shared)]
 
 
 def attention_configs() -> list[CompiledConfig]:
-    """The paged attention's launches for the 8B shape (GQA 4, head 128, bf16): decode split
-    and unsplit (with RoPE, the deferred norm and the K/V preload: the most state a program
-    holds), prefill tiles for all sequences, and a mixed step's two launches (its decodes on
-    decode tiles, long ones in segments; its chunks on prefill tiles over the chunk tile map)."""
-    from ember.kernels.attention_plan import (
-        MAX_SPLITS,
-        MIXED_DECODE_SPLITS,
-        ONE_WARP_MIN_PROGRAMS_PER_SM,
-        tile_config,
-    )
-    from ember.kernels.paged_attention import (
-        _ALL_SEQUENCES,
-        _MULTI_TOKEN,
-        _SINGLE_TOKEN,
-        _paged_attention_kernel,
-    )
+    """The paged attention's launches as `AttentionPlanner` plans them for the 8B shape (GQA 4,
+    head 128, bf16) on an H200: decode steps split and unsplit (with RoPE, the deferred norm
+    and, split under one wave, the K/V preload: the most state a program holds), a full grid's
+    one-warp tiles, and a mixed step's two launches (its decodes on decode tiles, long ones in
+    segments; its chunks on prefill tiles over the chunk tile map)."""
+    import torch
 
+    from ember.bench.tune import AttentionShape, attention_planner
+    from ember.kernels.attention_plan import Sequences, next_power_of_2
+    from ember.kernels.paged_attention import _paged_attention_kernel
+
+    shape = AttentionShape.of(_PRESET)
+    group = shape.num_q_heads // shape.num_kv_heads
+    planner = attention_planner(shape, torch.device("cpu"))  # an H200's table off CUDA
+    # Decode steps as the engine launches them on Hopper: with PDL.
+    cases = {
+        "decode split": planner.plan(1, 1, 8192, pdl=True),
+        "decode": planner.plan(32, 1, 512, pdl=True),
+        "decode, full grid": planner.plan(256, 1, 512, pdl=True),
+    }
+    mixed_decodes, mixed_chunks = planner.plan(256, 512, 4096)
+    cases.update({"mixed decodes": (mixed_decodes,), "mixed chunks": (mixed_chunks,)})
     pointers = ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr", "rope_k_ptr", "rope_v_ptr")
-    int_pointers = ("query_start_loc_ptr", "seq_lens_ptr", "block_tables_ptr",
-                    "split_counters_ptr", "positions_ptr", "slot_mapping_ptr",
-                    "chunk_tiles_ptr")  # fmt: skip
+    int_pointers = (
+        "query_start_loc_ptr",
+        "seq_lens_ptr",
+        "block_tables_ptr",
+        "split_counters_ptr",
+        "positions_ptr",
+        "slot_mapping_ptr",
+        "chunk_tiles_ptr",
+    )
     fp32_pointers = ("part_max_ptr", "part_sum_ptr", "part_acc_ptr", "cos_sin_ptr", "parts_ptr")
-    types = {**{p: "*bf16" for p in pointers}, **{p: "*i32" for p in int_pointers},
-             **{p: "*fp32" for p in fp32_pointers}, "eps": "fp32", "qk_scale": "fp32"}  # fmt: skip
+    types = {
+        **{p: "*bf16" for p in pointers},
+        **{p: "*i32" for p in int_pointers},
+        **{p: "*fp32" for p in fp32_pointers},
+        "eps": "fp32",
+        "qk_scale": "fp32",
+    }
     # Every stride is a multiple of 16 elements in the 8B shape, and Triton specializes on it:
-    # without stride_cache_head the K/V loads compiled as plain loads (22 KiB for a decode tile)
-    # where launches pipeline them through shared memory (38 KiB).
-    divisible = {*pointers, *int_pointers, *fp32_pointers, "stride_q_tok", "stride_q_head",
-                 "stride_o_tok", "stride_o_head", "stride_cache_block", "stride_cache_slot",
-                 "stride_cache_head", "stride_table", "stride_rk_tok", "stride_rk_head",
-                 "stride_rv_tok", "stride_rv_head"}  # fmt: skip
+    # without stride_cache_head the K/V loads compile as plain loads where launches pipeline
+    # them through shared memory.
+    divisible = {
+        *pointers,
+        *int_pointers,
+        *fp32_pointers,
+        "stride_q_tok",
+        "stride_q_head",
+        "stride_o_tok",
+        "stride_o_head",
+        "stride_cache_block",
+        "stride_cache_slot",
+        "stride_cache_head",
+        "stride_table",
+        "stride_rk_tok",
+        "stride_rk_head",
+        "stride_rv_tok",
+        "stride_rv_head",
+    }
     results = []
-    # (case, decode tiles, their split configuration, programs per SM, segments, sequences
-    # served, tile map)
-    full = ONE_WARP_MIN_PROGRAMS_PER_SM
-    cases = (("decode split", True, True, 0, MAX_SPLITS, _ALL_SEQUENCES, False),
-             ("decode", True, False, 0, 1, _ALL_SEQUENCES, False),
-             ("decode, full grid", True, False, full, 1, _ALL_SEQUENCES, False),
-             ("prefill", False, False, 0, 1, _ALL_SEQUENCES, False),
-             ("mixed decodes", True, False, 0, MIXED_DECODE_SPLITS, _SINGLE_TOKEN, False),
-             ("mixed chunks", False, False, 0, 1, _MULTI_TOKEN, True))  # fmt: skip
-    for case, decode, split_tiles, per_sm, splits, sequences, tile_map in cases:
-        sequences = sequences.value
-        rope = decode and sequences == _ALL_SEQUENCES.value  # a mixed step writes its cache first
-        config = tile_config(4, decode, 128, 2, split_tiles, per_sm)
+    for case, (launch,) in cases.items():
+        # RoPE and the cache write ride in a decode-only step's launch; a mixed step's come first.
+        rope = launch.decode_only and launch.sequences == Sequences.ALL
+        config = dict(launch.tiles)
         num_warps = config.pop("num_warps")
         constexprs = {
-            "GROUP": 4, "HEAD_DIM": 128, "PAGE": 16, "DECODE_ONLY": decode,
-            "SPLIT_KV": splits > 1, "DOT_PRECISION": "tf32", "BLOCK_SPLITS": splits,
-            "GROUP_P2": 4, "MERGE_CHUNK": min(8, splits), "ROPE": rope, "ROW_NORM": rope,
-            "BLOCK_P": 128, "PDL": True, "PRELOAD_KV": rope and split_tiles,
-            "SEQUENCES": sequences, "TILE_MAP": tile_map, **config,
-        }  # fmt: skip
+            "GROUP": group,
+            "HEAD_DIM": shape.head_dim,
+            "PAGE": shape.block_size,
+            "DECODE_ONLY": launch.decode_only,
+            "SPLIT_KV": launch.splits > 1,
+            "DOT_PRECISION": "tf32",
+            "BLOCK_SPLITS": next_power_of_2(launch.splits),
+            "GROUP_P2": max(2, next_power_of_2(group)),
+            "MERGE_CHUNK": min(8, next_power_of_2(launch.splits)),
+            "ROPE": rope,
+            "ROW_NORM": rope,
+            "BLOCK_P": 128 if rope else 16,
+            "PDL": True,
+            "PRELOAD_KV": rope and launch.preload_kv,
+            "SEQUENCES": int(launch.sequences),
+            "TILE_MAP": launch.chunk_map,
+            **config,
+        }
         shared = compile_for_sm90(_paged_attention_kernel, types, divisible, constexprs, num_warps)
         results.append(CompiledConfig("paged_attention", case, constexprs, num_warps, shared))
     return results

@@ -1,87 +1,96 @@
-"""`ember bench cpu-step`: the host-side cost of one engine step, with no model and no GPU.
+"""`ember bench cpu-step`: the host's cost of an engine step, with a model that costs nothing.
 
-Per decode step the CPU schedules, stages the inputs of every running request and folds the
-sampled tokens back in. On a GPU that work overlaps the previous step; it must stay well under
-the step's GPU time (about 5 ms at batch 1 and 10-25 ms at batch 64-256 for an 8B model), or
-the GPU waits. This measures exactly that host work on the real Scheduler and ModelRunner code.
+Per decode step the host schedules, stages every running request's inputs, and folds the sampled
+tokens back in. On a GPU that work overlaps the previous step and must stay well under its GPU
+time, or the GPU waits. This runs the engine's own Scheduler and ModelRunner on the CPU, through
+the loop `ember bench step` times (`ember.bench.host_phases.TimedLoop`, with overlap), over a
+stand-in model whose forward pass and logits are rows of zeros: each phase is the engine's code,
+``launch`` with a forward pass and a greedy draw of next to nothing.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import torch
 
-from ember.config import SchedulerConfig
+from ember.bench.host_phases import TimedLoop
+from ember.config import StepLimits
 from ember.engine.gc_heap import GcPauses, freeze_startup_heap
 from ember.engine.kv_cache_manager import KVCacheManager
 from ember.engine.request import Request
 from ember.engine.scheduler import Scheduler
-from ember.engine.step_types import RunnerOutput
+from ember.layers.attention import ReferenceAttention
+from ember.layers.ops import reference_ops
 from ember.runner.model_runner import ModelRunner
 from ember.runner.sampler import Sampler
 from ember.sampling_params import SamplingParams
 
+BLOCK_SIZE = 16
+# The stand-in model's vocabulary: its logits are zeros, so greedy draws token 0.
+VOCAB = 2
 
-def _runner_without_model(max_seqs: int, max_model_len: int) -> ModelRunner:
-    """A ModelRunner whose staging code is real; the forward pass is never called."""
-    kv = torch.zeros(1, 2, 2, 16, 1, 16)
-    return ModelRunner(
-        model=None,
-        kv_cache=kv,
+
+class NullModel(torch.nn.Module):
+    """A model's interface to the runner (`forward` over a step's tokens, `compute_logits` over
+    the rows that sample), returning rows of zeros."""
+
+    def __init__(self, max_tokens: int) -> None:
+        super().__init__()
+        self.hidden = torch.zeros(max_tokens, 1)
+        self.logits = torch.zeros(max_tokens, VOCAB)
+
+    def forward(self, input_ids, ctx, cos_sin_cache, kv_cache) -> torch.Tensor:
+        return self.hidden[: input_ids.shape[0]]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.logits[: hidden.shape[0]]
+
+
+def null_model_loop(limits: StepLimits, num_blocks: int) -> TimedLoop:
+    """A scheduler and a runner over `NullModel` on the CPU, in an overlapped loop."""
+    kv = KVCacheManager(num_blocks=num_blocks, block_size=BLOCK_SIZE)
+    runner = ModelRunner(
+        model=NullModel(limits.max_num_batched_tokens),
+        attention=ReferenceAttention(),
+        kv_cache=torch.zeros(1),
         cos_sin_cache=torch.zeros(1),
-        block_size=16,
-        sampler=Sampler(None, 1, kv.device),
+        block_size=BLOCK_SIZE,
+        sampler=Sampler(reference_ops(), VOCAB, torch.device("cpu"), limits),
         stop_ids_until_min_tokens=(),
-        max_num_seqs=max_seqs,
-        max_num_batched_tokens=8192,
-        max_model_len=max_model_len,
+        limits=limits,
         use_cuda_graphs=False,
     )
+    return TimedLoop(Scheduler(limits, kv), runner, overlap=True)
 
 
 def measure(batch: int, context: int, steps: int = 200) -> dict:
-    kv = KVCacheManager(num_blocks=batch * (context + steps + 64) // 16 + 2, block_size=16)
-    config = SchedulerConfig(max_num_seqs=batch, max_num_batched_tokens=8192,
-                             max_model_len=context + steps + 64)  # fmt: skip
-    scheduler = Scheduler(config, kv)
-    runner = _runner_without_model(batch, config.max_model_len)
-    params = SamplingParams(temperature=0, max_tokens=steps + 64, ignore_eos=True)
-    for i in range(batch):
-        scheduler.add_request(Request(f"r{i}", list(range(1, context)), params, i, steps + 64))
-
-    def step() -> tuple[float, float, float]:
-        t0 = time.perf_counter()
-        out = scheduler.schedule()
-        t1 = time.perf_counter()
-        runner._apply_diffs(out)
-        plan = runner._stage_inputs(out, runner.input_block(out).next_staging())
-        _ = [runner._sampling_row(s) for s in plan.sampling_states]
-        t2 = time.perf_counter()
-        for state in plan.sampling_states:
-            state.token_ids.append(7)
-            state.num_output_tokens += 1
-        ids = [s.request_id for s in plan.sampling_states]
-        scheduler.update(out, RunnerOutput(ids, [7] * len(ids)))
-        return t1 - t0, t2 - t1, time.perf_counter() - t2
-
-    while any(len(r.output_token_ids) == 0 for r in scheduler.requests.values()):
-        step()  # prefill
-    totals = [0.0, 0.0, 0.0]
+    """Host ms per decode step of ``batch`` requests at ~``context`` tokens, by phase."""
+    max_tokens = steps + 64
+    limits = StepLimits(
+        max_num_seqs=batch, max_num_batched_tokens=8192, max_model_len=context + max_tokens
+    )
+    loop = null_model_loop(limits, batch * (context + max_tokens) // BLOCK_SIZE + 2)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    requests = [
+        Request(f"r{i}", list(range(1, context)), params, i, max_tokens) for i in range(batch)
+    ]
+    for request in requests:
+        loop.scheduler.add_request(request)
+    while not all(request.output_token_ids for request in requests):
+        loop.step()  # the prefill
+    loop.reset()
     with GcPauses() as gc_pauses:
         for _ in range(steps):
-            for i, seconds in enumerate(step()):
-                totals[i] += seconds
-    schedule_ms, stage_ms, update_ms = (t / steps * 1e3 for t in totals)
+            loop.step()
+    ms = {f"{phase}_ms": seconds / steps * 1e3 for phase, seconds in loop.seconds.items()}
+    del ms["wait_ms"]  # a CPU step has no event to wait on
     return {
         "batch": batch,
         "context": context,
-        "schedule_ms": schedule_ms,
-        "stage_inputs_ms": stage_ms,
-        "update_ms": update_ms,
-        "total_ms": schedule_ms + stage_ms + update_ms,
+        **ms,
+        "total_ms": sum(ms.values()),
         # The collector's passes inside the timed steps (the phases above include them).
         "gc": gc_pauses.summary(steps),
     }

@@ -2,10 +2,10 @@
 
 A bench's figure is judged against ceilings measured in a short burst, at full clocks. A long
 compute-bound run draws the card to its power limit, and the driver then lowers the SM clock
-until the draw fits (bench/results/README.md, "Stream-K q/k/v, the power cap ..."). A
-`PowerWindow` around the timed part of a run says which case a figure is: its energy (NVML's
-energy counter, exact over the window), mean power against the enforced limit, the SM clock and
-how often the power cap was holding it down (sampled on a thread, every ``interval_s``).
+until the draw fits. A `PowerWindow` around the timed part of a run says which case a figure
+is: its energy (NVML's energy counter, exact over the window), mean power against the enforced
+limit, the SM clock and how often the power cap was holding it down (sampled on a thread, every
+``interval_s``).
 
 ``nvml`` is the ``pynvml`` module (package nvidia-ml-py) or a stand-in with its functions; none
 at all (a CPU machine) gives no reading rather than an error.
@@ -105,8 +105,14 @@ def _clock_event_reasons(nvml):
     return renamed or nvml.nvmlDeviceGetCurrentClocksThrottleReasons
 
 
-def summarize(seconds: float, energy_j: float, limit_w: float, clocks: list[float],
-              capped: list[bool], watts: list[float]) -> PowerReading:  # fmt: skip
+def summarize(
+    seconds: float,
+    energy_j: float,
+    limit_w: float,
+    clocks: list[float],
+    capped: list[bool],
+    watts: list[float],
+) -> PowerReading:
     """A window's reading from its length, energy, the enforced limit and the samples."""
     return PowerReading(
         seconds=seconds,

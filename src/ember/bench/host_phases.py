@@ -1,93 +1,80 @@
-"""Where the host's time goes inside the engine loop: schedule, launch, wait for the GPU, update.
+"""Where the host's time goes in the engine loop: schedule, launch, wait for the GPU, collect,
+update.
 
-With overlap the GPU runs step N while the host folds in step N-1 and launches N+1. If the host's
-busy time per step (everything but the wait) reaches the GPU's step time, the GPU idles at each
-step's start, and the wait shrinks to nothing: this split tells host-bound from GPU-bound.
+`TimedLoop` steps a model instance as `ModelInstance.step` does, through the same public calls
+(`Scheduler.schedule`, `ModelRunner.launch` and `collect`, `Scheduler.update`), and times each.
+With overlap the GPU runs step N while the host collects step N-1 and launches N+1. If the
+host's busy time per step (all but the wait) reaches the GPU's step time, the GPU idles at each
+step's start and the wait shrinks to nothing: the split tells host-bound from GPU-bound.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
-from ember.engine.model_instance import ModelInstance
+if TYPE_CHECKING:
+    from ember.engine.model_instance import ModelInstance
+    from ember.engine.scheduler import Scheduler
+    from ember.engine.step_types import RequestUpdate, SchedulerOutput
+    from ember.runner.model_runner import ModelRunner, StepHandle
 
-
-def _timed(totals: dict[str, float], name: str, method):
-    def wrapper(*args, **kwargs):
-        start = time.perf_counter()
-        try:
-            return method(*args, **kwargs)
-        finally:
-            totals[name] += time.perf_counter() - start
-
-    return wrapper
+PHASES = ("schedule", "launch", "wait", "collect", "update")
 
 
-def _timed_collect(totals: dict[str, float], collect):
-    """The runner's collect, with its wait on the step's event timed apart from the rest."""
+class TimedLoop:
+    """The engine loop over one scheduler and runner, with the seconds of each phase summed in
+    `seconds` (`reset` clears them). A benchmark steps an instance through one loop only: the
+    step in flight under overlap is the loop's, as it is the instance's in `ModelInstance.step`."""
 
-    def wrapper(handle):
+    def __init__(self, scheduler: Scheduler, runner: ModelRunner, overlap: bool) -> None:
+        self.scheduler = scheduler
+        self.runner = runner
+        self.overlap = overlap
+        self.seconds = dict.fromkeys(PHASES, 0.0)
+        self._in_flight: tuple[SchedulerOutput, StepHandle] | None = None
+
+    @classmethod
+    def of(cls, instance: ModelInstance, runner: ModelRunner | None = None) -> TimedLoop:
+        """The loop of ``instance`` (on ``runner`` in place of its own, when given)."""
+        return cls(instance.scheduler, runner or instance.runner, instance.overlap)
+
+    def reset(self) -> None:
+        self.seconds = dict.fromkeys(PHASES, 0.0)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_unfinished() or self._in_flight is not None
+
+    def step(self) -> list[RequestUpdate]:
+        """Advance by one step; returns what changed for each request (`ModelInstance.step`)."""
+        clock, seconds = time.perf_counter, self.seconds
+        start = clock()
+        scheduled = self.scheduler.schedule()
+        scheduled_at = clock()
+        handle = self.runner.launch(scheduled)
+        seconds["schedule"] += scheduled_at - start
+        seconds["launch"] += clock() - scheduled_at
+        if not self.overlap:
+            return self._finish(scheduled, handle)
+        # The next step is launched; now the previous one is collected.
+        updates: list[RequestUpdate] = []
+        if self._in_flight is not None:
+            updates = self._finish(*self._in_flight)
+        self._in_flight = None if scheduled.is_empty else (scheduled, handle)
+        return updates
+
+    def _finish(self, scheduled: SchedulerOutput, handle: StepHandle) -> list[RequestUpdate]:
+        """Wait for a launched step's samples (timed apart from the rest of `collect`), collect
+        them and fold them into the scheduler."""
+        clock, seconds = time.perf_counter, self.seconds
         if handle.result is None and handle.done is not None:
-            start = time.perf_counter()
+            start = clock()
             handle.done.synchronize()
-            totals["wait"] += time.perf_counter() - start
-        start = time.perf_counter()
-        try:
-            return collect(handle)
-        finally:
-            totals["collect"] += time.perf_counter() - start
-
-    return wrapper
-
-
-@contextmanager
-def host_phases(inst: ModelInstance) -> Iterator[dict[str, float]]:
-    """Seconds spent in each phase of ``inst.step()`` while the block runs, summed.
-
-    The instance's methods are shadowed by timed wrappers for the duration and restored after.
-    """
-    totals = dict.fromkeys(("schedule", "launch", "wait", "collect", "update"), 0.0)
-    scheduler, runner = inst.scheduler, inst.runner
-    shadows = {
-        (scheduler, "schedule"): _timed(totals, "schedule", scheduler.schedule),
-        (scheduler, "update"): _timed(totals, "update", scheduler.update),
-        (runner, "launch"): _timed(totals, "launch", runner.launch),
-        (runner, "collect"): _timed_collect(totals, runner.collect),
-    }
-    for (owner, name), wrapper in shadows.items():
-        setattr(owner, name, wrapper)
-    try:
-        yield totals
-    finally:
-        for owner, name in shadows:
-            delattr(owner, name)  # the class's method shows through again
-
-
-# Parts of `launch` timed apart by `launch_parts`; the rest of `launch` (the graph bucket, the
-# upload's enqueue, the fed tokens' copy, bookkeeping) is its total less these.
-LAUNCH_PARTS = ("stage_inputs", "graph_replay", "sample", "copy_to_host")
-
-
-@contextmanager
-def launch_parts(inst: ModelInstance) -> Iterator[dict[str, float]]:
-    """Seconds spent in each of `LAUNCH_PARTS` inside the runner's ``launch`` while the block
-    runs, summed: which part grew when ``launch`` did. ``graph_replay`` stays 0 without graphs.
-
-    Like `host_phases`, the runner's methods (and its sampler) are shadowed for the duration."""
-    totals = dict.fromkeys(LAUNCH_PARTS, 0.0)
-    runner = inst.runner
-    methods = [(runner, "_stage_inputs", "stage_inputs"), (runner, "_copy_to_host", "copy_to_host")]
-    if runner.graphs is not None:
-        methods.append((runner.graphs, "replay", "graph_replay"))
-    for owner, name, part in methods:
-        setattr(owner, name, _timed(totals, part, getattr(owner, name)))
-    sampler = runner.sampler  # an attribute, not a method: put back as it was
-    runner.sampler = _timed(totals, "sample", sampler)
-    try:
-        yield totals
-    finally:
-        runner.sampler = sampler
-        for owner, name, _ in methods:
-            delattr(owner, name)
+            seconds["wait"] += clock() - start
+        start = clock()
+        result = self.runner.collect(handle)
+        collected = clock()
+        updates = self.scheduler.update(scheduled, result)
+        seconds["collect"] += collected - start
+        seconds["update"] += clock() - collected
+        return updates

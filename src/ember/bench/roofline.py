@@ -1,4 +1,7 @@
-"""The two ceilings of the GPU, measured in the same run as the figures they judge."""
+"""How the benches time GPU work, and the two ceilings of the GPU (HBM bandwidth, bf16
+tensor-core rate) they judge it against, measured in the same run: in a burst
+(`measure_ceilings`), and held for seconds (`sustained_rate`), where a long run's power limit
+has set the clocks."""
 
 from __future__ import annotations
 
@@ -34,6 +37,65 @@ def time_cuda(fn, warmup: int = 3, repeat: int = 10) -> float:
         times.append(start.elapsed_time(end) / 1e3)
     times.sort()
     return times[len(times) // 2]
+
+
+def _warm_up(fn) -> None:
+    """Run ``fn`` once on a side stream (compiles kernels) before a capture."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+
+
+def _median_replay_seconds(graph: torch.cuda.CUDAGraph, replays: int = 5) -> float:
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e-3)
+    return sorted(times)[len(times) // 2]
+
+
+def gpu_seconds(fn, *, iters: int = 20, flush_bytes: int = 256 << 20) -> float:
+    """GPU time of ``fn`` replayed from a CUDA graph (no launch or Python overhead), with L2
+    flushed before each call; the flush's own time is subtracted."""
+    flush = torch.empty(flush_bytes, dtype=torch.int8, device="cuda")
+    _warm_up(fn)
+
+    def capture(with_fn: bool) -> torch.cuda.CUDAGraph:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(iters):
+                flush.zero_()
+                if with_fn:
+                    fn()
+        return graph
+
+    with_fn, flush_only = capture(True), capture(False)
+    elapsed = _median_replay_seconds(with_fn) - _median_replay_seconds(flush_only)
+    return max(0.0, elapsed) / iters
+
+
+def sequence_seconds(layer_fn, num_layers: int) -> float:
+    """GPU time per layer of ``layer_fn(0) ... layer_fn(num_layers - 1)`` replayed from one CUDA
+    graph, as a decode step runs its layers: each kernel meets its real neighbours and reads its
+    own weights, with no flush between (a flushed one-kernel timing ranks the skinny GEMM level
+    with cuBLAS where a step finds it slower)."""
+
+    def all_layers() -> None:
+        for layer in range(num_layers):
+            layer_fn(layer)
+
+    _warm_up(all_layers)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        all_layers()
+    graph.replay()
+    return _median_replay_seconds(graph) / num_layers
 
 
 def measure_ceilings(copy_bytes: int = 4 << 30, gemm: int = 8192) -> Ceilings:
@@ -79,15 +141,20 @@ def steady_rates(batch_seconds: list[float], work_per_batch: float) -> tuple[flo
     return work_per_batch / batch_seconds[0], work_per_batch / tail[len(tail) // 2]
 
 
-def sustained_rate(fn, work_per_call: float, seconds: float = 3.0, calls_per_graph: int = 4,
-                   batch_seconds: float = 0.05, nvml_handle=None,
-                   graph: bool = True) -> SustainedRate:  # fmt: skip
+def sustained_rate(
+    fn,
+    work_per_call: float,
+    seconds: float = 3.0,
+    calls_per_graph: int = 4,
+    batch_seconds: float = 0.05,
+    nvml_handle=None,
+    graph: bool = True,
+) -> SustainedRate:
     """``fn``'s work per second held for ``seconds``: ``calls_per_graph`` calls replayed from
     one CUDA graph, in batches of about ``batch_seconds`` timed on the GPU and synchronized
     (so the host never runs ahead); NVML's power over the last half when ``nvml_handle``.
     ``graph`` False: the calls launched as they are (a device-to-device copy captured in a
-    graph becomes a memcpy node on the copy engines: 2.7 TB/s on an H200, not the 4.2 that the
-    same copy reaches launched)."""
+    graph becomes a memcpy node on the copy engines, far slower than the same copy launched)."""
     fn()  # compile and allocate before the capture
     replay = partial(_calls, fn, calls_per_graph)
     if graph:
@@ -122,8 +189,9 @@ def _calls(fn, count: int) -> None:
         fn()
 
 
-def measure_sustained(seconds: float = 3.0, copy_bytes: int = 4 << 30, gemm: int = 8192,
-                      nvml_handle=None) -> dict[str, SustainedRate]:  # fmt: skip
+def measure_sustained(
+    seconds: float = 3.0, copy_bytes: int = 4 << 30, gemm: int = 8192, nvml_handle=None
+) -> dict[str, SustainedRate]:
     """The ceilings held for ``seconds`` each: the bf16 product and the HBM copy."""
     return {
         "bf16_flops": _sustained_gemm(gemm, seconds, nvml_handle),
@@ -135,12 +203,14 @@ def _sustained_gemm(size: int, seconds: float, nvml_handle) -> SustainedRate:
     a = torch.randn(size, size, dtype=torch.bfloat16, device="cuda")
     b = torch.randn(size, size, dtype=torch.bfloat16, device="cuda")
     c = torch.empty_like(a)
-    return sustained_rate(lambda: torch.matmul(a, b, out=c), 2 * size**3, seconds,
-                          nvml_handle=nvml_handle)  # fmt: skip
+    return sustained_rate(
+        lambda: torch.matmul(a, b, out=c), 2 * size**3, seconds, nvml_handle=nvml_handle
+    )
 
 
 def _sustained_copy(copy_bytes: int, seconds: float, nvml_handle) -> SustainedRate:
     src = torch.randn(copy_bytes // 2, dtype=torch.bfloat16, device="cuda")
     dst = torch.empty_like(src)
-    return sustained_rate(lambda: dst.copy_(src), 2 * copy_bytes, seconds, nvml_handle=nvml_handle,
-                          graph=False)  # fmt: skip
+    return sustained_rate(
+        lambda: dst.copy_(src), 2 * copy_bytes, seconds, nvml_handle=nvml_handle, graph=False
+    )

@@ -95,8 +95,12 @@ def full_load_output_throughput(
     `output_tokens_per_second`.
     """
     empty = {"full_load_output_throughput": None, "full_load_window_s": None}
-    if (max_concurrency is None or math.isfinite(request_rate) or len(results) <= max_concurrency
-            or not all(r.success for r in results)):  # fmt: skip
+    if (
+        max_concurrency is None
+        or math.isfinite(request_rate)
+        or len(results) <= max_concurrency
+        or not all(r.success for r in results)
+    ):
         return empty
     starts = sorted(r.start_s for r in results)
     window_start, window_end = starts[max_concurrency - 1], starts[-1]

@@ -1,10 +1,10 @@
 """`ember bench step`: engine step times on a GPU against the roofline measured in the same run.
 
-Decode steps are measured through the real engine loop (scheduler, runner, CUDA graphs, overlap):
-B requests start with L-1 tokens of context already in a KV cache filled with random values, so
-every timed step is a pure decode at context ~L. Prefill is one chunk of C prompt tokens. A mixed
-step, serving's usual one, is B such decodes beside a prompt of C tokens that arrives before
-every step.
+Decode steps are measured through the engine loop (scheduler, runner, CUDA graphs, overlap; the
+loop of `ember.bench.host_phases`, which times the host's phases): B requests start with L-1
+tokens of context already in a KV cache filled with random values, so every timed step is a pure
+decode at context ~L. Prefill is one chunk of C prompt tokens. A mixed step, serving's usual one,
+is B such decodes beside a prompt of C tokens that arrives before every step.
 """
 
 from __future__ import annotations
@@ -12,17 +12,25 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
 
+from ember import cli
 from ember.bench.gpu_power import open_nvml, power_window
-from ember.bench.host_phases import host_phases, launch_parts
-from ember.bench.roofline import Ceilings, measure_ceilings, measure_sustained, time_cuda
-from ember.cli import add_fast_path_arguments, fast_path_options
-from ember.config import CacheConfig, EngineConfig, SchedulerConfig
+from ember.bench.host_phases import TimedLoop
+from ember.bench.roofline import (
+    Ceilings,
+    gpu_seconds,
+    measure_ceilings,
+    measure_sustained,
+    time_cuda,
+)
+from ember.config import engine_config
 from ember.engine.gc_heap import SLOW_PASS_S, GcPauses, freeze_startup_heap
 from ember.engine.model_instance import ModelInstance
+from ember.runner.model_runner import ModelRunner
 from ember.sampling_params import SamplingParams
 
 DECODE_BATCHES = (1, 8, 32, 64, 128, 256)
@@ -35,8 +43,13 @@ MIXED_STEPS = ((8, 512, 512), (64, 512, 512), (200, 512, 512), (1, 4096, 512), (
 
 
 class StepBench:
-    def __init__(self, instance: ModelInstance, ceilings: Ceilings,
-                 sustained: Ceilings | None = None, nvml_handle=None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        instance: ModelInstance,
+        ceilings: Ceilings,
+        sustained: Ceilings | None = None,
+        nvml_handle=None,
+    ) -> None:
         """``ceilings``: the burst ceilings every roofline is taken against; ``sustained``: the
         same held for seconds (at the power limit), for the capped sequential roofline;
         ``nvml_handle`` (`ember.bench.gpu_power.open_nvml`): read the power over timed steps."""
@@ -53,11 +66,16 @@ class StepBench:
         # Every GEMM weight is read once per step; the embedding table only row by row.
         self.matmul_params = params - (embed if not cfg.tie_word_embeddings else 0)
         self.weight_bytes = self.matmul_params * elem
+        self.loop = TimedLoop.of(instance)
         self._ids = 0
 
     def sync(self) -> None:
         if self.inst.device.type == "cuda":
             torch.cuda.synchronize()
+
+    def step(self) -> None:
+        """One engine step, through the bench's loop."""
+        self.loop.step()
 
     def _attn_flops(self, queries: int, context: float) -> float:
         cfg = self.cfg
@@ -78,10 +96,13 @@ class StepBench:
         return rid
 
     def drain(self, ids: list[str]) -> None:
+        """Abort ``ids`` and step until nothing is left, the runner told of every request gone
+        (the loop's runner may be swapped afterwards)."""
         for rid in ids:
             self.inst.abort(rid)
-        while self.inst.has_work():
-            self.inst.step()
+        self.step()
+        while self.loop.has_work():
+            self.step()
 
     def _kv_shortfall(self, need: int) -> str | None:
         """Why a row of ``need`` KV tokens is skipped, or None if the pool holds them."""
@@ -91,34 +112,29 @@ class StepBench:
         gib = need * self.kv_bytes_per_token / 2**30
         return f"KV for {need} tokens ({gib:.0f} GiB) exceeds the pool"
 
-    def _timed_steps(self, step, steps: int, warmup: int) -> tuple[float, dict, dict, dict]:
-        """``step()`` ``warmup`` times, then ``steps`` timed times through the engine loop:
-        seconds per step, the host's ms per step by phase and by part of ``launch``
-        (`launch_parts`), and the garbage collector's passes
+    def _timed_steps(self, step, steps: int, warmup: int) -> tuple[float, dict, dict]:
+        """``step()`` ``warmup`` times, then ``steps`` timed times: seconds per step, the host's
+        ms per step by phase of the loop, and the garbage collector's passes
         (`GcPauses.summary`: a generation-2 pass stalls the loop for its whole length)."""
         for _ in range(warmup):
             step()
         self.sync()
-        with (
-            host_phases(self.inst) as host,
-            launch_parts(self.inst) as parts,
-            GcPauses(slow_pass_s=SLOW_PASS_S) as gc_pauses,
-        ):
+        self.loop.reset()
+        with GcPauses(slow_pass_s=SLOW_PASS_S) as gc_pauses:
             start = time.perf_counter()
             for _ in range(steps):
                 step()
             self.sync()
             step_s = (time.perf_counter() - start) / steps
-        host_ms = {name: sec / steps * 1e3 for name, sec in host.items()}
-        parts_ms = {name: sec / steps * 1e3 for name, sec in parts.items()}
-        return step_s, host_ms, parts_ms, gc_pauses.summary(steps)
+        host_ms = {name: sec / steps * 1e3 for name, sec in self.loop.seconds.items()}
+        return step_s, host_ms, gc_pauses.summary(steps)
 
     def decode(self, batch: int, context: int, steps: int = 40, warmup: int = 8) -> dict:
         row = {"batch": batch, "context": context}
         if shortfall := self._kv_shortfall(batch * (context + steps + warmup + 2)):
             return {**row, "skipped": shortfall}
         ids = [self.add_warm_request(context, steps + warmup + 4) for _ in range(batch)]
-        step_s, host_ms, launch_ms, gc_pauses = self._timed_steps(self.inst.step, steps, warmup)
+        step_s, host_ms, gc_pauses = self._timed_steps(self.step, steps, warmup)
         gpu_s = self._gpu_only_step_seconds(batch, context + warmup + steps)
         power = self._held_graph_power(batch, context + warmup + steps)
         self.drain(ids)
@@ -135,10 +151,11 @@ class StepBench:
         if self.sustained is not None:
             # The same bound at the ceilings held for seconds: where the power limit has set
             # the clocks, as it does over a run of steps.
-            capped_floor = self._sequential_floor(self.sustained, kv_bytes, gemm_flops,
-                                                  attn_flops)  # fmt: skip
-            capped = {"capped_sequential_roofline_ms": capped_floor * 1e3,
-                      "fraction_of_capped_sequential_roofline": capped_floor / step_s}  # fmt: skip
+            capped_floor = self._sequential_floor(self.sustained, kv_bytes, gemm_flops, attn_flops)
+            capped = {
+                "capped_sequential_roofline_ms": capped_floor * 1e3,
+                "fraction_of_capped_sequential_roofline": capped_floor / step_s,
+            }
         return {
             **row,
             "step_ms": step_s * 1e3,
@@ -147,7 +164,6 @@ class StepBench:
             "tokens_per_s": batch / step_s,
             # The host's busy time per step is step_ms less the wait: at step_ms it is the bound.
             "host_ms_per_step": host_ms,
-            "launch_parts_ms_per_step": launch_ms,
             "gc": gc_pauses,
             "roofline_ms": floor * 1e3,
             "fraction_of_roofline": floor / step_s,
@@ -159,8 +175,9 @@ class StepBench:
             "power": power,
         }
 
-    def _sequential_floor(self, ceilings: Ceilings, kv_bytes: float, gemm_flops: float,
-                          attn_flops: float) -> float:  # fmt: skip
+    def _sequential_floor(
+        self, ceilings: Ceilings, kv_bytes: float, gemm_flops: float, attn_flops: float
+    ) -> float:
         """The GEMMs' floor plus attention's, at ``ceilings``."""
         return ceilings.floor_seconds(self.weight_bytes, gemm_flops) + ceilings.floor_seconds(
             kv_bytes, attn_flops
@@ -181,11 +198,9 @@ class StepBench:
             tokens = torch.randint(3, self.cfg.vocab_size, (chunk,)).tolist()
             params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
             prompts.append(inst.add_request(f"prompt-{self._ids}", tokens, params))
-            inst.step()
+            self.step()
 
-        step_s, host_ms, launch_ms, gc_pauses = self._timed_steps(
-            step_beside_a_new_prompt, steps, warmup
-        )
+        step_s, host_ms, gc_pauses = self._timed_steps(step_beside_a_new_prompt, steps, warmup)
         prefilled = sum(p.num_computed_tokens >= chunk for p in prompts)
         self.drain(ids + [p.request_id for p in prompts])
         return {
@@ -194,7 +209,6 @@ class StepBench:
             "decode_tokens_per_s": batch / step_s,
             "prefill_tokens_per_s": chunk / step_s,
             "host_ms_per_step": host_ms,
-            "launch_parts_ms_per_step": launch_ms,
             "gc": gc_pauses,
             # How many of the prompts were through their prefill when the timing ended (all but
             # the last step's, which may still be in flight): each timed step was mixed.
@@ -207,11 +221,10 @@ class StepBench:
     ) -> float | None:
         """Replays the decode graph of the loop's last steps (their length class) back to back:
         the step's GPU time with no CPU in between. Each timing spans ``replays`` replays queued
-        at once (one replay timed alone, with a sync before the next, read up to 10% above the
-        engine loop's whole step at batch 128). Queued replays still read above the loop at
-        some batches (batch 64 in r12), so the idle fraction taken from them is an estimate;
-        ``host_ms_per_step`` is the direct measure."""
-        graphs, bucket = self.inst.runner.graphs, self._captured_bucket(batch, max_seq_len)
+        at once (a replay timed alone, with a sync before the next, reads above the loop's whole
+        step). Queued replays can still read above the loop, so the idle fraction taken from
+        them is an estimate; ``host_ms_per_step`` is the direct measure."""
+        graphs, bucket = self.loop.runner.graphs, self._captured_bucket(batch, max_seq_len)
         if bucket is None:
             return None
 
@@ -224,17 +237,18 @@ class StepBench:
     def _captured_bucket(self, batch: int, max_seq_len: int):
         """The captured decode graph's key a step of ``batch`` at ``max_seq_len`` replays, or
         None (no graphs, or none captured for it)."""
-        graphs = self.inst.runner.graphs
+        graphs = self.loop.runner.graphs
         bucket = graphs.bucket_for(batch, max_seq_len) if graphs else None
         return bucket if bucket is not None and bucket in graphs.captured else None
 
-    def _held_graph_power(self, batch: int, max_seq_len: int, seconds: float = 2.0,
-                          batch_seconds: float = 0.05) -> dict | None:  # fmt: skip
+    def _held_graph_power(
+        self, batch: int, max_seq_len: int, seconds: float = 2.0, batch_seconds: float = 0.05
+    ) -> dict | None:
         """The decode graph of `_gpu_only_step_seconds` replayed for ``seconds`` (the loop's
         steps last well under one, too short for NVML's energy counter), in batches synchronized
         every ``batch_seconds``: the GPU's power at that step held (`ember.bench.gpu_power`),
         its energy per step and the step's GPU time over the window. None without NVML."""
-        graphs, bucket = self.inst.runner.graphs, self._captured_bucket(batch, max_seq_len)
+        graphs, bucket = self.loop.runner.graphs, self._captured_bucket(batch, max_seq_len)
         if self.nvml_handle is None or bucket is None:
             return None
         one = time_cuda(lambda: graphs.replay(bucket), warmup=1, repeat=3)
@@ -246,16 +260,22 @@ class StepBench:
                     graphs.replay(bucket)
                 self.sync()
         reading, replays = window.reading, batches * per_batch
-        return {**reading.as_dict(), "energy_j_per_step": reading.energy_j / replays,
-                "held_step_ms": reading.seconds / replays * 1e3}  # fmt: skip
+        return {
+            **reading.as_dict(),
+            "energy_j_per_step": reading.energy_j / replays,
+            "held_step_ms": reading.seconds / replays * 1e3,
+        }
 
     def eager_vs_graph(self, batch: int, context: int = 512) -> dict:
+        """A decode row with the instance's runner, then with a runner of no CUDA graphs over
+        the same model, cache and scheduler."""
         with_graphs = self.decode(batch, context)
-        graphs, self.inst.runner.graphs = self.inst.runner.graphs, None
+        loop = self.loop
+        self.loop = TimedLoop.of(self.inst, self._eager_runner())
         try:
             eager = self.decode(batch, context)
         finally:
-            self.inst.runner.graphs = graphs
+            self.loop = loop
         return {
             "batch": batch,
             "context": context,
@@ -263,6 +283,20 @@ class StepBench:
             "eager_step_ms": eager.get("step_ms"),
             "speedup": eager["step_ms"] / with_graphs["step_ms"] if "step_ms" in eager else None,
         }
+
+    def _eager_runner(self) -> ModelRunner:
+        inst, runner = self.inst, self.inst.runner
+        return ModelRunner(
+            model=inst.model,
+            attention=inst.attention,
+            kv_cache=inst.kv_cache,
+            cos_sin_cache=runner.cos_sin_cache,
+            block_size=runner.block_size,
+            sampler=runner.sampler,
+            stop_ids_until_min_tokens=runner.stop_ids_until_min_tokens,
+            limits=inst.limits,
+            use_cuda_graphs=False,
+        )
 
     def prefill(self, chunk: int, repeat: int = 3) -> dict:
         inst = self.inst
@@ -274,7 +308,7 @@ class StepBench:
             inst.add_request(rid, prompt, SamplingParams(temperature=0, max_tokens=1))
             self.sync()
             start = time.perf_counter()
-            inst.step()
+            self.step()
             self.sync()
             times.append(time.perf_counter() - start)
             self.drain([rid])
@@ -299,19 +333,16 @@ def bench_instance(
     engine_options: dict | None = None,
 ) -> tuple[ModelInstance, Ceilings]:
     """The GPU's measured ceilings (unless given) and a model instance sized for the step
-    benchmarks; ``engine_options`` are further EngineConfig fields (the fast-path switches)."""
+    benchmarks; ``engine_options``: further `engine_config` options (the fast-path flags')."""
     ceilings = ceilings or measure_ceilings()
-    config = EngineConfig(
-        model=model,
-        cache=CacheConfig(gpu_memory_utilization=0.92),
-        scheduler=SchedulerConfig(
-            max_num_seqs=256,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=max_model_len,
-        ),
+    options = {
+        "gpu_memory_utilization": 0.92,
+        "max_num_seqs": 256,
+        "max_num_batched_tokens": max_num_batched_tokens,
+        "max_model_len": max_model_len,
         **(engine_options or {}),
-    )
-    inst = ModelInstance(config)
+    }
+    inst = ModelInstance(engine_config(model, **options))
     inst.kv_cache.normal_(0, 0.5)  # never time on zeros
     return inst, ceilings
 
@@ -341,7 +372,7 @@ def run_step_bench(
     if "attention" in sections:
         # Before the engine exists: its KV pool and graphs leave too little memory for the
         # kernel benchmark's own caches.
-        result["attention"] = _attention_rows(ceilings)
+        result["attention"] = attention_rows(ceilings.hbm_bytes_per_s)
         path.write_text(json.dumps(result, indent=2))
     engine_sections = [name for name in sections if name != "attention"]
     if not engine_sections:
@@ -352,8 +383,10 @@ def run_step_bench(
         # Before the engine takes the GPU's memory, as attention's rows are.
         rates = measure_sustained(nvml_handle=nvml_handle)
         result["sustained"] = {name: rate.as_dict() for name, rate in rates.items()}
-        sustained = Ceilings(hbm_bytes_per_s=rates["hbm_copy_bytes"].sustained_per_s,
-                             bf16_flops_per_s=rates["bf16_flops"].sustained_per_s)  # fmt: skip
+        sustained = Ceilings(
+            hbm_bytes_per_s=rates["hbm_copy_bytes"].sustained_per_s,
+            bf16_flops_per_s=rates["bf16_flops"].sustained_per_s,
+        )
         path.write_text(json.dumps(result, indent=2))
     inst, _ = bench_instance(
         model,
@@ -410,12 +443,63 @@ def _row(measure, *args) -> dict:
     return row
 
 
-def _attention_rows(ceilings: Ceilings) -> list | dict:
-    try:
-        from ember.bench.kernel_bench import bench_attention
-    except ImportError as exc:  # the kernel benchmark is optional
-        return {"skipped": str(exc)}
-    return bench_attention(ceilings.hbm_bytes_per_s)
+ATTENTION_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+ATTENTION_CONTEXTS = (512, 4096)
+
+
+def attention_rows(
+    hbm_bytes_per_s: float,
+    batches=ATTENTION_BATCHES,
+    contexts=ATTENTION_CONTEXTS,
+    preset: str = "llama-3.1-8b",
+) -> list[dict]:
+    """Decode attention alone, on the launches the engine plans, against the bytes' roofline:
+    per (batch, context) of ``preset``'s shape the graph-replayed time (`gpu_seconds`), the
+    eager one (with launch overhead), the unsplit time where the plan splits, and the time at
+    each split count that leaves a segment 64 keys or more."""
+    from triton.testing import do_bench
+
+    from ember.bench.tune import (
+        ATTENTION_SPLITS,
+        AttentionShape,
+        attention_planner,
+        decode_attention_bytes,
+        decode_attention_step,
+    )
+
+    shape = AttentionShape.of(preset)
+    planner = attention_planner(shape, torch.device("cuda"))
+    rows = []
+    for context in contexts:
+        for batch in batches:
+            run = decode_attention_step(shape, batch, context)
+            launches = planner.plan(batch, 1, context)
+            seconds = gpu_seconds(partial(run, launches))
+            moved = decode_attention_bytes(shape, batch, context, 2)
+            splits = launches[0].splits
+            row = {
+                "batch": batch,
+                "context": context,
+                "kv_splits": splits,
+                "us": seconds * 1e6,
+                "eager_us": do_bench(partial(run, launches), return_mode="median") * 1e3,
+                "bytes": moved,
+                "gb_per_s": moved / seconds / 1e9,
+                "roofline_us": moved / hbm_bytes_per_s * 1e6,
+                "roofline_fraction": moved / hbm_bytes_per_s / seconds,
+            }
+            if splits > 1:
+                unsplit = planner.plan(batch, 1, context, splits=1)
+                row["unsplit_us"] = gpu_seconds(partial(run, unsplit)) * 1e6
+            row["us_by_splits"] = {
+                n: gpu_seconds(partial(run, planner.plan(batch, 1, context, splits=n))) * 1e6
+                for n in ATTENTION_SPLITS
+                if n * 64 <= context
+            }
+            rows.append(row)
+            del run
+    torch.cuda.empty_cache()
+    return rows
 
 
 def _plot(result: dict, path: Path) -> None:
@@ -460,14 +544,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     # Room for the largest prefill chunk (8,192) plus a margin.
     parser.add_argument("--max-model-len", type=int, default=8320)
-    parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS),
-                        help="what to measure (default: all)")  # fmt: skip
+    parser.add_argument(
+        "--sections",
+        nargs="+",
+        choices=SECTIONS,
+        default=list(SECTIONS),
+        help="what to measure (default: all)",
+    )
     parser.add_argument("--decode-batches", type=int, nargs="+", default=list(DECODE_BATCHES))
     parser.add_argument("--decode-contexts", type=int, nargs="+", default=list(DECODE_CONTEXTS))
-    add_fast_path_arguments(parser)
-    parser.add_argument("--no-gc-freeze", action="store_true",
-                        help="leave the loaded heap in the garbage collector's passes (the "
-                        "engine process freezes it)")  # fmt: skip
+    cli.add_fast_path_arguments(parser)
+    parser.add_argument(
+        "--no-gc-freeze",
+        action="store_true",
+        help="leave the loaded heap in the garbage collector's passes (the "
+        "engine process freezes it)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -481,7 +573,7 @@ def run(args: argparse.Namespace) -> int:
         tuple(args.sections),
         tuple(args.decode_batches),
         tuple(args.decode_contexts),
-        fast_path_options(args),
+        cli.engine_options(args),
         freeze_gc=not args.no_gc_freeze,
     )
     return 0

@@ -1,6 +1,6 @@
 """`ember bench profile`: where a step's GPU time goes, kernel by kernel, with torch.profiler.
 
-Profiles a few steps of each shape through the real engine loop (CUDA graphs and overlap as in
+Profiles a few steps of each shape through the engine loop (CUDA graphs and overlap as in
 serving): pure decode at the given batch sizes, and a serving-like mixed step (a decode batch
 beside one prefill chunk). Kernels are grouped into categories (GEMM, attention, norm, RoPE/KV
 write, activation, sampling, copies, other) and reported per step, beside the step's wall time,
@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
+from ember import cli
 from ember.bench.step_bench import StepBench, bench_instance
-from ember.cli import add_fast_path_arguments, fast_path_options
 from ember.sampling_params import SamplingParams
 
 # Substrings of kernel names, checked in order; the first match names the category.
@@ -97,10 +97,16 @@ def by_predecessor(spans: list[tuple[str, float, float]], num_steps: int, top: i
             entry[2] += start - previous[2]
         previous = (name, start, end)
     rows = [
-        {"after": after, "kernel": kernel, "launches_per_step": n / num_steps,
-         "us_each": span / n, "gap_us_each": gap / n, "us_per_step": span / num_steps}
+        {
+            "after": after,
+            "kernel": kernel,
+            "launches_per_step": n / num_steps,
+            "us_each": span / n,
+            "gap_us_each": gap / n,
+            "us_per_step": span / num_steps,
+        }
         for (after, kernel), (n, span, gap) in stats.items()
-    ]  # fmt: skip
+    ]
     return sorted(rows, key=lambda row: -row["us_per_step"])[:top]
 
 
@@ -129,11 +135,16 @@ def critical_path_by_role(
         stats[role][0] += 1
         stats[role][1] += added
     rows = [
-        {"before": [before2, before1], "kernel": kernel, "next": after,
-         "launches_per_step": n / num_steps, "critical_us_each": added / n,
-         "critical_us_per_step": added / num_steps}
+        {
+            "before": [before2, before1],
+            "kernel": kernel,
+            "next": after,
+            "launches_per_step": n / num_steps,
+            "critical_us_each": added / n,
+            "critical_us_per_step": added / num_steps,
+        }
         for (before2, before1, kernel, after), (n, added) in stats.items()
-    ]  # fmt: skip
+    ]
     return sorted(rows, key=lambda row: -row["critical_us_per_step"])[:top]
 
 
@@ -157,7 +168,7 @@ def profile_steps(bench: StepBench, steps: int, trace_path: Path | None) -> dict
     with torch.profiler.profile(activities=activities) as prof:
         start = time.perf_counter()
         for _ in range(steps):
-            inst.step()
+            bench.step()
         bench.sync()
         wall = time.perf_counter() - start
     if trace_path is not None:
@@ -176,7 +187,7 @@ def profile_steps(bench: StepBench, steps: int, trace_path: Path | None) -> dict
 def profile_decode(bench: StepBench, batch: int, context: int, steps: int, trace: Path | None):
     ids = [bench.add_warm_request(context, steps + 12) for _ in range(batch)]
     for _ in range(6):
-        bench.inst.step()
+        bench.step()
     row = {"kind": "decode", "batch": batch, "context": context}
     row.update(profile_steps(bench, steps, trace))
     bench.drain(ids)
@@ -185,14 +196,15 @@ def profile_decode(bench: StepBench, batch: int, context: int, steps: int, trace
 
 def profile_mixed(bench: StepBench, batch: int, context: int, chunk: int, trace: Path | None):
     """A decode batch with one prompt of `chunk` tokens arriving: its first step is mixed."""
-    max_seqs = bench.inst.config.scheduler.max_num_seqs
+    max_seqs = bench.inst.limits.max_num_seqs
     if batch + 1 > max_seqs:
         # The prompt would wait for a free slot and the profiled step would be decode-only.
-        raise ValueError(f"a mixed step needs a slot beside {batch} decodes; max_num_seqs is "
-                         f"{max_seqs}")  # fmt: skip
+        raise ValueError(
+            f"a mixed step needs a slot beside {batch} decodes; max_num_seqs is {max_seqs}"
+        )
     ids = [bench.add_warm_request(context, 40) for _ in range(batch)]
     for _ in range(6):
-        bench.inst.step()
+        bench.step()
     prompt = torch.randint(3, bench.cfg.vocab_size, (chunk,)).tolist()
     bench.inst.add_request("profile-prefill", prompt, SamplingParams(temperature=0, max_tokens=2))
     row = {"kind": "mixed", "batch": batch, "context": context, "prefill_tokens": chunk}
@@ -224,7 +236,7 @@ def run_profile(
         # What each category adds to the step (spans over-count under programmatic launch).
         print(json.dumps(rows[-1]["critical_path_us_per_step"]), flush=True)
     # The largest decode batch that leaves the prompt a slot (at 256 of 256 it would wait).
-    mixed_batch = max(b for b in [0, *batches] if b < inst.config.scheduler.max_num_seqs)
+    mixed_batch = max(b for b in [0, *batches] if b < inst.limits.max_num_seqs)
     rows.append(profile_mixed(bench, mixed_batch, context, chunk, out_dir / "profile_mixed.json"))
     result = {
         "model": model,
@@ -245,7 +257,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 64, 200, 256])
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--prefill-chunk", type=int, default=512)
-    add_fast_path_arguments(parser)
+    cli.add_fast_path_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -258,6 +270,6 @@ def run(args: argparse.Namespace) -> int:
         args.batches,
         args.context,
         args.prefill_chunk,
-        fast_path_options(args),
+        cli.engine_options(args),
     )
     return 0

@@ -1,63 +1,62 @@
-"""`ember bench tune`: the sweeps behind the GPU fast path's kernel choices, on this GPU.
+"""`ember bench tune`: the sweeps that the GPU tables of `ember.kernels.tuning` come from.
 
-Two questions, each answered with times replayed from CUDA graphs with L2 flushed (as the
-engine runs its decode steps):
+Re-run it on a new GPU or model shape and set the tables from what it reports. Each section
+answers one table's question on the shapes of ``--preset``, and each row says what the tables
+route there now beside what measured fastest:
 
-- **GEMMs at decode batch sizes.** For each linear layer of the model's shape (q/k/v, o,
-  gate/up, down, the output projection) and each batch M: cuBLAS (``torch.matmul``) against
-  ``ember.kernels.skinny_gemm`` over a grid of tile configurations, each as bandwidth over the
-  bytes the product must move.
-- **Decode attention tiles.** ``paged_attention`` over (batch, context) points for a grid of
-  (key tile, pipeline depth, warps) and KV split counts, so the decode tile and the split
-  heuristic are checked against the best measured.
+- ``gemm``: each linear layer at decode batches (1-64 rows), cuBLAS against the skinny Triton GEMM
+  on its default tiles and on a tile grid; gate/up in its gated form (cuBLAS then SiLU-and-mul
+  against the fused kernel). `LinearRoutes`' skinny rules.
+- ``attention``: decode attention over (batch, context) points, on a grid of decode tiles x KV
+  splits, against the launches `AttentionPlanner` plans. `AttentionTuning`'s tiles and splits.
+- ``split_k``: o and down past the skinny GEMM's rows, cuBLAS then the add + RMSNorm against P
+  float32 partial sums that the norm adds up. `LinearRoutes.split_k_*`.
+- ``stream_k``: gate/up past the skinny GEMM's rows, cuBLAS then SiLU-and-mul against the
+  one-wave stream-K kernel. `LinearRoutes.stream_k_rows`.
 
-The figures pick the defaults in ``ember.kernels``; the sweep is kept runnable so a new GPU or
-model shape can be re-measured with one command.
+GEMMs are timed as a decode step runs them: layer after layer of distinct weights replayed from
+one CUDA graph, so no weight stays in L2 (`ember.bench.roofline.sequence_seconds`). Attention is
+timed alone, replayed from a graph with L2 flushed before each call (`gpu_seconds`).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
 import torch
 
-from ember.bench.kernel_bench import (
-    LLAMA_8B,
-    decode_attention_bytes,
-    decode_inputs,
-    gpu_seconds,
-    measure_hbm_bytes_per_s,
-    sequence_seconds,
-)
 from ember.bench.make_model import PRESETS
+from ember.bench.roofline import gpu_seconds, measure_ceilings, sequence_seconds
 
-GEMM_BATCHES = (1, 4, 8, 16, 32, 64)
-# (BLOCK_N, BLOCK_K, STAGES, num_warps); BLOCK_M follows M.
-GEMM_CONFIGS = (
-    (16, 256, 4, 4),
-    (32, 256, 4, 4),
-    (64, 256, 4, 4),
-    (16, 512, 4, 4),
-    (32, 128, 6, 4),
-    (32, 512, 3, 4),
-    (64, 128, 4, 4),
-    (32, 256, 4, 8),
-    (64, 256, 3, 8),
-    (128, 128, 4, 8),
-    (16, 128, 8, 2),
-)
-ATTENTION_POINTS = ((1, 512), (8, 512), (32, 512), (64, 512), (128, 512), (256, 512),
-                    (1, 4096), (8, 4096), (32, 4096))  # fmt: skip
-# (BLOCK_N, KV_STAGES, num_warps)
-# One-warp programs need no cross-warp reductions in the softmax (fifteenth session's lead: a
-# decode program's tile loop is bound by per-tile latency, bench/results/README.md).
-ATTENTION_CONFIGS = ((64, 3, 4), (32, 3, 4), (32, 4, 2), (64, 4, 4), (64, 2, 4), (64, 3, 2),
-                     (128, 2, 4), (128, 3, 8), (16, 4, 2), (16, 4, 1), (32, 3, 1), (64, 3, 1),
-                     (32, 6, 1))  # fmt: skip
-ATTENTION_SPLITS = (1, 2, 4, 8, 16, 32)
+SECTIONS = ("gemm", "attention", "split_k", "stream_k")
+
+# -- rows ------------------------------------------------------------------------------------
+
+
+def _us(measure, *args) -> float | str:
+    """Microseconds of ``measure(*args)`` (seconds) or, where the kernel cannot launch, why."""
+    try:
+        return measure(*args) * 1e6
+    except Exception as exc:  # noqa: BLE001 - a tile that does not fit is a result, not a crash
+        return f"{type(exc).__name__}: {str(exc)[:160]}"
+
+
+def fastest(times: dict[str, float | str]) -> str | None:
+    """The key of the shortest time; failures (strings) are left out."""
+    timed = {key: us for key, us in times.items() if isinstance(us, float)}
+    return min(timed, key=timed.get) if timed else None
+
+
+def _print_row(row: dict, *detail: str) -> None:
+    """One row on stdout as it lands, without its per-variant ``detail``."""
+    print(json.dumps({key: value for key, value in row.items() if key not in detail}), flush=True)
+
+
+# -- shapes ----------------------------------------------------------------------------------
 
 
 def linear_shapes(preset: str) -> list[tuple[str, int, int]]:
@@ -75,252 +74,487 @@ def linear_shapes(preset: str) -> list[tuple[str, int, int]]:
     ]
 
 
-def _timed_us(fn) -> float | str:
-    """Microseconds of ``fn`` or, when the configuration cannot launch, why."""
-    try:
-        return gpu_seconds(fn) * 1e6
-    except Exception as exc:  # noqa: BLE001 - a tile that does not fit is a result, not a crash
-        return f"{type(exc).__name__}: {str(exc)[:120]}"
+@dataclass(frozen=True)
+class AttentionShape:
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int = 16
+
+    @classmethod
+    def of(cls, preset: str) -> AttentionShape:
+        cfg = PRESETS[preset]
+        heads = cfg["num_attention_heads"]
+        return cls(heads, cfg["num_key_value_heads"], cfg["hidden_size"] // heads)
 
 
-def skinny_configs(m: int) -> dict[str, dict[str, int]]:
+def decode_inputs(
+    shape: AttentionShape, batch: int, context: int, dtype: torch.dtype, device: str = "cuda"
+) -> dict[str, torch.Tensor]:
+    """`paged_attention`'s step tensors for a decode step over a shuffled block pool (block 0
+    left unused, as in the engine)."""
+    blocks_per_seq = -(-context // shape.block_size)
+    num_blocks = 1 + batch * blocks_per_seq
+    cache_shape = (num_blocks, shape.block_size, shape.num_kv_heads, shape.head_dim)
+    ids = torch.randperm(num_blocks - 1, device=device, dtype=torch.int32) + 1
+    return {
+        "q": torch.randn(batch, shape.num_q_heads, shape.head_dim, dtype=dtype, device=device),
+        "k_cache": torch.randn(cache_shape, dtype=dtype, device=device),
+        "v_cache": torch.randn(cache_shape, dtype=dtype, device=device),
+        "query_start_loc": torch.arange(batch + 1, dtype=torch.int32, device=device),
+        "seq_lens": torch.full((batch,), context, dtype=torch.int32, device=device),
+        "block_tables": ids.view(batch, blocks_per_seq),
+    }
+
+
+def decode_attention_bytes(shape: AttentionShape, batch: int, context: int, elem: int) -> int:
+    """Bytes a decode step's attention must move: K and V of every cached token, q in, out out,
+    and the block tables."""
+    kv = 2 * batch * context * shape.num_kv_heads * shape.head_dim * elem
+    q_and_out = 2 * batch * shape.num_q_heads * shape.head_dim * elem
+    tables = batch * -(-context // shape.block_size) * 4
+    return kv + q_and_out + tables
+
+
+# Layers of distinct weights in a sequence timing: an 8B model's 32, so one shape's weights dwarf
+# L2 as in a step; the output projection (one a step, 1 GB in the 8B shape) takes fewer.
+SEQUENCE_LAYERS = 32
+_LAYERS = {"lm_head": 8}
+
+
+def sequence_weights(n: int, k: int, layers: int, device: str = "cuda") -> list[torch.Tensor]:
+    """``layers`` distinct random bf16 ``[n, k]`` weights, scaled to keep products near unit
+    size."""
+    return [torch.randn(n, k, dtype=torch.bfloat16, device=device) / k**0.5 for _ in range(layers)]
+
+
+def _router():
+    """The linear routes of this GPU's `KernelTuning`, as the engine routes by them."""
+    from ember.kernels.linear import LinearRouter
+    from ember.kernels.tuning import KernelTuning
+
+    return LinearRouter(KernelTuning.for_device(torch.device("cuda")).linear)
+
+
+# -- gemm: the skinny GEMM against cuBLAS at decode batches ----------------------------------
+
+GEMM_BATCHES = (1, 4, 8, 16, 32, 64)
+# (BLOCK_N, BLOCK_K, STAGES, num_warps); BLOCK_M follows M.
+GEMM_CONFIGS = (
+    (16, 256, 4, 4),
+    (32, 256, 4, 4),
+    (64, 256, 4, 4),
+    (16, 512, 4, 4),
+    (32, 128, 6, 4),
+    (32, 256, 6, 4),
+    (32, 512, 3, 4),
+    (64, 128, 4, 4),
+    (32, 256, 4, 8),
+    (64, 256, 3, 8),
+    (128, 128, 4, 8),
+    (256, 128, 3, 8),
+)
+
+
+def skinny_configs(m: int, configs=GEMM_CONFIGS) -> dict[str, dict[str, int]]:
     """The skinny GEMM's swept tile configurations for ``m`` rows, by name."""
     from ember.kernels.skinny_gemm import block_m_for
 
     return {
         f"n{block_n}_k{block_k}_s{stages}_w{warps}": {
-            "BLOCK_M": block_m_for(m), "BLOCK_N": block_n, "BLOCK_K": block_k, "STAGES": stages,
+            "BLOCK_M": block_m_for(m),
+            "BLOCK_N": block_n,
+            "BLOCK_K": block_k,
+            "STAGES": stages,
             "num_warps": warps,
         }
-        for block_n, block_k, stages, warps in GEMM_CONFIGS
-    }  # fmt: skip
+        for block_n, block_k, stages, warps in configs
+    }
 
 
-def bench_gemms(preset: str, hbm_bytes_per_s: float, batches=GEMM_BATCHES) -> list[dict]:
-    from ember.kernels.linear import use_skinny_gemm
-    from ember.kernels.skinny_gemm import skinny_gemm
+def _cublas_layer(x, weights, product, silu_out, layer: int) -> None:
+    """cuBLAS's product, and for a gated weight the SiLU-and-mul kernel after it."""
+    from ember.kernels.activation import silu_and_mul
 
+    torch.matmul(x, weights[layer].t(), out=product)
+    if silu_out is not None:
+        silu_and_mul(product, out=silu_out)
+
+
+def _skinny_layer(x, weights, out, gated: bool, config, layer: int) -> None:
+    from ember.kernels.skinny_gemm import skinny_gemm, skinny_gemm_silu
+
+    if gated:
+        skinny_gemm_silu(x, weights[layer], out=out, config=config)
+    else:
+        skinny_gemm(x, weights[layer], out=out, config=config)
+
+
+def bench_gemms(
+    preset: str, hbm_bytes_per_s: float, batches=GEMM_BATCHES, configs=GEMM_CONFIGS
+) -> list[dict]:
+    """Per linear layer and batch: µs per layer of cuBLAS, of the skinny GEMM on its default
+    tiles and on each of ``configs``, the bytes' roofline, and whether the tables route the
+    product (with plain launches; under PDL every decode-sized one) to the skinny kernel."""
+    router = _router()
     rows = []
     for name, n, k in linear_shapes(preset):
-        weight = torch.randn(n, k, dtype=torch.bfloat16, device="cuda") / k**0.5
+        layers = _LAYERS.get(name, SEQUENCE_LAYERS)
+        gated = name == "gate_up"
+        weights = sequence_weights(n, k, layers)
         for m in batches:
             x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
-            out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
-            moved = 2 * (n * k + x.numel() + m * n)
-            cublas = _timed_us(partial(torch.matmul, x, weight.t(), out=out))
-            triton_us = {
-                key: _timed_us(partial(skinny_gemm, x, weight, out=out, config=config))
-                for key, config in skinny_configs(m).items()
+            out = torch.empty(m, n // 2 if gated else n, dtype=torch.bfloat16, device="cuda")
+            product = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+            cublas = partial(_cublas_layer, x, weights, product, out if gated else None)
+            skinny = partial(_skinny_layer, x, weights, out, gated)
+            by_config = {
+                key: _us(sequence_seconds, partial(skinny, config), layers)
+                for key, config in skinny_configs(m, configs).items()
             }
-            timed = {key: us for key, us in triton_us.items() if isinstance(us, float)}
-            best = min(timed, key=timed.get) if timed else None
+            best = fastest(by_config)
+            moved = 2 * (n * k + m * k + m * n)
+            takes_skinny = router.takes_gated_skinny if gated else router.takes_skinny
             row = {
-                "shape": name, "n": n, "k": k, "m": m, "bytes": moved,
+                "shape": name,
+                "n": n,
+                "k": k,
+                "m": m,
+                "gated": gated,
+                "bytes": moved,
                 "roofline_us": moved / hbm_bytes_per_s * 1e6,
-                "cublas_us": cublas,
-                "cublas_tb_per_s": moved / cublas / 1e6 if isinstance(cublas, float) else None,
-                "routed_to_skinny": use_skinny_gemm(m, n, k, weight.dtype, weight.device),
-                "default_config_us": _timed_us(partial(skinny_gemm, x, weight, out=out)),
+                "cublas_us": _us(sequence_seconds, cublas, layers),
+                "skinny_us": _us(sequence_seconds, partial(skinny, None), layers),
                 "best_config": best,
-                "best_us": timed.get(best),
-                "best_tb_per_s": moved / timed[best] / 1e6 if best else None,
-                "triton_us": triton_us,
-            }  # fmt: skip
-            rows.append(row)
-            print(json.dumps({k_: v for k_, v in row.items() if k_ != "triton_us"}), flush=True)
-        del weight
-    torch.cuda.empty_cache()
-    return rows
-
-
-# Layers of distinct weights in a sequence timing: the 8B model's 32, so the weights of one
-# shape (1.6-7.5 GB) dwarf L2 as in the engine's step.
-SEQUENCE_LAYERS = 32
-
-
-def sequence_weights(
-    n: int, k: int, layers: int = SEQUENCE_LAYERS, device: str = "cuda"
-) -> list[torch.Tensor]:
-    """``layers`` distinct random bf16 ``[n, k]`` weights (scaled to keep products near unit
-    size) for a sequence timing, so no layer finds its weight in L2."""
-    return [torch.randn(n, k, dtype=torch.bfloat16, device=device) / k**0.5 for _ in range(layers)]
-
-
-def _norm_then(norm_in, norm_weight, normed, gemm, layer: int) -> None:
-    """One layer of a sequence timing: the RMSNorm kernel that precedes q/k/v and gate/up in a
-    decode step, then ``gemm(layer)``; ``gemm`` None times the norm alone."""
-    from ember.kernels.rmsnorm import rms_norm
-
-    rms_norm(norm_in, norm_weight, 1e-5, out=normed)
-    if gemm is not None:
-        gemm(layer)
-
-
-def sequence_us(layer_fn) -> float | str:
-    try:
-        return sequence_seconds(layer_fn, SEQUENCE_LAYERS) * 1e6
-    except Exception as exc:  # noqa: BLE001 - a tile that does not fit is a result, not a crash
-        return f"{type(exc).__name__}: {str(exc)[:120]}"
-
-
-def bench_gemms_in_sequence(
-    preset: str, batches=GEMM_BATCHES, shapes=("qkv", "gate_up")
-) -> list[dict]:
-    """q/k/v and gate/up as a decode step runs them: after an RMSNorm launch, one layer after
-    another with distinct weights, replayed from one graph (`sequence_seconds`). cuBLAS against
-    the skinny GEMM's default and swept tiles; ``gemm_us`` is each layer's time less the norm's
-    alone, ``layer_us`` the two together."""
-    dims = {name: (n, k) for name, n, k in linear_shapes(preset)}
-    rows = []
-    for name in shapes:
-        n, k = dims[name]
-        weights = sequence_weights(n, k)
-        norm_weight = torch.ones(k, dtype=torch.bfloat16, device="cuda")
-        for m in batches:
-            x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
-            normed = torch.empty_like(x)
-            out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
-            layer = partial(_norm_then, x, norm_weight, normed)
-            variants = {
-                "cublas": partial(_cublas_layer, normed, weights, out),
-                "skinny_default": partial(_skinny_layer, normed, weights, out, None),
+                "best_us": by_config.get(best),
+                "routed_to_skinny": takes_skinny(m, n, k, x.dtype, x.device),
+                "skinny_us_by_config": by_config,
             }
-            for key, config in skinny_configs(m).items():
-                variants[key] = partial(_skinny_layer, normed, weights, out, config)
-            norm_only = sequence_us(partial(layer, None))
-            layer_us = {key: sequence_us(partial(layer, gemm)) for key, gemm in variants.items()}
-            gemm_us = {
-                key: us - norm_only
-                for key, us in layer_us.items()
-                if isinstance(us, float) and isinstance(norm_only, float)
-            }
-            skinny = {key: us for key, us in gemm_us.items() if key != "cublas"}
-            best = min(skinny, key=skinny.get) if skinny else None
-            row = {"shape": name, "n": n, "k": k, "m": m, "norm_us": norm_only,
-                   "cublas_gemm_us": gemm_us.get("cublas"), "best_skinny": best,
-                   "best_skinny_gemm_us": skinny.get(best), "gemm_us": gemm_us,
-                   "layer_us": layer_us}  # fmt: skip
             rows.append(row)
-            print(json.dumps({k_: v for k_, v in row.items() if k_ not in ("gemm_us", "layer_us")}),
-                  flush=True)  # fmt: skip
+            _print_row(row, "skinny_us_by_config")
         del weights
-    torch.cuda.empty_cache()
+        torch.cuda.empty_cache()
     return rows
 
 
-def _cublas_layer(x, weights, out, layer: int) -> None:
-    torch.matmul(x, weights[layer].t(), out=out)
+# -- attention: decode tiles x KV splits -----------------------------------------------------
+
+ATTENTION_POINTS = (
+    (1, 512),
+    (8, 512),
+    (32, 512),
+    (64, 512),
+    (128, 512),
+    (256, 512),
+    (1, 4096),
+    (8, 4096),
+    (32, 4096),
+    (128, 4096),
+)
+# Decode tiles as `AttentionTuning` writes them: (BLOCK_N, num_warps, KV_STAGES).
+ATTENTION_TILES = (
+    (64, 2, 3),
+    (64, 4, 2),
+    (32, 1, 3),
+    (64, 4, 3),
+    (32, 4, 3),
+    (32, 2, 4),
+    (64, 4, 4),
+    (128, 4, 2),
+    (128, 8, 3),
+    (16, 2, 4),
+    (16, 1, 4),
+    (64, 1, 3),
+    (32, 1, 6),
+)
+ATTENTION_SPLITS = (1, 2, 4, 8, 16, 32)
 
 
-def _skinny_layer(x, weights, out, config, layer: int) -> None:
-    from ember.kernels.skinny_gemm import skinny_gemm
+def attention_planner(shape: AttentionShape, device: torch.device, elem_bytes: int = 2):
+    """The engine's planner for ``shape`` on ``device`` (its `AttentionTuning`)."""
+    from ember.kernels.attention_plan import AttentionPlanner, AttentionTuning
 
-    skinny_gemm(x, weights[layer], out=out, config=config)
+    tuning = AttentionTuning.for_device(device)
+    return AttentionPlanner(
+        tuning, shape.num_q_heads, shape.num_kv_heads, shape.head_dim, elem_bytes
+    )
 
 
-def bench_attention_tiles(hbm_bytes_per_s: float, points=ATTENTION_POINTS) -> list[dict]:
+def launch_name(launches) -> str:
+    """``n{BLOCK_N}_w{num_warps}_s{KV_STAGES}_x{splits}`` of a decode step's one launch."""
+    (launch,) = launches
+    tiles = launch.tiles
+    return f"n{tiles['BLOCK_N']}_w{tiles['num_warps']}_s{tiles['KV_STAGES']}_x{launch.splits}"
+
+
+def sweep_launches(
+    planner, context: int, tiles=ATTENTION_TILES, splits=ATTENTION_SPLITS
+) -> dict[str, tuple]:
+    """A decode step's launch on each of ``tiles`` (BLOCK_N, num_warps, KV_STAGES) x each of
+    ``splits`` that leaves every segment at least one tile of a ``context``-token sequence, by
+    `launch_name`; the planner's rows per program (the GQA group, padded)."""
+    from ember.kernels.attention_plan import AttentionLaunch
+
+    block_m = planner.decode_tiles()["BLOCK_M"]
+    sweep = {}
+    for block_n, warps, stages in tiles:
+        shape = {
+            "BLOCK_M": block_m,
+            "BLOCK_Q": 1,
+            "BLOCK_N": block_n,
+            "num_warps": warps,
+            "KV_STAGES": stages,
+        }
+        for count in splits:
+            if count * block_n <= context:
+                launches = (AttentionLaunch(shape, decode_only=True, splits=count),)
+                sweep[launch_name(launches)] = launches
+    return sweep
+
+
+def attend(inputs: dict[str, torch.Tensor], out: torch.Tensor, launches, counters) -> None:
+    """`paged_attention` of a `decode_inputs` step on ``launches``, into ``out``."""
     from ember.kernels.paged_attention import paged_attention
 
-    shape = LLAMA_8B
-    scale = shape.head_dim**-0.5
+    scale = inputs["q"].shape[-1] ** -0.5
+    paged_attention(**inputs, scale=scale, out=out, launches=launches, split_counters=counters)
+
+
+def decode_attention_step(shape: AttentionShape, batch: int, context: int):
+    """``run(launches)``: `attend` over one decode step's new inputs, into one output, with
+    split counters kept across calls as the engine keeps them."""
+    inputs = decode_inputs(shape, batch, context, torch.bfloat16)
+    counters = torch.zeros(batch * shape.num_kv_heads, dtype=torch.int32, device="cuda")
+    return partial(attend, inputs, torch.empty_like(inputs["q"]), counters=counters)
+
+
+def bench_attention_tiles(
+    preset: str,
+    hbm_bytes_per_s: float,
+    points=ATTENTION_POINTS,
+    tiles=ATTENTION_TILES,
+    splits=ATTENTION_SPLITS,
+) -> list[dict]:
+    """Per (batch, context): µs of every launch of `sweep_launches` (``tiles`` x ``splits``),
+    the fastest against the bytes' roofline, and the planner's launch with its time."""
+    shape = AttentionShape.of(preset)
+    planner = attention_planner(shape, torch.device("cuda"))
     rows = []
     for batch, context in points:
-        inputs = decode_inputs(shape, batch, context, torch.bfloat16)
-        out = torch.empty_like(inputs["q"])
+        run = decode_attention_step(shape, batch, context)
+        times = {
+            key: _us(gpu_seconds, partial(run, launches))
+            for key, launches in sweep_launches(planner, context, tiles, splits).items()
+        }
+        best = fastest(times)
+        planned = planner.plan(batch, 1, context)
         moved = decode_attention_bytes(shape, batch, context, 2)
-        times = {}
-        for block_n, stages, warps in ATTENTION_CONFIGS:
-            config = {"BLOCK_M": 16, "BLOCK_Q": 1, "BLOCK_N": block_n, "num_warps": warps,
-                      "KV_STAGES": stages}  # fmt: skip
-            for splits in ATTENTION_SPLITS:
-                if splits * block_n > context:
-                    continue
-                times[f"n{block_n}_s{stages}_w{warps}_x{splits}"] = _timed_us(
-                    partial(paged_attention, **inputs, scale=scale, out=out, max_query_len=1,
-                            max_seq_len=context, num_kv_splits=splits, tile_config=config)
-                )  # fmt: skip
-        timed = {key: us for key, us in times.items() if isinstance(us, float)}
-        best = min(timed, key=timed.get)
         row = {
-            "batch": batch, "context": context, "bytes": moved,
+            "batch": batch,
+            "context": context,
+            "bytes": moved,
             "roofline_us": moved / hbm_bytes_per_s * 1e6,
-            "best": best, "best_us": timed[best],
-            "best_fraction": moved / hbm_bytes_per_s / (timed[best] * 1e-6),
-            # The kernel's own choice of tiles and splits, whatever its defaults are now.
-            "default_us": _timed_us(partial(paged_attention, **inputs, scale=scale, out=out,
-                                            max_query_len=1, max_seq_len=context)),
+            "best": best,
+            "best_us": times.get(best),
+            "best_fraction": moved / hbm_bytes_per_s / (times[best] * 1e-6) if best else None,
+            "planned": launch_name(planned),
+            "planned_us": _us(gpu_seconds, partial(run, planned)),
             "us": times,
-        }  # fmt: skip
+        }
         rows.append(row)
-        print(json.dumps({k_: v for k_, v in row.items() if k_ != "us"}), flush=True)
-        del inputs, out
-    torch.cuda.empty_cache()
+        _print_row(row, "us")
+        del run
+        torch.cuda.empty_cache()
     return rows
+
+
+# -- split_k: o and down as float32 partial sums the next norm adds --------------------------
+
+SPLIT_K_ROWS = (96, 128, 192, 256)
+SPLIT_K_PARTS = (2, 4)
+SPLIT_K_SHAPES = ("o", "down")
+
+
+def _cublas_then_norm(x, weights, residual, norm_weight, layer: int) -> None:
+    from ember.kernels.rmsnorm import fused_add_rms_norm
+
+    fused_add_rms_norm(torch.nn.functional.linear(x, weights[layer]), residual, norm_weight, 1e-5)
+
+
+def _parts_then_norm(router, x, weights, residual, norm_weight, out, parts, layer: int) -> None:
+    from ember.kernels.rmsnorm import add_parts_rms_norm
+
+    partial_sums = router.linear_parts(x, weights[layer], parts=parts)
+    add_parts_rms_norm(residual, partial_sums, norm_weight, 1e-5, out=out)
+
+
+def bench_split_k(
+    preset: str, rows=SPLIT_K_ROWS, parts_options=SPLIT_K_PARTS, shapes=SPLIT_K_SHAPES
+) -> list[dict]:
+    """Per (shape, rows): µs per layer of the product and the add + RMSNorm after it, with
+    cuBLAS's product and with each split into float32 partial sums; how far each split's sum
+    is from cuBLAS's product; and the parts the tables split it into now."""
+    router = _router()
+    dims = {name: (n, k) for name, n, k in linear_shapes(preset)}
+    results = []
+    for name in shapes:
+        n, k = dims[name]
+        weights = sequence_weights(n, k, SEQUENCE_LAYERS)
+        norm_weight = torch.ones(n, dtype=torch.bfloat16, device="cuda")
+        for m in rows:
+            x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+            residual = torch.randn(m, n, dtype=torch.bfloat16, device="cuda")
+            normed = torch.empty_like(residual)
+            cublas = partial(_cublas_then_norm, x, weights, residual, norm_weight)
+            layer_us = {"cublas": _us(sequence_seconds, cublas, SEQUENCE_LAYERS)}
+            mismatch = {}
+            expected = torch.nn.functional.linear(x, weights[0]).float()
+            for parts in parts_options:
+                if k % parts:
+                    continue
+                key = f"parts_{parts}"
+                summed = router.linear_parts(x, weights[0], parts=parts).sum(0)
+                mismatch[key] = (summed.to(x.dtype).float() - expected).abs().max().item()
+                split = partial(
+                    _parts_then_norm, router, x, weights, residual, norm_weight, normed, parts
+                )
+                layer_us[key] = _us(sequence_seconds, split, SEQUENCE_LAYERS)
+            best = fastest(layer_us)
+            row = {
+                "shape": name,
+                "n": n,
+                "k": k,
+                "m": m,
+                "layer_us": layer_us,
+                "max_abs_diff_vs_cublas": mismatch,
+                "best": best,
+                "routed_parts": router.split_k_parts(m, n, k, x.dtype, x.device),
+            }
+            results.append(row)
+            _print_row(row)
+        del weights
+        torch.cuda.empty_cache()
+    return results
+
+
+# -- stream_k: gate/up in one wave of whole tiles --------------------------------------------
+
+STREAM_K_ROWS = (72, 96, 128, 160, 192, 256)
+# (BLOCK_M, BLOCK_N, BLOCK_K, STAGES, num_warps); BLOCK_N counts gate and up rows.
+STREAM_K_CONFIGS = (
+    (128, 256, 64, 4, 8),
+    (128, 128, 64, 6, 8),
+    (64, 256, 64, 5, 4),
+    (64, 128, 64, 8, 4),
+)
+
+
+def _stream_k_layer(x, weights, workspace, out, config, layer: int) -> None:
+    from ember.kernels.stream_k_gemm import stream_k_gemm
+
+    stream_k_gemm(x, weights[layer], workspace, gated=True, out=out, config=config)
+
+
+def bench_stream_k(preset: str, rows=STREAM_K_ROWS, configs=STREAM_K_CONFIGS) -> list[dict]:
+    """Per rows: µs per layer of gate/up and SiLU-and-mul, cuBLAS's product then the SiLU kernel
+    against the gated stream-K kernel on its default tiles and on each of ``configs``; its
+    largest error against cuBLAS's; and whether the tables route it to stream-K now."""
+    from ember.kernels.activation import silu_and_mul
+    from ember.kernels.stream_k_gemm import StreamKWorkspace, fits_one_wave
+
+    router = _router()
+    n, k = next((n, k) for name, n, k in linear_shapes(preset) if name == "gate_up")
+    weights = sequence_weights(n, k, SEQUENCE_LAYERS)
+    workspace = StreamKWorkspace()
+    results = []
+    for m in rows:
+        x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+        out = torch.empty(m, n // 2, dtype=torch.bfloat16, device="cuda")
+        product = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+        stream_k = partial(_stream_k_layer, x, weights, workspace, out)
+        by_config = {}
+        for block_m, block_n, block_k, stages, warps in configs:
+            config = {
+                "BLOCK_M": block_m,
+                "BLOCK_N": block_n,
+                "BLOCK_K": block_k,
+                "STAGES": stages,
+                "num_warps": warps,
+            }
+            key = f"m{block_m}_n{block_n}_k{block_k}_s{stages}_w{warps}"
+            by_config[key] = _us(sequence_seconds, partial(stream_k, config), SEQUENCE_LAYERS)
+        stream_k_us = _us(sequence_seconds, partial(stream_k, None), SEQUENCE_LAYERS)
+        error = None
+        if isinstance(stream_k_us, float):
+            stream_k(None, 0)
+            expected = silu_and_mul(torch.matmul(x, weights[0].t()))
+            error = (out.float() - expected.float()).abs().max().item()
+        best = fastest(by_config)
+        row = {
+            "shape": "gate_up",
+            "n": n,
+            "k": k,
+            "m": m,
+            "cublas_us": _us(
+                sequence_seconds,
+                partial(_cublas_layer, x, weights, product, out),
+                SEQUENCE_LAYERS,
+            ),
+            "stream_k_us": stream_k_us,
+            "max_abs_diff_vs_cublas": error,
+            "best_config": best,
+            "best_us": by_config.get(best),
+            "fits_one_wave": fits_one_wave(x, weights[0]),
+            "routed_to_stream_k": router.takes_stream_k(x, weights[0]),
+            "stream_k_us_by_config": by_config,
+        }
+        results.append(row)
+        _print_row(row, "stream_k_us_by_config")
+    del weights
+    torch.cuda.empty_cache()
+    return results
+
+
+# -- the command ----------------------------------------------------------------------------
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--preset", choices=sorted(PRESETS), default="llama-3.1-8b",
-                        help="model shape whose linear layers are swept")  # fmt: skip
+    parser.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        default="llama-3.1-8b",
+        help="the model shape whose layers are swept",
+    )
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
-    parser.add_argument("--skip-gemm", action="store_true")
-    parser.add_argument("--skip-attention", action="store_true")
-    parser.add_argument("--in-sequence", action="store_true",
-                        help="also time q/k/v and gate/up as a step runs them: after a norm, "
-                        "32 layers of distinct weights in one graph")  # fmt: skip
-    parser.add_argument("--stream-k", action="store_true",
-                        help="only the stream-K GEMM against cuBLAS at 128 and 256 rows "
-                        "(`ember.bench.tune_stream_k`)")  # fmt: skip
-    parser.add_argument("--split-k", action="store_true",
-                        help="only o and down at 96-256 rows: cuBLAS then the add + norm against "
-                        "split-K partial sums the norm reduces (`ember.bench.tune_split_k`)")  # fmt: skip
-    parser.add_argument("--sustained", action="store_true",
-                        help="only the ceilings and a batch-256 step's GEMMs and attention, each "
-                        "held for seconds at the power limit, with NVML's power "
-                        "(`ember.bench.tune_sustained`)")  # fmt: skip
+    parser.add_argument(
+        "--sections",
+        nargs="+",
+        choices=SECTIONS,
+        default=list(SECTIONS),
+        help="what to sweep (default: all), in this order",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
         print("ember bench tune needs a CUDA GPU")
         return 2
-    hbm = measure_hbm_bytes_per_s()
-    result = {"gpu": torch.cuda.get_device_name(), "preset": args.preset,
-              "hbm_copy_tb_per_s": hbm / 1e12}  # fmt: skip
+    hbm = measure_ceilings().hbm_bytes_per_s
+    result = {
+        "gpu": torch.cuda.get_device_name(),
+        "preset": args.preset,
+        "hbm_copy_tb_per_s": hbm / 1e12,
+    }
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "tune.json"
-    if args.sustained:
-        from ember.bench.tune_sustained import bench_sustained
-
-        result["sustained"] = bench_sustained(args.preset)
-        path.write_text(json.dumps(result, indent=1))
-        return 0
-    if args.split_k:
-        from ember.bench.tune_split_k import bench_split_k
-
-        result["split_k"] = bench_split_k(args.preset)
-        path.write_text(json.dumps(result, indent=1))
-        return 0
-    if args.stream_k:
-        from ember.bench.tune_stream_k import (
-            bench_stream_k,
-            cublas_gate_up_splits,
-            cublas_staircase,
-        )
-
-        result["cublas_staircase"] = cublas_staircase()
-        path.write_text(json.dumps(result, indent=1))
-        result["cublas_gate_up_splits"] = cublas_gate_up_splits(args.preset)
-        path.write_text(json.dumps(result, indent=1))
-        result["stream_k"] = bench_stream_k(args.preset)
-        path.write_text(json.dumps(result, indent=1))
-        return 0
-    if not args.skip_attention:
-        result["attention"] = bench_attention_tiles(hbm)
-        path.write_text(json.dumps(result, indent=1))
-    if args.in_sequence:
-        result["gemm_in_sequence"] = bench_gemms_in_sequence(args.preset)
-        path.write_text(json.dumps(result, indent=1))
-    if not args.skip_gemm:
-        result["gemm"] = bench_gemms(args.preset, hbm)
+    sweeps = {
+        "gemm": lambda: bench_gemms(args.preset, hbm),
+        "attention": lambda: bench_attention_tiles(args.preset, hbm),
+        "split_k": lambda: bench_split_k(args.preset),
+        "stream_k": lambda: bench_stream_k(args.preset),
+    }
+    for name in args.sections:
+        result[name] = sweeps[name]()
+        # Written after every section, so a later failure keeps what was measured.
         path.write_text(json.dumps(result, indent=1))
     return 0

@@ -3,11 +3,11 @@
 Reference counting frees what a step allocates; the cyclic collector finds almost nothing in
 these processes. Its generation-2 passes still stop the world and walk every tracked object,
 and after start-up nearly all of those are the imports, the model's modules and the server's
-routes. With only the imports of the engine and the server loaded (~227k objects), one pass
-took ~230 ms on the 2-core CI VM (bench/results/README.md, "Garbage-collection pauses"). A pass
-stops the engine loop, so the GPU idles, or stops every stream of the front end. Moving the
-start-up heap into the permanent generation (`gc.freeze`) leaves those passes only what serving
-allocates later. The collector itself stays on.
+routes: a pass over the imports alone takes ~230 ms on a 2-core VM. A pass stops the engine
+loop, so the GPU idles, or stops every stream of the front end. Moving the start-up heap into
+the permanent generation (`gc.freeze`) leaves those passes only what serving allocates later
+(`ember bench cpu-step [--freeze-gc]`, a step A/B of `--no-gc-freeze`;
+bench/results/README.md, "GC freeze"). The collector itself stays on.
 
 `GcPauses` counts the passes and their pauses while a block runs (`ember bench step` reports
 them per row), so a stalled measurement can be told apart from a slow kernel. Given a

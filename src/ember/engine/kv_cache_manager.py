@@ -81,7 +81,7 @@ class KVCacheManager:
         return 1.0 - self.pool.num_free / self.pool.capacity
 
     def check_invariants(self, live_request_ids: set[str]) -> None:
-        """Every block is either free or owned by exactly one live request (AssertionError if not)."""
+        """Every block is free or owned by exactly one live request (AssertionError if not)."""
         owned = [b for ids in self._blocks.values() for b in ids]
         free = list(self.pool._free)
         assert set(self._blocks) <= live_request_ids, (

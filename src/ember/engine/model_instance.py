@@ -20,7 +20,9 @@ from ember.engine.kv_cache_manager import KVCacheManager
 from ember.engine.request import Request
 from ember.engine.scheduler import Scheduler
 from ember.engine.step_types import RequestUpdate, SchedulerOutput
-from ember.kernels.compile_ahead import default_compile_workers, kernels_interpreted
+from ember.kernels.compile_ahead import default_compile_workers
+from ember.kernels.tuning import KernelTuning
+from ember.layers.attention import select_attention
 from ember.layers.ops import select_ops
 from ember.layers.reference_ops import build_cos_sin_cache
 from ember.models.registry import model_class
@@ -111,15 +113,29 @@ class ModelInstance:
         )
         cfg = self.model_config
         self.max_model_len = min(
-            config.scheduler.max_model_len or cfg.max_position_embeddings,
+            config.limits.max_model_len or cfg.max_position_embeddings,
             cfg.max_position_embeddings,
         )
+        self.limits = dataclasses.replace(config.limits, max_model_len=self.max_model_len)
+        # This instance's routing and tile tables, for its GPU (`ember.kernels.tuning`).
+        self.tuning = KernelTuning.for_device(self.device)
         self.ops = select_ops(
             self.device,
             config.backend,
             config.programmatic_launch,
-            config.decode_rope_in_attention,
             config.defer_norms,
+            self.tuning,
+        )
+        self.attention = select_attention(
+            self.ops,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            self.dtype,
+            self.device,
+            self.limits,
+            self.tuning.attention,
+            fuse_decode=config.decode_rope_in_attention,
         )
         if config.cuda_graph_mode not in ("full", "decode"):
             raise ValueError(
@@ -175,28 +191,22 @@ class ModelInstance:
     def _build_runner(self, config: EngineConfig, block_size: int) -> None:
         """Scheduler and runner over the allocated cache (no weight value is read here)."""
         cfg = self.model_config
-        scheduler_config = config.scheduler
-        if scheduler_config.max_model_len != self.max_model_len:
-            scheduler_config = dataclasses.replace(
-                scheduler_config, max_model_len=self.max_model_len
-            )
-        self.scheduler = Scheduler(scheduler_config, self.kv_manager)
+        self.scheduler = Scheduler(self.limits, self.kv_manager)
         cos_sin = build_cos_sin_cache(
             cfg.head_dim, self.max_model_len, cfg.rope_theta, cfg.rope_scaling
         ).to(self.device)
         self.runner = ModelRunner(
             model=self.model,
+            attention=self.attention,
             kv_cache=self.kv_cache,
             cos_sin_cache=cos_sin,
             block_size=block_size,
-            sampler=Sampler(self.ops, cfg.vocab_size, self.device, scheduler_config.max_num_seqs),
+            sampler=Sampler(self.ops, cfg.vocab_size, self.device, self.limits),
             stop_ids_until_min_tokens=cfg.eos_token_ids,
-            max_num_seqs=scheduler_config.max_num_seqs,
-            max_num_batched_tokens=scheduler_config.max_num_batched_tokens,
-            max_model_len=self.max_model_len,
+            limits=self.limits,
             use_cuda_graphs=not config.enforce_eager and self.ops.capturable,
             mixed_cuda_graphs=config.cuda_graph_mode == "full",
-            num_q_heads=cfg.num_heads,
+            compile_ahead=self.ops.compile_ahead,
         )
         # Overlap: launch step N+1 before collecting step N (on by default on a GPU).
         self.overlap = config.overlap if config.overlap is not None else self.device.type == "cuda"
@@ -205,14 +215,14 @@ class ModelInstance:
 
     def _compile_workers(self) -> int:
         """Threads that compile the graphs' kernels ahead of the captures: the configured count,
-        else one per CPU; none where nothing is compiled (kernels interpreted or not Triton's)."""
+        else one per CPU; none where the ops have nothing to compile."""
         workers = self.config.compile_workers
+        if workers is not None and workers < 0:
+            raise ValueError(f"compile_workers must be >= 0, got {workers}")
+        if self.ops.compile_ahead is None:
+            return 0
         if workers is None:
             workers = default_compile_workers()
-        if workers < 0:
-            raise ValueError(f"compile_workers must be >= 0, got {workers}")
-        if self.ops.name != "triton" or kernels_interpreted():
-            return 0
         return workers
 
     def _capture_graphs(self) -> tuple[int, float]:
@@ -228,7 +238,7 @@ class ModelInstance:
         """The model with its parameters allocated on the device, their values not yet read."""
         cls = model_class(self.model_config.architecture)
         with torch.device("meta"):
-            model = cls(self.model_config, self.ops)
+            model = cls(self.model_config, self.ops, self.attention)
         model = model.to(dtype=self.dtype).to_empty(device=self.device)
         if zeroed:
             for param in model.parameters():
@@ -245,8 +255,12 @@ class ModelInstance:
             self.model.load_weights(ckpt.iter_tensors(self.dtype), on_tensor)
         else:
             placer = self.model.weight_placer()
-            load_extents(extents(), lambda extent: placer.target(extent.name, extent.shape),
-                         self.device, on_tensor=on_tensor)  # fmt: skip
+            load_extents(
+                extents(),
+                lambda extent: placer.target(extent.name, extent.shape),
+                self.device,
+                on_tensor=on_tensor,
+            )
             placer.finish()
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()  # the norm folding, timed too
@@ -272,7 +286,7 @@ class ModelInstance:
 
     def _activation_bytes(self) -> int:
         """Room kept free for the largest step's activations, logits and CUDA graphs."""
-        cfg, sched = self.model_config, self.config.scheduler
+        cfg, sched = self.model_config, self.limits
         elem = torch.empty((), dtype=self.dtype).element_size()
         per_token = 2 * cfg.intermediate_size + cfg.q_size + 2 * cfg.kv_size + 3 * cfg.hidden_size
         # x2: an op's input and output are alive together; logits are fp32, plus a processed copy.

@@ -34,9 +34,23 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    # Samples of launched steps not yet recorded: the one count of tokens in flight. The
+    # scheduler adds one when it schedules a step that samples; the runner takes it back as it
+    # records the sample (`record_sample`), and the scheduler clears it when it preempts.
+    num_pending_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
+
+    def record_sample(self, token_id: int) -> None:
+        """A launched step's sample has come back: it becomes an output token."""
+        self.output_token_ids.append(token_id)
+        self.num_pending_tokens -= 1
+
+    @property
+    def num_known_tokens(self) -> int:
+        """Tokens including samples still on their way back."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending_tokens
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -6,9 +6,11 @@ decodes go first, then unfinished prompt chunks, then new requests. When the KV 
 preempts the newest running request, freeing its blocks; it is recomputed later. It never touches
 tensors.
 
-Tokens sampled by a step the engine has not yet reported back are "pending": the scheduler may
-already schedule the decode that feeds them (overlap of CPU and GPU), since the runner keeps the
-sampled ids on its side.
+Tokens sampled by a step the engine has not yet reported back are "pending"
+(`Request.num_pending_tokens`): the scheduler may already schedule the decode that feeds them
+(overlap of CPU and GPU), since the runner feeds sampled ids on the device. The runner records
+each sample into its request when it comes back; `update` then decides what it means (a stop,
+the length limit).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from ember.config import SchedulerConfig
+from ember.config import StepLimits
 from ember.engine.kv_cache_manager import KVCacheManager
 from ember.engine.request import FinishReason, Request, RequestStatus
 from ember.engine.step_types import (
@@ -41,13 +43,12 @@ class StepCounts:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager) -> None:
-        self.config = config
+    def __init__(self, limits: StepLimits, kv_cache: KVCacheManager) -> None:
+        self.limits = limits
         self.kv_cache = kv_cache
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
-        self._pending: dict[str, int] = {}  # request id -> samples scheduled but not reported
         self._known_to_runner: set[str] = set()
         self._runner_must_forget: set[str] = set()
         self.num_preemptions = 0
@@ -76,7 +77,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self.config.max_num_batched_tokens
+        budget = self.limits.max_num_batched_tokens
         prefill_tokens_before = self.step_counts.prefill_tokens
 
         # Decodes first, then the prompt chunks of running requests, each in arrival order.
@@ -101,7 +102,7 @@ class Scheduler:
                 continue
             budget -= self._schedule_running(request, budget, out)
 
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and budget > 0 and len(self.running) < self.limits.max_num_seqs:
             request = self.waiting[0]
             num_new = self._chunk_size(request, budget)
             new_blocks = self.kv_cache.allocate_slots(
@@ -113,16 +114,7 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             out.new_requests.append(
-                NewRequestData(
-                    request_id=request.request_id,
-                    token_ids=request.all_token_ids,
-                    num_prompt_tokens=request.num_prompt_tokens,
-                    params=request.params,
-                    seed=request.seed,
-                    num_output_tokens=len(request.output_token_ids),
-                    block_ids=list(self.kv_cache.block_ids(request.request_id)),
-                    num_computed_tokens=request.num_computed_tokens,
-                )
+                NewRequestData(request, list(self.kv_cache.block_ids(request.request_id)))
             )
             self._known_to_runner.add(request.request_id)
             self._commit(request, num_new, out)
@@ -139,25 +131,27 @@ class Scheduler:
 
     def _feed_one_token(self, request: Request, out: SchedulerOutput) -> bool:
         """Schedule a decode's one token when it has exactly one to feed and a slot for it
-        without preempting: `_schedule_running` and `_commit` for that case, in one call (about
-        20 Python calls fewer per request and step: `schedule()` at 256 decodes went from 1.30
-        to 0.72 ms on the 2-core CI machine, bench/results/README.md). False: nothing was
-        scheduled; `_schedule_running` decides."""
+        without preempting: `_schedule_running` and `_commit` for that case in one call, since
+        it runs for most requests of most steps (`ember bench cpu-step`;
+        bench/results/README.md, "Host path"). False: nothing was scheduled;
+        `_schedule_running` decides."""
         request_id = request.request_id
-        pending = self._pending.get(request_id, 0)
+        pending = request.num_pending_tokens
         num_output = len(request.output_token_ids)
         computed = request.num_computed_tokens
-        if (num_output + pending >= request.max_tokens
-                or len(request.prompt_token_ids) + num_output + pending - computed != 1):  # fmt: skip
+        if (
+            num_output + pending >= request.max_tokens
+            or len(request.prompt_token_ids) + num_output + pending - computed != 1
+        ):
             return False
         new_blocks = self.kv_cache.allocate_slots(request_id, computed + 1)
         if new_blocks is None:
             return False
-        out.cached_requests.append(CachedRequestData(request_id, new_blocks, computed))
+        out.cached_requests.append(CachedRequestData(request_id, new_blocks))
         out.num_scheduled_tokens[request_id] = 1
         self.step_counts.decode_tokens += 1
         request.num_computed_tokens = computed + 1
-        self._pending[request_id] = pending + 1  # it now feeds every token it knows
+        request.num_pending_tokens = pending + 1  # it now feeds every token it knows
         return True
 
     def _schedule_running(self, request: Request, budget: int, out: SchedulerOutput) -> int:
@@ -176,9 +170,7 @@ class Scheduler:
                 self._preempt(request)
                 return 0
             self._preempt(victim)
-        out.cached_requests.append(
-            CachedRequestData(request.request_id, new_blocks, request.num_computed_tokens)
-        )
+        out.cached_requests.append(CachedRequestData(request.request_id, new_blocks))
         self._commit(request, num_new, out)
         return num_new
 
@@ -190,23 +182,17 @@ class Scheduler:
         else:
             self.step_counts.prefill_tokens += num_new
         request.num_computed_tokens += num_new
-        if request.num_computed_tokens == self._num_tokens_known(request):
-            self._pending[request.request_id] = self._pending.get(request.request_id, 0) + 1
-
-    def _num_tokens_known(self, request: Request) -> int:
-        """Tokens of the request including samples still on their way back."""
-        return request.num_tokens + self._pending.get(request.request_id, 0)
+        if request.num_computed_tokens == request.num_known_tokens:
+            request.num_pending_tokens += 1  # this step samples its next token
 
     def _is_decoding(self, request: Request) -> bool:
         return request.num_computed_tokens >= request.num_prompt_tokens
 
     def _chunk_size(self, request: Request, budget: int) -> int:
-        if len(request.output_token_ids) + self._pending.get(request.request_id, 0) >= (
-            request.max_tokens
-        ):
+        if len(request.output_token_ids) + request.num_pending_tokens >= request.max_tokens:
             return 0  # its last token is on the way; nothing more to feed
-        remaining = self._num_tokens_known(request) - request.num_computed_tokens
-        limit = self.config.long_prefill_token_threshold or budget
+        remaining = request.num_known_tokens - request.num_computed_tokens
+        limit = self.limits.long_prefill_token_threshold or budget
         return max(0, min(remaining, budget, limit))
 
     def _preemption_victim(self, out: SchedulerOutput) -> Request | None:
@@ -220,7 +206,7 @@ class Scheduler:
         self.running.remove(request)
         self.kv_cache.free(request.request_id)
         self._forget_in_runner(request.request_id)
-        self._pending.pop(request.request_id, None)
+        request.num_pending_tokens = 0  # a sample in flight is dropped: it is recomputed
         request.num_computed_tokens = 0
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
@@ -230,24 +216,18 @@ class Scheduler:
     # -- results of a step ---------------------------------------------------------------------
 
     def update(self, scheduled: SchedulerOutput, result: RunnerOutput) -> list[RequestUpdate]:
-        """Append the sampled tokens, finish requests that are done, report what changed."""
+        """Finish the requests a step's samples end (the runner has recorded them in their
+        requests) and report what changed."""
         updates = []
         # Locals: this loop runs for every request of every step.
-        requests, pending, running = self.requests, self._pending, RequestStatus.RUNNING
+        requests, running = self.requests, RequestStatus.RUNNING
         logprobs = result.logprobs or None
         for i, (request_id, token_id) in enumerate(
             zip(result.request_ids, result.sampled_token_ids, strict=True)
         ):
             request = requests.get(request_id)
-            left = pending.get(request_id)
-            if left is not None:
-                if left == 1:
-                    del pending[request_id]
-                else:
-                    pending[request_id] = left - 1
             if request is None or request.status is not running:
-                continue  # aborted or preempted while the step ran: drop the token
-            request.output_token_ids.append(token_id)
+                continue  # aborted or preempted while the step ran: its token was dropped
             reason = request.stop_reason_after(token_id)
             if reason is not None:
                 self._finish(request, reason)
@@ -271,7 +251,6 @@ class Scheduler:
             self.waiting.remove(request)
         self.kv_cache.free(request.request_id)
         self._forget_in_runner(request.request_id)
-        self._pending.pop(request.request_id, None)
         del self.requests[request.request_id]
 
     def _forget_in_runner(self, request_id: str) -> None:

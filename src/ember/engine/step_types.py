@@ -1,35 +1,34 @@
 """The messages of one engine step: scheduler -> runner -> scheduler.
 
-They carry plain Python values, never tensors, so they can cross a process boundary as they are.
-New requests travel in full the first step they are scheduled; after that only diffs.
+The scheduler and the runner share one process (a model instance): a new request reaches the
+runner as the scheduler's own `Request`, which the runner reads (its tokens, how many are
+computed, its parameters) and into which it records each sample; after that only diffs travel
+(new KV blocks, requests to forget). Outputs are plain lists, never tensors.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import msgspec
 
-from ember.sampling_params import SamplingParams
+if TYPE_CHECKING:
+    from ember.engine.request import Request
 
 
 @dataclass
 class NewRequestData:
-    request_id: str
-    token_ids: list[int]  # prompt, plus outputs already generated when resuming after preemption
-    num_prompt_tokens: int
-    params: SamplingParams
-    seed: int
-    num_output_tokens: int  # outputs already generated (the sampler's step counter starts here)
+    """A request the runner has not seen (or must resume after a preemption), with its blocks."""
+
+    request: Request
     block_ids: list[int]
-    num_computed_tokens: int
 
 
 @dataclass
 class CachedRequestData:
     request_id: str
     new_block_ids: list[int]
-    num_computed_tokens: int
 
 
 @dataclass

@@ -49,8 +49,11 @@ def _silu_and_mul_kernel(
         inv_rms = inv_rms_of(row_parts, hidden, eps)
         gate = (gate * inv_rms).to(x_ptr.dtype.element_ty).to(tl.float32)
         up = (up * inv_rms).to(x_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + cols, silu_mul_rounded(gate, up, out_ptr.dtype.element_ty),
-             mask=mask)  # fmt: skip
+    tl.store(
+        out_ptr + row * stride_o + cols,
+        silu_mul_rounded(gate, up, out_ptr.dtype.element_ty),
+        mask=mask,
+    )
 
 
 @triton.jit
@@ -81,9 +84,23 @@ def silu_and_mul(
     if num_tokens == 0:
         return out
     (parts, num_parts, hidden, eps), block_p = row_norm_args(row_norm, x)
-    launch(_silu_and_mul_kernel, (num_tokens, triton.cdiv(inter, _BLOCK)),
-        x, out, parts, inter, x.stride(0), out.stride(0), num_parts, hidden, eps,
-        BLOCK=_BLOCK, ROW_NORM=row_norm is not None, BLOCK_P=block_p, PDL=pdl, num_warps=4,
+    launch(
+        _silu_and_mul_kernel,
+        (num_tokens, triton.cdiv(inter, _BLOCK)),
+        x,
+        out,
+        parts,
+        inter,
+        x.stride(0),
+        out.stride(0),
+        num_parts,
+        hidden,
+        eps,
+        BLOCK=_BLOCK,
+        ROW_NORM=row_norm is not None,
+        BLOCK_P=block_p,
+        PDL=pdl,
+        num_warps=4,
         launch_pdl=pdl,
-    )  # fmt: skip
+    )
     return out

@@ -1,13 +1,10 @@
 """Greedy decoding's argmax over the vocabulary, split across programs.
 
 One row is one decode step's logits (128k floats for Llama 3). A single program per row (as
-``torch.argmax`` runs a batch-1 row, ~27 us on an H200) reads it at a fraction of HBM speed; here
-each row is cut into up to 64 chunks whose programs find their chunk's first maximum, and a
-second launch picks the first maximum among the chunks (with one chunk per row, a small
-vocabulary, the first launch writes the tokens). Measured on an H200 over 128,256 logits (CUDA
-graph replays, bench/results/README.md): batch 1 / 8 / 64 in 3.7 / 4.3 / 14.6 us against
-torch.argmax's 26.3 / 26.6 / 27.2 us; at batch 256 torch.argmax took 47 us and this kernel 106, so
-batches above 64 stay with torch.
+``torch.argmax`` runs a small batch) reads it at a fraction of HBM speed; here each row is cut
+into up to 64 chunks whose programs find their chunk's first maximum, and a second launch picks
+the first maximum among the chunks (with one chunk per row, a small vocabulary, the first launch
+writes the tokens). Batches above `MAX_SPLIT_BATCH` stay with ``torch.argmax``, faster there.
 
 Ties resolve to the lowest index, as ``torch.argmax`` does; NaN never wins (a row of NaNs and
 -inf gives the first -inf or index 0).
@@ -27,7 +24,8 @@ _BLOCK_V = 1024
 _MIN_CHUNK = 4096
 _TARGET_PROGRAMS = 256
 _MAX_SPLITS = 64
-# Above this batch torch.argmax is used (measured faster at 256; 65-255 not measured).
+# Above this batch torch.argmax is used, faster at 256: a step A/B at batch 64-256
+# (bench/results/README.md, "Greedy argmax split").
 MAX_SPLIT_BATCH = 64
 
 
@@ -106,10 +104,20 @@ def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
     if splits > 1:
         best_val = torch.empty(batch * splits, dtype=torch.float32, device=logits.device)
         best_idx = torch.empty(batch * splits, dtype=torch.int32, device=logits.device)
-    launch(_chunk_argmax_kernel, (batch, splits),
-        logits, logits.stride(0), vocab, chunk, best_val, best_idx, tokens,
-        SPLITS=splits, BLOCK_V=_BLOCK_V, num_warps=4,
-    )  # fmt: skip
+    launch(
+        _chunk_argmax_kernel,
+        (batch, splits),
+        logits,
+        logits.stride(0),
+        vocab,
+        chunk,
+        best_val,
+        best_idx,
+        tokens,
+        SPLITS=splits,
+        BLOCK_V=_BLOCK_V,
+        num_warps=4,
+    )
     if splits > 1:
         launch(_merge_chunks_kernel, (batch,), best_val, best_idx, tokens, vocab, SPLITS=splits)
     return tokens

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ember.kernels.attention_plan import AttentionLaunch, ChunkTiles
 from ember.kernels.paged_attention import DecodeRope, paged_attention
 from ember.kernels.rope_cache_write import rope_and_cache_write
 from ember.layers.row_norm import RowNorm
@@ -29,24 +30,47 @@ def rope_and_attention(
     v_cache: torch.Tensor,
     scale: float,
     out: torch.Tensor,
+    launches: tuple[AttentionLaunch, ...],
     *,
+    split_counters: torch.Tensor | None = None,
+    chunk_tiles: ChunkTiles | None = None,
     fuse_decode: bool = True,
     row_norm: RowNorm | None = None,
     pdl: bool = False,
 ) -> torch.Tensor:
-    """`rope_and_cache_write` then `paged_attention` over the step's metadata ``ctx``; writes
-    and returns ``out``. With ``fuse_decode`` (the default), decode-only steps do both in the
-    attention kernel and leave ``q`` and ``k`` unrotated (only the cache and ``out`` change).
-    ``row_norm``: q, k and v are products of the un-normalised rows, to scale by each token's
-    ``1/rms`` first (`ember.layers.row_norm`)."""
+    """`rope_and_cache_write` then `paged_attention` (its ``launches``) over the step's metadata
+    ``ctx``; writes and returns ``out``. With ``fuse_decode`` (the default), decode-only steps
+    do both in the attention kernel and leave ``q`` and ``k`` unrotated (only the cache and
+    ``out`` change). ``row_norm``: q, k and v are products of the un-normalised rows, to scale
+    by each token's ``1/rms`` first (`ember.layers.row_norm`)."""
     rope = None
     if fuse_decode and ctx.max_query_len == 1:
         rope = DecodeRope(k, v, ctx.positions, cos_sin_cache, ctx.slot_mapping, row_norm)
     else:
-        rope_and_cache_write(q, k, v, ctx.positions, cos_sin_cache, ctx.slot_mapping, k_cache,
-                             v_cache, row_norm=row_norm, pdl=pdl)  # fmt: skip
+        rope_and_cache_write(
+            q,
+            k,
+            v,
+            ctx.positions,
+            cos_sin_cache,
+            ctx.slot_mapping,
+            k_cache,
+            v_cache,
+            row_norm=row_norm,
+            pdl=pdl,
+        )
     return paged_attention(
-        q, k_cache, v_cache, ctx.query_start_loc, ctx.seq_lens, ctx.block_tables, scale, out,
-        max_query_len=ctx.max_query_len, max_seq_len=ctx.max_seq_len,
-        split_counters=ctx.split_kv_counters, rope=rope, pdl=pdl, chunk_tiles=ctx.chunk_tiles,
-    )  # fmt: skip
+        q,
+        k_cache,
+        v_cache,
+        ctx.query_start_loc,
+        ctx.seq_lens,
+        ctx.block_tables,
+        scale,
+        out,
+        launches,
+        split_counters=split_counters,
+        rope=rope,
+        pdl=pdl,
+        chunk_tiles=chunk_tiles,
+    )

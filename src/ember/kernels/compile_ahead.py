@@ -1,10 +1,10 @@
 """Compile a model's Triton kernels on several threads before their first launch.
 
-On a machine whose Triton cache is cold, start-up is mostly compiling: the 8B server's graph
-warm-up took 65 s of a 73 s load on a fresh H200 host, one kernel specialisation after another,
-as each first launch met it (bench/results/README.md, "Compiling the graphs' kernels ahead").
-Most of a compile runs outside the GIL (MLIR and LLVM passes, `ptxas` as a subprocess), so
-compiles on threads overlap.
+On a machine whose Triton cache is cold, start-up is mostly compiling, one kernel
+specialisation after another as each first launch meets it. Most of a compile runs outside the
+GIL (MLIR and LLVM passes, `ptxas` as a subprocess), so compiles on threads overlap; a cold
+start's load report (an empty `TRITON_CACHE_DIR`) measures it
+(bench/results/README.md, "Compile workers").
 
 Every engine kernel launches through `launch`. Inside `compile_ahead`, `launch` runs nothing: it
 hands the launch's arguments to Triton's ``warmup``, which derives the same specialisation a real
@@ -39,7 +39,7 @@ logger = logging.getLogger(__name__)
 _COMPILE_ONLY: ContextVar[bool] = ContextVar("ember_compile_only", default=False)
 
 # A cap on the default: each compile's Python front end holds the GIL, so threads past the
-# cores only wait. 16 (the H200 host's cores) is the most measured.
+# cores only wait. 16, the H200 host's cores, is the most tried.
 MAX_COMPILE_WORKERS = 16
 
 
@@ -78,8 +78,9 @@ def build_launcher(kernel: Any) -> None:
 
         driver.active.launcher_cls(kernel.src, kernel.metadata)
     except Exception as exc:  # noqa: BLE001 - best effort: the first launch builds it anyway
-        logger.warning("building a kernel launcher ahead failed (%r); its first launch builds it",
-                       exc)  # fmt: skip
+        logger.warning(
+            "building a kernel launcher ahead failed (%r); its first launch builds it", exc
+        )
 
 
 class _CompileThenBuildLauncher(Executor):

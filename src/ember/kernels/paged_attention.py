@@ -1,4 +1,4 @@
-"""Paged attention over the block-table KV cache for one mixed step (prefill chunks + decodes).
+"""Paged attention over the block-table KV cache for one step (prefill chunks + decodes).
 
 One launch covers every sequence of the step. A program owns one KV head and one tile of query
 tokens of one sequence; its rows are (query token, query head of the GQA group) pairs, so the K/V
@@ -8,22 +8,21 @@ tiles it streams are read once for all the group's query heads. Scores go throug
 A mixed step launches the kernel twice: its single-token sequences (decodes) on decode tiles,
 its chunks on prefill tiles, each launch skipping the other's sequences on the GPU (so the plan
 holds in a CUDA graph whatever the step's mix). The chunks' launch can run over a host-built map
-of their query tiles (`chunk_tile_map`) instead of a tile per sequence.
+of their query tiles instead of a tile per sequence. What each launch does (tiles, segments) is
+decided on the host by `ember.kernels.attention_plan.AttentionPlanner`; this module launches.
 
 Decode-only steps (every ``q_len == 1``) can also take the split-KV ("flash-decoding") path, and
-a mixed step's long decodes take it with a few segments:
-each sequence's KV range is cut into segments handled by separate programs that write partial
-(max, sum, acc) triples, merged by the last program of each (sequence, KV head) to finish (it
-counts arrivals in the caller's counters, or in zeros allocated per call). That is what fills
-the GPU when ``num_seqs * num_kv_heads`` programs would leave SMs idle (small batch, long
-context).
+a mixed step's long decodes take it with a few segments: each sequence's KV range is cut into
+segments handled by separate programs that write partial (max, sum, acc) triples, merged by the
+last program of each (sequence, KV head) to finish (it counts arrivals in the caller's counters,
+or in zeros allocated per call). That is what fills the GPU when ``num_seqs * num_kv_heads``
+programs would leave SMs idle (small batch, long context).
 
 Layouts and metadata follow docs/CONTRACTS.md ("Paged KV cache layout", "Attention metadata").
 """
 
 from __future__ import annotations
 
-from functools import partial
 from typing import NamedTuple
 
 import torch
@@ -31,15 +30,12 @@ import triton
 import triton.language as tl
 
 from ember.kernels.attention_plan import (
-    MIN_TOKENS_PER_SPLIT,
-    MIXED_DECODE_SPLITS,
     TILE_BITS,
+    AttentionLaunch,
     ChunkTiles,
-    choose_num_kv_splits,
-    device_sm_count,
-    min_tokens_per_split,
-    preloads_kv,
-    under_one_wave,
+    Sequences,
+    cdiv,
+    next_power_of_2,
 )
 from ember.kernels.compile_ahead import launch
 from ember.kernels.pdl import wait_for_producer
@@ -58,11 +54,11 @@ _LOG2E = 1.4426950408889634
 _MAX_MERGE_CHUNK = 8
 # Which sequences a launch serves (the kernel's SEQUENCES): all of them, or, in a mixed step's
 # two launches, those of one query token (decode tiles) or those of more (prefill tiles).
-_ALL_SEQUENCES = tl.constexpr(0)
-_SINGLE_TOKEN = tl.constexpr(1)
-_MULTI_TOKEN = tl.constexpr(2)
-# A chunk tile map's entry (`chunk_tile_map`): its sequence above these bits, the tile's index
-# within the sequence below.
+_ALL_SEQUENCES = tl.constexpr(Sequences.ALL.value)
+_SINGLE_TOKEN = tl.constexpr(Sequences.SINGLE_TOKEN.value)
+_MULTI_TOKEN = tl.constexpr(Sequences.MULTI_TOKEN.value)
+# A chunk tile map's entry (`AttentionPlanner.chunk_tile_map`): its sequence above these bits,
+# the tile's index within the sequence below.
 _TILE_BITS = tl.constexpr(TILE_BITS)
 _TILE_MASK = tl.constexpr((1 << _TILE_BITS.value) - 1)
 
@@ -125,8 +121,9 @@ def _kv_tile_offsets(
 
 
 @triton.jit
-def _softmax_step(q, k, m_i, l_i, kv_pos, row_pos, qk_scale, MASKED: tl.constexpr,
-                  DOT_PRECISION: tl.constexpr):  # fmt: skip
+def _softmax_step(
+    q, k, m_i, l_i, kv_pos, row_pos, qk_scale, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr
+):
     """Scores of one K tile and the online-softmax update: (new max, new sum, p, rescale)."""
     scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
     if MASKED:
@@ -163,15 +160,24 @@ def _attend_kv_tile(
     """One online-softmax step over KV positions [kv_start, kv_start + BLOCK_N)."""
     kv_pos = kv_start + tl.arange(0, BLOCK_N)
     kv_in_range = kv_pos < kv_end
-    kv_offsets = _kv_tile_offsets(table_row_ptr, kv_head_offset, kv_pos, kv_in_range,
-                                  stride_cache_block, stride_cache_slot, PAGE, HEAD_DIM,
-                                  MASKED)  # fmt: skip
+    kv_offsets = _kv_tile_offsets(
+        table_row_ptr,
+        kv_head_offset,
+        kv_pos,
+        kv_in_range,
+        stride_cache_block,
+        stride_cache_slot,
+        PAGE,
+        HEAD_DIM,
+        MASKED,
+    )
     if MASKED:
         k = tl.load(k_cache_ptr + kv_offsets, mask=kv_in_range[:, None], other=0.0)
     else:
         k = tl.load(k_cache_ptr + kv_offsets)
-    m_new, l_i, p, alpha = _softmax_step(q, k, m_i, l_i, kv_pos, row_pos, qk_scale, MASKED,
-                                         DOT_PRECISION)  # fmt: skip
+    m_new, l_i, p, alpha = _softmax_step(
+        q, k, m_i, l_i, kv_pos, row_pos, qk_scale, MASKED, DOT_PRECISION
+    )
     if MASKED:
         v = tl.load(v_cache_ptr + kv_offsets, mask=kv_in_range[:, None], other=0.0)
     else:
@@ -314,7 +320,8 @@ def _paged_attention_kernel(
         seq = tile_id
         local_tile = 0
     elif TILE_MAP:
-        # The host's map of the chunks' tiles (`chunk_tile_map`); -1: a spare program.
+        # The host's map of the chunks' tiles (`AttentionPlanner.chunk_tile_map`); -1: a spare
+        # program.
         entry = tl.load(chunk_tiles_ptr + tile_id)
         no_tile = entry < 0
         seq = tl.where(no_tile, 0, entry >> _TILE_BITS)
@@ -362,15 +369,24 @@ def _paged_attention_kernel(
     # too; the new key's row, if the tile holds it, comes from registers once rotated.
     if ROPE:
         tile_valid = tile_q_start < seq_q_end
-        cos, signed_sin, partner = _rope_factors(positions_ptr, cos_sin_ptr, tile_q_start,
-                                                 tile_valid, HEAD_DIM)  # fmt: skip
+        cos, signed_sin, partner = _rope_factors(
+            positions_ptr, cos_sin_ptr, tile_q_start, tile_valid, HEAD_DIM
+        )
         slot = tl.load(slot_mapping_ptr + tile_q_start, mask=tile_valid, other=-1)
     if PRELOAD_KV:
         pre_pos = tile_lo * BLOCK_N + tl.arange(0, BLOCK_N)
         pre_in_range = (pre_pos < kv_end) & (tile_lo < tile_hi)
-        pre_offsets = _kv_tile_offsets(table_row_ptr, kv_head_offset, pre_pos, pre_in_range,
-                                       stride_cache_block, stride_cache_slot, PAGE, HEAD_DIM,
-                                       True)  # fmt: skip
+        pre_offsets = _kv_tile_offsets(
+            table_row_ptr,
+            kv_head_offset,
+            pre_pos,
+            pre_in_range,
+            stride_cache_block,
+            stride_cache_slot,
+            PAGE,
+            HEAD_DIM,
+            True,
+        )
         pre_k = tl.load(k_cache_ptr + pre_offsets, mask=pre_in_range[:, None], other=0.0)
         pre_v = tl.load(v_cache_ptr + pre_offsets, mask=pre_in_range[:, None], other=0.0)
         tile_lo_loop = tile_lo + 1
@@ -381,8 +397,12 @@ def _paged_attention_kernel(
     # A spare tile or segment, an empty (padding) sequence, or one the other launch of a mixed
     # step serves (`_left_to_other_launch`). Every program exits after the wait, so a mixed
     # step's second launch waits for its first: the next kernel's PDL wait covers both.
-    if ((tile_q_start >= seq_q_end) | (split >= seq_splits) | no_tile
-            | _left_to_other_launch(seq_q_end - seq_q_start, SEQUENCES)):  # fmt: skip
+    if (
+        (tile_q_start >= seq_q_end)
+        | (split >= seq_splits)
+        | no_tile
+        | _left_to_other_launch(seq_q_end - seq_q_start, SEQUENCES)
+    ):
         return
 
     if ROPE and ROW_NORM:  # issued first: the row's statistics gate every use of q, k and v
@@ -407,45 +427,109 @@ def _paged_attention_kernel(
             new_k, new_v = _write_new_key_value(
                 rope_k_ptr + tile_q_start * stride_rk_tok + kv_head * stride_rk_head,
                 rope_v_ptr + tile_q_start * stride_rv_tok + kv_head * stride_rv_head,
-                k_cache_ptr, v_cache_ptr, slot, kv_head * stride_cache_head, cos, signed_sin,
-                partner, scale, stride_cache_block, stride_cache_slot, PAGE, HEAD_DIM, ROW_NORM,
-            )  # fmt: skip
+                k_cache_ptr,
+                v_cache_ptr,
+                slot,
+                kv_head * stride_cache_head,
+                cos,
+                signed_sin,
+                partner,
+                scale,
+                stride_cache_block,
+                stride_cache_slot,
+                PAGE,
+                HEAD_DIM,
+                ROW_NORM,
+            )
             if PRELOAD_KV:
                 # A padding token (slot -1) stores nothing: its tile keeps what the cache holds.
                 is_new = ((pre_pos == first_pos) & (slot >= 0))[:, None]
                 pre_k = tl.where(is_new, new_k[None, :], pre_k)
                 pre_v = tl.where(is_new, new_v[None, :], pre_v)
         if PRELOAD_KV and tile_lo < tile_hi:
-            m_i, l_i, p, alpha = _softmax_step(q, pre_k, m_i, l_i, pre_pos, row_pos, qk_scale,
-                                               True, DOT_PRECISION)  # fmt: skip
-            acc = acc * alpha[:, None] + tl.dot(p.to(pre_v.dtype), pre_v,
-                                                input_precision=DOT_PRECISION)  # fmt: skip
+            m_i, l_i, p, alpha = _softmax_step(
+                q, pre_k, m_i, l_i, pre_pos, row_pos, qk_scale, True, DOT_PRECISION
+            )
+            acc = acc * alpha[:, None] + tl.dot(
+                p.to(pre_v.dtype), pre_v, input_precision=DOT_PRECISION
+            )
 
     # Loop-level pipelining also prefetches the block-table loads the K/V addresses depend on.
-    for kv_tile in tl.range(tile_lo_loop, tl.minimum(tile_hi, num_full_tiles),
-                            num_stages=KV_STAGES):  # fmt: skip
+    for kv_tile in tl.range(
+        tile_lo_loop, tl.minimum(tile_hi, num_full_tiles), num_stages=KV_STAGES
+    ):
         m_i, l_i, acc = _attend_kv_tile(
-            q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_row_ptr, kv_head_offset,
-            kv_tile * BLOCK_N, kv_end, row_pos, qk_scale, stride_cache_block, stride_cache_slot,
-            PAGE, BLOCK_N, HEAD_DIM, False, DOT_PRECISION,
-        )  # fmt: skip
-    for kv_tile in tl.range(tl.maximum(tile_lo_loop, num_full_tiles), tile_hi,
-                            num_stages=KV_STAGES):  # fmt: skip
+            q,
+            m_i,
+            l_i,
+            acc,
+            k_cache_ptr,
+            v_cache_ptr,
+            table_row_ptr,
+            kv_head_offset,
+            kv_tile * BLOCK_N,
+            kv_end,
+            row_pos,
+            qk_scale,
+            stride_cache_block,
+            stride_cache_slot,
+            PAGE,
+            BLOCK_N,
+            HEAD_DIM,
+            False,
+            DOT_PRECISION,
+        )
+    for kv_tile in tl.range(
+        tl.maximum(tile_lo_loop, num_full_tiles), tile_hi, num_stages=KV_STAGES
+    ):
         m_i, l_i, acc = _attend_kv_tile(
-            q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_row_ptr, kv_head_offset,
-            kv_tile * BLOCK_N, kv_end, row_pos, qk_scale, stride_cache_block, stride_cache_slot,
-            PAGE, BLOCK_N, HEAD_DIM, True, DOT_PRECISION,
-        )  # fmt: skip
+            q,
+            m_i,
+            l_i,
+            acc,
+            k_cache_ptr,
+            v_cache_ptr,
+            table_row_ptr,
+            kv_head_offset,
+            kv_tile * BLOCK_N,
+            kv_end,
+            row_pos,
+            qk_scale,
+            stride_cache_block,
+            stride_cache_slot,
+            PAGE,
+            BLOCK_N,
+            HEAD_DIM,
+            True,
+            DOT_PRECISION,
+        )
 
     out_rows = out_ptr + row_tok[:, None] * stride_o_tok + row_head[:, None] * stride_o_head
     if SPLIT_KV:
         if seq_splits > 1:
             _store_partials_and_merge_last(
-                out_ptr + tile_q_start * stride_o_tok, stride_o_head, m_i, l_i, acc, seq, split,
-                seq_splits, num_splits, kv_head, row_head, row_valid, part_max_ptr,
-                part_sum_ptr, part_acc_ptr, split_counters_ptr, GROUP, GROUP_P2, HEAD_DIM,
-                BLOCK_SPLITS, MERGE_CHUNK,
-            )  # fmt: skip
+                out_ptr + tile_q_start * stride_o_tok,
+                stride_o_head,
+                m_i,
+                l_i,
+                acc,
+                seq,
+                split,
+                seq_splits,
+                num_splits,
+                kv_head,
+                row_head,
+                row_valid,
+                part_max_ptr,
+                part_sum_ptr,
+                part_acc_ptr,
+                split_counters_ptr,
+                GROUP,
+                GROUP_P2,
+                HEAD_DIM,
+                BLOCK_SPLITS,
+                MERGE_CHUNK,
+            )
         else:  # one segment covers this sequence: nothing to merge
             _store_rows(out_rows + dims[None, :], acc, l_i, row_valid)
     else:
@@ -454,8 +538,7 @@ def _paged_attention_kernel(
 
 @triton.jit
 def _store_rows(out_ptrs, acc, l_i, row_valid):
-    tl.store(out_ptrs, (acc / l_i[:, None]).to(out_ptrs.dtype.element_ty),
-             mask=row_valid[:, None])  # fmt: skip
+    tl.store(out_ptrs, (acc / l_i[:, None]).to(out_ptrs.dtype.element_ty), mask=row_valid[:, None])
 
 
 @triton.jit
@@ -492,8 +575,9 @@ def _store_partials_and_merge_last(
     part_row = (seq * (kv_heads * GROUP) + row_head) * num_splits + split
     tl.store(part_max_ptr + part_row, m_i, mask=row_valid)
     tl.store(part_sum_ptr + part_row, l_i, mask=row_valid)
-    tl.store(part_acc_ptr + part_row[:, None] * HEAD_DIM + dims[None, :], acc,
-             mask=row_valid[:, None])  # fmt: skip
+    tl.store(
+        part_acc_ptr + part_row[:, None] * HEAD_DIM + dims[None, :], acc, mask=row_valid[:, None]
+    )
     tl.debug_barrier()
     counter = split_counters_ptr + seq * kv_heads + kv_head
     arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
@@ -504,10 +588,17 @@ def _store_partials_and_merge_last(
         heads = kv_head * GROUP + tl.arange(0, GROUP_P2)
         _merge_split_partials(
             tok_out_ptr + heads[:, None] * stride_o_head + dims[None, :],
-            part_max_ptr, part_sum_ptr, part_acc_ptr,
-            (seq * (kv_heads * GROUP) + heads) * num_splits, tl.arange(0, GROUP_P2) < GROUP,
-            seq_splits, GROUP_P2, HEAD_DIM, BLOCK_SPLITS, MERGE_CHUNK,
-        )  # fmt: skip
+            part_max_ptr,
+            part_sum_ptr,
+            part_acc_ptr,
+            (seq * (kv_heads * GROUP) + heads) * num_splits,
+            tl.arange(0, GROUP_P2) < GROUP,
+            seq_splits,
+            GROUP_P2,
+            HEAD_DIM,
+            BLOCK_SPLITS,
+            MERGE_CHUNK,
+        )
 
 
 @triton.jit
@@ -533,8 +624,7 @@ def _merge_split_partials(
     splits = tl.arange(0, BLOCK_SPLITS)
     mask = row_valid[:, None] & (splits < num_splits)[None, :]
     offsets = first_row[:, None] + splits[None, :]
-    part_max = tl.load(part_max_ptr + offsets, mask=mask, other=float("-inf"),
-                       cache_modifier=".cg")  # fmt: skip
+    part_max = tl.load(part_max_ptr + offsets, mask=mask, other=float("-inf"), cache_modifier=".cg")
     part_sum = tl.load(part_sum_ptr + offsets, mask=mask, other=0.0, cache_modifier=".cg")
     row_max = tl.where(row_valid, tl.max(part_max, 1), 0.0)  # padding rows stay finite
     dims = tl.arange(0, HEAD_DIM)
@@ -543,11 +633,16 @@ def _merge_split_partials(
         chunk_splits = chunk + tl.arange(0, CHUNK)
         chunk_mask = row_valid[:, None] & (chunk_splits < num_splits)[None, :]
         chunk_rows = first_row[:, None] + chunk_splits[None, :]
-        chunk_max = tl.load(part_max_ptr + chunk_rows, mask=chunk_mask, other=float("-inf"),
-                            cache_modifier=".cg")  # fmt: skip
+        chunk_max = tl.load(
+            part_max_ptr + chunk_rows, mask=chunk_mask, other=float("-inf"), cache_modifier=".cg"
+        )
         weight = tl.exp2(chunk_max - row_max[:, None])  # empty splits have max -inf: weight 0
-        part = tl.load(part_acc_ptr + chunk_rows[:, :, None] * HEAD_DIM + dims[None, None, :],
-                       mask=chunk_mask[:, :, None], other=0.0, cache_modifier=".cg")  # fmt: skip
+        part = tl.load(
+            part_acc_ptr + chunk_rows[:, :, None] * HEAD_DIM + dims[None, None, :],
+            mask=chunk_mask[:, :, None],
+            other=0.0,
+            cache_modifier=".cg",
+        )
         acc += tl.sum(part * weight[:, :, None], 1)
     denominator = tl.sum(part_sum * tl.exp2(part_max - row_max[:, None]), 1)
     out = acc / tl.where(row_valid, denominator, 1.0)[:, None]
@@ -575,8 +670,9 @@ def _check_decode_rope(rope: DecodeRope, q: torch.Tensor, k_cache: torch.Tensor,
     num_tokens, _, head_dim = q.shape
     expected = (num_tokens, k_cache.shape[2], head_dim)
     if tuple(rope.k.shape) != expected or tuple(rope.v.shape) != expected:
-        raise ValueError(f"rope k and v must be {expected}, got {tuple(rope.k.shape)}, "
-                         f"{tuple(rope.v.shape)}")  # fmt: skip
+        raise ValueError(
+            f"rope k and v must be {expected}, got {tuple(rope.k.shape)}, {tuple(rope.v.shape)}"
+        )
     if rope.k.stride(2) != 1 or rope.v.stride(2) != 1:
         raise ValueError("rope k and v must have a contiguous head_dim")
     if rope.cos_sin_cache.dtype != torch.float32 or not rope.cos_sin_cache.is_contiguous():
@@ -593,17 +689,11 @@ def paged_attention(
     block_tables: torch.Tensor,
     scale: float,
     out: torch.Tensor,
+    launches: tuple[AttentionLaunch, ...],
     *,
-    max_query_len: int,
-    max_seq_len: int,
-    num_kv_splits: int | None = None,
-    num_sms: int | None = None,
-    tile_config: dict[str, int] | None = None,
     split_counters: torch.Tensor | None = None,
     rope: DecodeRope | None = None,
     pdl: bool = False,
-    preload_kv: bool | None = None,
-    separate_decodes: bool = True,
     chunk_tiles: ChunkTiles | None = None,
 ) -> torch.Tensor:
     """Causal attention of this step's queries over the paged KV cache; writes and returns ``out``.
@@ -612,21 +702,12 @@ def paged_attention(
         q: ``[num_tokens, num_q_heads, head_dim]`` (last dim contiguous; may be a view of a
             fused qkv buffer).
         k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, already holding
-            this step's keys/values.
+            this step's keys/values (unless ``rope`` writes them).
         query_start_loc, seq_lens, block_tables: step metadata as in docs/CONTRACTS.md.
         scale: softmax scale, usually ``head_dim ** -0.5``.
         out: ``[num_tokens, num_q_heads, head_dim]``; rows outside ``[0, query_start_loc[-1])``
             are left untouched.
-        max_query_len, max_seq_len: host-side bounds of ``q_len`` and ``seq_lens`` (never read
-            from the tensors, so no host sync). ``max_query_len == 1`` selects the decode kernel.
-        num_kv_splits: force the split-KV path's segment count (decode-only steps); None picks it
-            from the shape. Under CUDA graphs pass a fixed ``max_seq_len`` (the bucket's bound):
-            segments are cut per sequence in the kernel, none shorter than the heuristic's
-            minimum (one tile when forced), so a short sequence leaves the grid's surplus
-            programs idle, and one that needs a single segment skips the merge.
-        num_sms: SM count for the split heuristic; None asks the device (or assumes an H200).
-        tile_config: override the tile sizes (``BLOCK_M``, ``BLOCK_Q``, ``BLOCK_N``,
-            ``num_warps``, ``KV_STAGES``); for ``ember bench tune``'s sweep.
+        launches: the step's launches, as `AttentionPlanner.plan` decides them.
         split_counters: int32 zeros, at least ``num_seqs * num_kv_heads``, kept by the caller
             across calls: the split path's arrival counters (the last program of each sequence
             and KV head to finish merges the partials and zeroes its counter again). None: zeros
@@ -634,14 +715,8 @@ def paged_attention(
         rope: apply this decode step's RoPE and write its keys and values to the cache in the
             kernel (decode-only steps; see `DecodeRope`).
         pdl: launch with programmatic dependent launch (`ember.kernels.pdl`).
-        preload_kv: with ``rope``, load each program's first K/V tile before the PDL wait (so
-            under the previous kernel's tail). None: as `_preloads_kv` rules.
-        separate_decodes: a mixed step runs its single-token sequences in a launch of their own,
-            on decode tiles (long ones in segments), and its chunks on prefill tiles; False: one launch on
-            prefill tiles for all (what ``tile_config`` also asks).
-        chunk_tiles: the step's `chunk_tile_map`, for the chunk launch of a mixed step with
-            separate decodes: one program per mapped tile instead of a tile per sequence found
-            by a search. None: the search.
+        chunk_tiles: the step's chunk tile map, for a launch with ``chunk_map``: one program per
+            mapped tile instead of one per sequence searching for its tiles.
 
     The split path allocates its fp32 partials (``num_seqs * num_q_heads * splits * (head_dim+2)``
     floats) with ``torch.empty``: no sync and capturable, but the only scratch this op uses.
@@ -649,8 +724,7 @@ def paged_attention(
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     num_seqs = seq_lens.shape[0]
-    group = num_q_heads // num_kv_heads
-    if num_q_heads != group * num_kv_heads:
+    if num_q_heads % num_kv_heads:
         raise ValueError(f"num_q_heads {num_q_heads} is not a multiple of {num_kv_heads}")
     if head_dim < 16 or head_dim & (head_dim - 1):
         raise ValueError(f"head_dim must be a power of two >= 16, got {head_dim}")
@@ -660,118 +734,137 @@ def paged_attention(
         raise ValueError("head_dim must be the contiguous dimension")
     if num_seqs == 0 or num_tokens == 0:
         return out
-
-    decode_only = max_query_len == 1
     if rope is not None:
-        _check_decode_rope(rope, q, k_cache, decode_only)
-    sms = num_sms if num_sms is not None else device_sm_count(q.device)
-    if num_kv_splits is None:
-        splits = choose_num_kv_splits(num_seqs, num_kv_heads, max_seq_len, sms)
-        min_split_tokens = min_tokens_per_split(num_seqs, num_kv_heads, sms)
-    else:
-        splits, min_split_tokens = num_kv_splits, 1  # forced: down to one tile per segment
-    if splits > 1 and not decode_only:
-        if num_kv_splits is not None:
-            raise ValueError("split-KV attention only serves decode-only steps (max_query_len 1)")
-        splits = 1
+        _check_decode_rope(rope, q, k_cache, all(launch.decode_only for launch in launches))
     if split_counters is not None and (
         split_counters.dtype != torch.int32 or split_counters.numel() < num_seqs * num_kv_heads
     ):
         raise ValueError(f"split_counters must be int32 with >= {num_seqs * num_kv_heads} entries")
-    if preload_kv is None:
-        preload_kv = preloads_kv(pdl, splits > 1, under_one_wave(num_seqs, num_kv_heads, sms))
-    launch = partial(_launch_kernel, q, k_cache, v_cache, out, query_start_loc, seq_lens,
-                     block_tables, scale, split_counters, pdl)  # fmt: skip
-    elem_bytes = k_cache.element_size()
-    if decode_only or tile_config is not None or not separate_decodes:
-        config = tile_config or tile_config(
-            group, decode_only, head_dim, elem_bytes, splits > 1, num_seqs * num_kv_heads / sms
+    for attention_launch in launches:
+        tiles = chunk_tiles if attention_launch.chunk_map else None
+        if tiles is not None:
+            if tiles.block_q != attention_launch.tiles["BLOCK_Q"]:
+                raise ValueError(
+                    f"chunk tiles of {tiles.block_q} query tokens, the prefill tile "
+                    f"serves {attention_launch.tiles['BLOCK_Q']}"
+                )
+            if tiles.grid == 0:
+                continue  # no chunk in this step
+        _launch_kernel(
+            q,
+            k_cache,
+            v_cache,
+            out,
+            query_start_loc,
+            seq_lens,
+            block_tables,
+            scale,
+            attention_launch,
+            split_counters,
+            rope,
+            pdl,
+            tiles,
         )
-        launch(config, decode_only, _ALL_SEQUENCES, splits=splits,
-               min_split_tokens=min_split_tokens, rope=rope, preload_kv=preload_kv)  # fmt: skip
-        return out
-    # A mixed step: the decodes on decode tiles (a program per sequence and KV head, 16 rows),
-    # the prefill chunks on prefill tiles (128 query rows a program). On prefill tiles alone, a
-    # decode's program computed 4 of its 128 rows, 128-key tiles on 8 warps: 200 decodes
-    # at 512 tokens beside a 512-token chunk took 304 us a layer on an H200, where the decodes
-    # alone take 127 (bench/results/README.md, "Mixed steps"). A long decode is cut into
-    # segments of at least MIN_TOKENS_PER_SPLIT tokens, up to MIXED_DECODE_SPLITS: a sequence's
-    # segments follow from its own length and the fixed grid, so the numbers do not depend on
-    # how many sequences a CUDA graph pads the step to. Unsplit, a lone decode at 4,096 tokens
-    # took ~114 us a layer, queued before the chunk's launch.
-    launch(tile_config(group, True, head_dim, elem_bytes), True, _SINGLE_TOKEN,
-           splits=MIXED_DECODE_SPLITS, min_split_tokens=MIN_TOKENS_PER_SPLIT)  # fmt: skip
-    prefill = tile_config(group, False, head_dim, elem_bytes)
-    if chunk_tiles is not None and chunk_tiles.block_q != prefill["BLOCK_Q"]:
-        raise ValueError(f"chunk tiles of {chunk_tiles.block_q} query tokens, the prefill tile "
-                         f"serves {prefill['BLOCK_Q']}")  # fmt: skip
-    if chunk_tiles is None or chunk_tiles.grid > 0:
-        launch(prefill, False, _MULTI_TOKEN, chunk_tiles=chunk_tiles)
     return out
 
 
 def _launch_kernel(
-    q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, scale, split_counters, pdl,
-    config, decode_only, sequences, *, splits=1, min_split_tokens=1, rope=None, preload_kv=False,
-    chunk_tiles=None,
-):  # fmt: skip
-    """One launch of `_paged_attention_kernel` over the step with one tile configuration, for
-    the sequences of one kind (``sequences``); unsplit, without RoPE unless asked; over the
-    tiles of ``chunk_tiles`` when given."""
+    q,
+    k_cache,
+    v_cache,
+    out,
+    query_start_loc,
+    seq_lens,
+    block_tables,
+    scale,
+    plan: AttentionLaunch,
+    split_counters,
+    rope,
+    pdl,
+    chunk_tiles,
+):
+    """One launch of `_paged_attention_kernel` over the step as ``plan`` says; over the tiles
+    of ``chunk_tiles`` when given."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     num_seqs = seq_lens.shape[0]
+    config, splits = plan.tiles, plan.splits
     split_kv = splits > 1
     if split_kv:
         if split_counters is None:
-            split_counters = torch.zeros(num_seqs * num_kv_heads, dtype=torch.int32,
-                                         device=q.device)  # fmt: skip
+            split_counters = torch.zeros(
+                num_seqs * num_kv_heads, dtype=torch.int32, device=q.device
+            )
         part_max = torch.empty(num_seqs * num_q_heads * splits, device=q.device)
         part_sum = torch.empty_like(part_max)
         part_acc = torch.empty(num_seqs * num_q_heads * splits * head_dim, device=q.device)
     else:
         part_max = part_sum = part_acc = out  # unused by the kernel when SPLIT_KV is off
+    # RoPE in the kernel serves the launch of every sequence of a decode-only step.
+    rope = rope if plan.decode_only and plan.sequences == Sequences.ALL else None
     row_args, block_p = row_norm_args(rope.row_norm if rope is not None else None, q)
-    if decode_only:
+    if plan.decode_only:
         num_tiles = num_seqs
     elif chunk_tiles is not None:
         num_tiles = chunk_tiles.grid
     else:
         num_tiles = num_tokens // config["BLOCK_Q"] + num_seqs  # see _find_sequence
     group = num_q_heads // num_kv_heads
-    launch(_paged_attention_kernel, (num_tiles, num_kv_heads, splits),
-        q, k_cache, v_cache, out,
-        query_start_loc, seq_lens, block_tables,
-        part_max, part_sum, part_acc,
+    launch(
+        _paged_attention_kernel,
+        (num_tiles, num_kv_heads, splits),
+        q,
+        k_cache,
+        v_cache,
+        out,
+        query_start_loc,
+        seq_lens,
+        block_tables,
+        part_max,
+        part_sum,
+        part_acc,
         split_counters if split_kv else seq_lens,
-        *((rope.k, rope.v, rope.positions, rope.cos_sin_cache, rope.slot_mapping)
-          if rope is not None else (q, q, seq_lens, q, seq_lens)),
+        *(
+            (rope.k, rope.v, rope.positions, rope.cos_sin_cache, rope.slot_mapping)
+            if rope is not None
+            else (q, q, seq_lens, q, seq_lens)
+        ),
         chunk_tiles.tiles if chunk_tiles is not None else seq_lens,
         *row_args,
-        scale * _LOG2E, num_seqs, splits,
-        triton.cdiv(min_split_tokens, config["BLOCK_N"]),
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        scale * _LOG2E,
+        num_seqs,
+        splits,
+        cdiv(plan.min_split_tokens, config["BLOCK_N"]),
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
         block_tables.stride(0),
-        *((rope.k.stride(0), rope.k.stride(1), rope.v.stride(0), rope.v.stride(1))
-          if rope is not None else (0, 0, 0, 0)),
+        *(
+            (rope.k.stride(0), rope.k.stride(1), rope.v.stride(0), rope.v.stride(1))
+            if rope is not None
+            else (0, 0, 0, 0)
+        ),
         GROUP=group,
         HEAD_DIM=head_dim,
         PAGE=k_cache.shape[1],
-        DECODE_ONLY=decode_only,
+        DECODE_ONLY=plan.decode_only,
         SPLIT_KV=split_kv,
         # fp32 inputs must not silently drop to tf32 on the tensor cores.
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        BLOCK_SPLITS=triton.next_power_of_2(splits),
-        GROUP_P2=max(2, triton.next_power_of_2(group)),
-        MERGE_CHUNK=min(_MAX_MERGE_CHUNK, triton.next_power_of_2(splits)),
+        BLOCK_SPLITS=next_power_of_2(splits),
+        GROUP_P2=max(2, next_power_of_2(group)),
+        MERGE_CHUNK=min(_MAX_MERGE_CHUNK, next_power_of_2(splits)),
         ROPE=rope is not None,
         ROW_NORM=rope is not None and rope.row_norm is not None,
         BLOCK_P=block_p,
         PDL=pdl,
-        PRELOAD_KV=rope is not None and preload_kv,
-        SEQUENCES=sequences.value,
+        PRELOAD_KV=rope is not None and plan.preload_kv,
+        SEQUENCES=int(plan.sequences),
         TILE_MAP=chunk_tiles is not None,
         launch_pdl=pdl,
         **config,
-    )  # fmt: skip
+    )

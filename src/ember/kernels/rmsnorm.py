@@ -9,7 +9,7 @@ for a deferred norm (`ember.layers.row_norm`), where the norm's weight sits in t
 projection.
 
 `add_parts_rms_norm` is the fused op for a product left as split-K partial sums
-(`ember.kernels.linear.linear_parts`): it sums the float32 parts, rounds the sum to the
+(`ember.kernels.linear.LinearRouter.linear_parts`): it sums the float32 parts, rounds the sum to the
 dtype (what the product's own reduce would have stored), then adds and normalises, so the
 split-K reduce needs no kernel of its own.
 
@@ -114,11 +114,22 @@ def _launch(x, residual, weight, out, eps, pdl, sum_squares_only=False, num_part
     _, so_outer, so_inner = _row_layout(x if sum_squares_only else out)
     block_h = triton.next_power_of_2(hidden)
     rows = max(1, _ELEMENTS_PER_PROGRAM // block_h)
-    launch(_rms_norm_kernel, (triton.cdiv(num_rows, rows),),
-        x, residual if residual is not None else x, weight, out,
-        num_rows, inner_rows, sx_outer, sx_inner, part_stride,
+    launch(
+        _rms_norm_kernel,
+        (triton.cdiv(num_rows, rows),),
+        x,
+        residual if residual is not None else x,
+        weight,
+        out,
+        num_rows,
+        inner_rows,
+        sx_outer,
+        sx_inner,
+        part_stride,
         residual.stride(0) if residual is not None else 0,
-        so_outer, so_inner, eps,
+        so_outer,
+        so_inner,
+        eps,
         HIDDEN=hidden,
         BLOCK_H=block_h,
         ROWS=rows,
@@ -128,7 +139,7 @@ def _launch(x, residual, weight, out, eps, pdl, sum_squares_only=False, num_part
         PDL=pdl,
         num_warps=8 if block_h >= 4096 else 4,
         launch_pdl=pdl,
-    )  # fmt: skip
+    )
 
 
 def rms_norm(

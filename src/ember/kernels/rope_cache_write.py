@@ -45,8 +45,9 @@ def _rotate_heads_in_place(
     mask = (heads < NUM_HEADS)[:, None]
     dtype = x_ptr.dtype.element_ty
     x1 = scale_and_round(tl.load(x_ptr + offsets, mask=mask, other=0.0), scale, dtype, SCALED)
-    x2 = scale_and_round(tl.load(x_ptr + offsets + HALF, mask=mask, other=0.0), scale, dtype,
-                         SCALED)  # fmt: skip
+    x2 = scale_and_round(
+        tl.load(x_ptr + offsets + HALF, mask=mask, other=0.0), scale, dtype, SCALED
+    )
     out1 = x1 * cos[None, :] - x2 * sin[None, :]
     out2 = x2 * cos[None, :] + x1 * sin[None, :]
     tl.store(x_ptr + offsets, out1.to(x_ptr.dtype.element_ty), mask=mask)
@@ -99,13 +100,27 @@ def _rope_cache_write_kernel(
     sin = tl.load(cos_sin_ptr + pos * HEAD_DIM + half + dims)
 
     _rotate_heads_in_place(
-        q_ptr + tok * stride_q_tok, stride_q_head, cos, sin, scale, NUM_Q_HEADS, BLOCK_HQ, half,
+        q_ptr + tok * stride_q_tok,
+        stride_q_head,
+        cos,
+        sin,
+        scale,
+        NUM_Q_HEADS,
+        BLOCK_HQ,
+        half,
         ROW_NORM,
-    )  # fmt: skip
+    )
     k1, k2 = _rotate_heads_in_place(
-        k_ptr + tok * stride_k_tok, stride_k_head, cos, sin, scale, NUM_KV_HEADS, BLOCK_HKV, half,
+        k_ptr + tok * stride_k_tok,
+        stride_k_head,
+        cos,
+        sin,
+        scale,
+        NUM_KV_HEADS,
+        BLOCK_HKV,
+        half,
         ROW_NORM,
-    )  # fmt: skip
+    )
 
     slot = tl.load(slot_mapping_ptr + tok)
     heads = tl.arange(0, BLOCK_HKV)
@@ -120,8 +135,9 @@ def _rope_cache_write_kernel(
     v_offsets = tok * stride_v_tok + heads[:, None] * stride_v_head + dims[None, :]
     v_ty = v_ptr.dtype.element_ty
     v1 = scale_and_round(tl.load(v_ptr + v_offsets, mask=mask, other=0.0), scale, v_ty, ROW_NORM)
-    v2 = scale_and_round(tl.load(v_ptr + v_offsets + half, mask=mask, other=0.0), scale, v_ty,
-                         ROW_NORM)  # fmt: skip
+    v2 = scale_and_round(
+        tl.load(v_ptr + v_offsets + half, mask=mask, other=0.0), scale, v_ty, ROW_NORM
+    )
     tl.store(v_cache_ptr + cache_offsets, v1.to(cache_ty), mask=mask)
     tl.store(v_cache_ptr + cache_offsets + half, v2.to(cache_ty), mask=mask)
 
@@ -163,10 +179,27 @@ def rope_and_cache_write(
     if num_tokens == 0:
         return
     row_args, block_p = row_norm_args(row_norm, q)
-    launch(_rope_cache_write_kernel, (num_tokens,),
-        q, k, v, positions, cos_sin_cache, slot_mapping, k_cache, v_cache, *row_args,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+    launch(
+        _rope_cache_write_kernel,
+        (num_tokens,),
+        q,
+        k,
+        v,
+        positions,
+        cos_sin_cache,
+        slot_mapping,
+        k_cache,
+        v_cache,
+        *row_args,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
         NUM_Q_HEADS=num_q_heads,
         NUM_KV_HEADS=num_kv_heads,
         BLOCK_HQ=triton.next_power_of_2(num_q_heads),
@@ -178,4 +211,4 @@ def rope_and_cache_write(
         PDL=pdl,
         num_warps=4,
         launch_pdl=pdl,
-    )  # fmt: skip
+    )

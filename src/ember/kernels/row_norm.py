@@ -17,8 +17,9 @@ def load_row_parts(parts_ptr, row, num_parts, BLOCK_P: tl.constexpr):
     """Row ``row``'s (a scalar) ``num_parts <= BLOCK_P`` partial sums of squares (readers issue
     this with their first loads and reduce it after them)."""
     cols = tl.arange(0, BLOCK_P)
-    return tl.load(parts_ptr + row.to(tl.int64) * num_parts + cols, mask=cols < num_parts,
-                   other=0.0)  # fmt: skip
+    return tl.load(
+        parts_ptr + row.to(tl.int64) * num_parts + cols, mask=cols < num_parts, other=0.0
+    )
 
 
 @triton.jit
@@ -41,8 +42,9 @@ def load_inv_rms_rows(parts_ptr, rows, row_valid, num_parts, hidden, eps, BLOCK_
     cols = tl.arange(0, BLOCK_P)
     offsets = rows[:, None].to(tl.int64) * num_parts + cols[None, :]
     mask = row_valid[:, None] & (cols < num_parts)[None, :]
-    return _inv_rms_of_sum(tl.sum(tl.load(parts_ptr + offsets, mask=mask, other=0.0), 1), hidden,
-                           eps)  # fmt: skip
+    return _inv_rms_of_sum(
+        tl.sum(tl.load(parts_ptr + offsets, mask=mask, other=0.0), 1), hidden, eps
+    )
 
 
 @triton.jit

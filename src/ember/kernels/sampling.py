@@ -285,13 +285,15 @@ def _sample_candidates(
     weights = tl.exp2((x - top) * scale)
     top_key = _float_key(top).to(tl.int64)
     if k_pending:
-        k_key = _search_candidates(keys, weights, floor_key, top_key, top_k.to(tl.float32),
-                                   True, NUM_PROBES)  # fmt: skip
+        k_key = _search_candidates(
+            keys, weights, floor_key, top_key, top_k.to(tl.float32), True, NUM_PROBES
+        )
         k_mass = tl.sum(tl.where(keys >= k_key, weights, 0.0), 0)
     p_key = k_key
     if p_pending:
-        p_key = _search_candidates(keys, weights, tl.maximum(floor_key, k_key), top_key,
-                                   top_p * k_mass, False, NUM_PROBES)  # fmt: skip
+        p_key = _search_candidates(
+            keys, weights, tl.maximum(floor_key, k_key), top_key, top_p * k_mass, False, NUM_PROBES
+        )
     keep = valid & (keys >= tl.maximum(k_key, p_key)) & (weights >= min_p)
     score = tl.where(keep, _race_score(x, idx, key, scale), float("-inf"))
     best = tl.max(score, 0)
@@ -332,9 +334,22 @@ def _sample_filtered(
 
     if k_on:  # top-k first: top-p's budget depends on the mass top-k keeps
         lo, hi, count_lo, mass_lo = _search_row(
-            row_ptr, vocab, top, scale, 1.0, lo, hi, count_lo, mass_lo, top_k.to(tl.float32),
-            True, True, CANDIDATES, BLOCK_V, NUM_PROBES,
-        )  # fmt: skip
+            row_ptr,
+            vocab,
+            top,
+            scale,
+            1.0,
+            lo,
+            hi,
+            count_lo,
+            mass_lo,
+            top_k.to(tl.float32),
+            True,
+            True,
+            CANDIDATES,
+            BLOCK_V,
+            NUM_PROBES,
+        )
         if count_lo > CANDIDATES:  # exact, with a kept set too large for the list
             k_key = lo
             k_mass = mass_lo
@@ -342,9 +357,22 @@ def _sample_filtered(
             hi = top_key
     if p_on & (count_lo > CANDIDATES):
         lo, hi, count_lo, mass_lo = _search_row(
-            row_ptr, vocab, top, scale, temperature, lo, hi, count_lo, mass_lo, top_p * k_mass,
-            False, k_off, CANDIDATES, BLOCK_V, NUM_PROBES,
-        )  # fmt: skip
+            row_ptr,
+            vocab,
+            top,
+            scale,
+            temperature,
+            lo,
+            hi,
+            count_lo,
+            mass_lo,
+            top_p * k_mass,
+            False,
+            k_off,
+            CANDIDATES,
+            BLOCK_V,
+            NUM_PROBES,
+        )
         if count_lo > CANDIDATES:
             p_key = lo
             p_pending = False
@@ -353,9 +381,23 @@ def _sample_filtered(
         num_cands = _compact_candidates(row_ptr, vocab, lo.to(tl.int32), cand_ptr, BLOCK_V)
         tl.debug_barrier()  # the list is read back by other threads of this program
         token = _sample_candidates(
-            row_ptr, cand_ptr, num_cands, key, scale, top, lo, k_pending, top_k, k_key, k_mass,
-            p_pending, top_p, min_p, CANDIDATES, NUM_PROBES,
-        )  # fmt: skip
+            row_ptr,
+            cand_ptr,
+            num_cands,
+            key,
+            scale,
+            top,
+            lo,
+            k_pending,
+            top_k,
+            k_key,
+            k_mass,
+            p_pending,
+            top_p,
+            min_p,
+            CANDIDATES,
+            NUM_PROBES,
+        )
     else:
         floor_key = tl.maximum(k_key, p_key).to(tl.int32)
         token = _row_race(row_ptr, vocab, key, scale, floor_key, top, min_p, True, BLOCK_V)
@@ -392,9 +434,19 @@ def _sample_kernel(
         scale = _LOG2E / temperature  # logits * scale = l * log2(e)
         if ((top_k > 0) & (top_k < vocab)) | (top_p < 1.0):
             token = _sample_filtered(
-                row_ptr, cand_ptr + row.to(tl.int64) * CANDIDATES, vocab, key, temperature,
-                scale, top_k, top_p, min_p, BLOCK_V, NUM_PROBES, CANDIDATES,
-            )  # fmt: skip
+                row_ptr,
+                cand_ptr + row.to(tl.int64) * CANDIDATES,
+                vocab,
+                key,
+                temperature,
+                scale,
+                top_k,
+                top_p,
+                min_p,
+                BLOCK_V,
+                NUM_PROBES,
+                CANDIDATES,
+            )
         elif min_p > 0:
             top, _, _ = _row_stats(row_ptr, vocab, scale, BLOCK_V)
             token = _row_race(row_ptr, vocab, key, scale, -2147483648, top, min_p, True, BLOCK_V)
@@ -432,10 +484,23 @@ def sample(
     if batch == 0:
         return out
     candidates = torch.empty(batch * _CANDIDATES, dtype=torch.int32, device=logits.device)
-    launch(_sample_kernel, (batch,),
-        logits, logits.stride(0), temperature, top_k, top_p, min_p, seeds, steps, out,
-        candidates, vocab,
-        BLOCK_V=_BLOCK_V, NUM_PROBES=_NUM_PROBES, CANDIDATES=_CANDIDATES,
+    launch(
+        _sample_kernel,
+        (batch,),
+        logits,
+        logits.stride(0),
+        temperature,
+        top_k,
+        top_p,
+        min_p,
+        seeds,
+        steps,
+        out,
+        candidates,
+        vocab,
+        BLOCK_V=_BLOCK_V,
+        NUM_PROBES=_NUM_PROBES,
+        CANDIDATES=_CANDIDATES,
         num_warps=8,
-    )  # fmt: skip
+    )
     return out

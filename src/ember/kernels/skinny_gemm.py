@@ -11,8 +11,9 @@ add and the norm's statistics cost no launch of their own. `skinny_gemm_silu` is
 input side in one launch: each program computes its columns of both gate and up and stores
 ``silu(gate) * up``, with the deferred norm's ``1/rms`` applied in the epilogue.
 
-Where this beats cuBLAS is a measured question per GPU and shape (``ember bench tune``);
-``ember.kernels.linear`` routes to it only there.
+Where this beats cuBLAS is a measured question per GPU and shape: `ember.kernels.linear`
+routes to it only where the device's `LinearRoutes` say so
+(bench/results/README.md, "Skinny GEMM routing").
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from ember.kernels.compile_ahead import launch
 from ember.kernels.pdl import wait_for_producer
 from ember.kernels.row_norm import check_row_norm, load_inv_rms_rows, row_norm_args, scale_and_round
 from ember.kernels.tiles import shrink_to_fit
+from ember.kernels.tuning import SKINNY_GEMM_MAX_ROWS
 from ember.layers.row_norm import RowNorm
 
 
@@ -64,8 +66,8 @@ def _skinny_gemm_kernel(
     """``out = x @ w.T (+ bias)``. ``ADD_TO_OUT``: ``out`` holds a residual stream and becomes
     ``out + x @ w.T`` (the product rounded to the dtype first, as HF adds), and the program
     stores the sum of squares of its columns of each new row at ``parts[row, pid_n]``. The main
-    loop is the same either way: work on the x tile between its load and the dot cost 2-4x on
-    the H200 (bench/results/README.md, fifth round).
+    loop is the same either way: work on the x tile between its load and the dot slows it
+    several times over (bench/results/README.md, "Leads measured and closed").
 
     ``GATED``: ``w`` is ``[2N, K]``, gate rows then up rows, and ``out [M, N]`` becomes
     ``silu(gate) * up`` (each product rounded to the dtype, as the unfused GEMM stores it, then
@@ -80,8 +82,9 @@ def _skinny_gemm_kernel(
     w_rows = cols % N
     w_row_offsets = w_rows[:, None].to(tl.int64) * stride_wn
     up_row_offsets = (w_rows + N)[:, None].to(tl.int64) * stride_wn  # GATED: the up half's rows
-    # Loading the first weight tile before this wait (it needs nothing from the previous kernel)
-    # was measured on the H200: no gain at batch 1 and +1.1 ms of GEMM per step at batch 64.
+    # The first weight tile is not loaded before this wait, though it needs nothing from the
+    # previous kernel: held through the wait it slowed the GEMM
+    # (bench/results/README.md, "Leads measured and closed").
     wait_for_producer(PDL)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)  # GATED only
@@ -111,15 +114,16 @@ def _skinny_gemm_kernel(
     if GATED:
         inv_rms = 1.0
         if ROW_NORM:
-            inv_rms = load_inv_rms_rows(norm_parts_ptr, rows, row_valid, num_norm_parts, hidden,
-                                        eps, BLOCK_P)[:, None]  # fmt: skip
+            inv_rms = load_inv_rms_rows(
+                norm_parts_ptr, rows, row_valid, num_norm_parts, hidden, eps, BLOCK_P
+            )[:, None]
         dtype = out_ptr.dtype.element_ty
         gate = scale_and_round(result, inv_rms, dtype, ROW_NORM)
         up = scale_and_round(acc_up.to(dtype), inv_rms, dtype, ROW_NORM)
         result = silu_mul_rounded(gate, up, dtype)
     if ADD_TO_OUT:
-        # Loaded here, not before the main loop: held through the loop, the residual tile cost
-        # +30 us per launch of down at batch 64 on the H200 (and gained little at batch 1).
+        # Loaded here, not before the main loop: held through the loop, the residual tile made
+        # the down projection slower (bench/results/README.md, "Leads measured and closed").
         residual = tl.load(out_ptr + out_offsets, mask=out_mask, other=0.0)
         result = (result.to(tl.float32) + residual.to(tl.float32)).to(out_ptr.dtype.element_ty)
         squares = tl.where(col_valid[None, :], result.to(tl.float32) * result.to(tl.float32), 0.0)
@@ -129,7 +133,7 @@ def _skinny_gemm_kernel(
 
 # Largest M the kernel takes: past it the tensor-core tiles of cuBLAS re-use each weight tile
 # across enough rows to win, and BLOCK_M would outgrow the registers.
-MAX_M = 64
+MAX_M = SKINNY_GEMM_MAX_ROWS
 
 
 def block_m_for(m: int) -> int:
@@ -140,25 +144,16 @@ def block_m_for(m: int) -> int:
 def default_config(
     m: int, n: int, k: int, elem_bytes: int = 2, gated: bool = False
 ) -> dict[str, int]:
-    """Tiles for an ``[m, k] x [n, k]^T`` product, from `ember bench tune` on an H200 (8B shapes).
+    """Tiles for an ``[m, k] x [n, k]^T`` product, chosen on an H200 (8B shapes) by `ember bench
+    tune --sections gemm`, `python -m ember.bench.compile_check` (shared memory) and step A/Bs
+    (bench/results/README.md, "Skinny GEMM tiles").
 
-    Output projections (N >= 16 K) are long weight streams that want wide column tiles as M
-    grows; so do the fused gate/up (N = 7 K: 128 x 128 on 8 warps, 8% over 32 x 256) and q/k/v
-    (N = 1.5 K: 64-column tiles), which take this kernel under programmatic launch. Up to 32
-    rows gate/up takes 256 x 128 tiles on 3 stages (204-216 KiB): 112 programs in one wave, 58.6
-    us per launch at batch 1 against 59.8 for 224 programs in 1.7 waves; per step -40 us at batch
-    1-8, -30 at 16, -118 at 32 (the same tiles on 64-wide K steps and 4 stages lost 75 us at
-    batch 1; bench/results/README.md, "Gate/up in one wave").
-
-    The square and K-major shapes (o, down) ran best on 32 x 256 tiles with 4 stages, and with
-    6 stages up to 16 rows: 144 KiB of shared memory leaves room for one program per SM, so the
-    128 programs land on 128 SMs even while the previous kernel still holds some (two 96 KiB
-    programs could share an SM, and under programmatic launch down then took 7 us longer).
-    In-call A/B on an H200: -37 to -43 us per step at batch 1-16, and it made programmatic
-    launch a win at batch 1 (bench/results/README.md, "One program per SM; PDL where it wins").
-    The same up to 32 rows (192 KiB) turned PDL at batch 32 from +630 us per step into -30 us
-    ("Gate/up and SiLU in one kernel"; plain launches at 17-32 rows on these tiles were not
-    measured).
+    Output projections (N >= 16 K) are long weight streams that want wider column tiles as M
+    grows; so do the fused gate/up (N = 7 K) and q/k/v (N = 1.5 K), which take this kernel under
+    PDL. Up to 32 rows gate/up takes 256 x 128 tiles on 3 stages: 112 programs, one wave of one
+    per SM, not 224 in 1.7 waves. o and down (N <= K) take 32-column tiles on 6 stages, over
+    half an SM's shared memory, so no two programs share an SM: under PDL they start on
+    whichever SMs the previous kernel has left, and tiles that let two share one lose.
 
     ``gated`` (`skinny_gemm_silu`; ``n`` counts gate and up): the same tiles, each program's
     columns split between a gate and an up tile, so a stage moves as many weight bytes.
@@ -179,8 +174,13 @@ def default_config(
         block_n, block_k, stages, warps = 32, 128, 6, 4
     if gated:
         block_n //= 2
-    config = {"BLOCK_M": block_m_for(m), "BLOCK_N": block_n, "BLOCK_K": block_k, "STAGES": stages,
-              "num_warps": warps}  # fmt: skip
+    config = {
+        "BLOCK_M": block_m_for(m),
+        "BLOCK_N": block_n,
+        "BLOCK_K": block_k,
+        "STAGES": stages,
+        "num_warps": warps,
+    }
     return fit_shared_memory(config, elem_bytes, gated)
 
 
@@ -192,7 +192,7 @@ def shared_memory_estimate(config: dict[str, int], elem_bytes: int, gated: bool 
 
 
 def fit_shared_memory(config: dict[str, int], elem_bytes: int, gated: bool = False):
-    """Halve BLOCK_K, then drop stages, until the tiles fit (fp32 at BLOCK_M 64 asked 544 KiB)."""
+    """Halve BLOCK_K, then drop stages, until the tiles fit (fp32 at BLOCK_M 64 asks 544 KiB)."""
     return shrink_to_fit(
         config,
         lambda c: shared_memory_estimate(c, elem_bytes, gated),
@@ -228,10 +228,24 @@ def _launch(
     n = weight.shape[0] // 2 if gated else weight.shape[0]
     block_n = config.pop("BLOCK_N")
     (norm_parts, num_norm_parts, hidden, eps), block_p = row_norm_args(row_norm, out)
-    launch(_skinny_gemm_kernel, (triton.cdiv(n, block_n),),
-        x, weight, bias if bias is not None else weight, out,
-        parts if parts is not None else out, norm_parts,
-        m, n, k, x.stride(0), weight.stride(0), out.stride(0), num_norm_parts, hidden, eps,
+    launch(
+        _skinny_gemm_kernel,
+        (triton.cdiv(n, block_n),),
+        x,
+        weight,
+        bias if bias is not None else weight,
+        out,
+        parts if parts is not None else out,
+        norm_parts,
+        m,
+        n,
+        k,
+        x.stride(0),
+        weight.stride(0),
+        out.stride(0),
+        num_norm_parts,
+        hidden,
+        eps,
         HAS_BIAS=bias is not None,
         ADD_TO_OUT=parts is not None,
         GATED=gated,
@@ -244,7 +258,7 @@ def _launch(
         PDL=pdl,
         launch_pdl=pdl,
         **config,
-    )  # fmt: skip
+    )
 
 
 def skinny_gemm(
@@ -287,8 +301,7 @@ def skinny_gemm_add(
     if residual.shape != (m, n) or residual.stride(1) != 1:
         raise ValueError(f"residual must be [{m}, {n}] with contiguous rows")
     config = _resolved_config(x, weight, config)
-    parts = torch.empty(m, triton.cdiv(n, config["BLOCK_N"]), dtype=torch.float32,
-                        device=x.device)  # fmt: skip
+    parts = torch.empty(m, triton.cdiv(n, config["BLOCK_N"]), dtype=torch.float32, device=x.device)
     if m:
         _launch(x, weight, None, residual, parts, config, pdl)
     return parts
@@ -304,9 +317,9 @@ def skinny_gemm_silu(
     pdl: bool = False,
 ) -> torch.Tensor:
     """``silu(x @ gate.T) * (x @ up.T)`` for ``gate_up_weight [2I, K]`` (gate rows first), as
-    `ember.kernels.silu_and_mul` of the [M, 2I] product gives, without storing that product.
-    ``row_norm``: both products scaled by their row's ``1/rms`` first. Returns ``out [M, I]``;
-    ``config``'s BLOCK_N counts the columns of one half."""
+    `ember.kernels.activation.silu_and_mul` of the [M, 2I] product gives, without storing that
+    product. ``row_norm``: both products scaled by their row's ``1/rms`` first. Returns
+    ``out [M, I]``; ``config``'s BLOCK_N counts the columns of one half."""
     _check_operands(x, gate_up_weight)
     m = x.shape[0]
     if gate_up_weight.shape[0] % 2:

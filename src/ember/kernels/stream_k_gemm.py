@@ -3,26 +3,25 @@
 At 65-256 rows a decode step's products are compute-bound on an H200 and cuBLAS runs them in
 whole output tiles, one per SM at a time. Their tile counts do not divide into the 132 SMs: the
 8B model's fused gate/up at 256 rows is 224 tiles of 128 x 256, 1.7 waves, and cuBLAS takes as
-long for its 28,672 columns as for 32,768 (`ember bench tune --stream-k`'s staircase). Here the
-work can be cut in K blocks instead: the (column tile, K block) units are laid end to end and
-each group of programs (one program per row tile, so a group reads each weight tile once) takes
-an equal run of them, so every SM finishes together. A program that covers a whole tile stores
-it with the epilogue. A program that covers part of one stores its fp32 partial sums; the last
-of the tile's programs to arrive (an atomic ticket per tile) adds every partial in group order,
-so the result is the same on every run, and stores the tile. A program holds at most two
-partial tiles, its first and its last; the tickets and partial sums live in a
-`StreamKWorkspace`, and each launch leaves its tickets at zero for the next.
+long for its 28,672 columns as for 32,768. Here the work can be cut in K blocks instead: the
+(column tile, K block) units are laid end to end and each group of programs (one program per row
+tile, so a group reads each weight tile once) takes an equal run of them, so every SM finishes
+together. A program that covers a whole tile stores it with the epilogue. A program that covers
+part of one stores its fp32 partial sums; the last of the tile's programs to arrive (an atomic
+ticket per tile) adds every partial in group order, so the result is the same on every run, and
+stores the tile. A program holds at most two partial tiles, its first and its last; the tickets
+and partial sums live in a `StreamKWorkspace`, and each launch leaves its tickets at zero for
+the next.
 
 Operands are read through TMA tensor descriptors (Hopper), the K loop pipelined by Triton.
 ``GATED``: ``w`` is the fused ``[2I, K]`` gate/up weight and each tile holds matching gate and
 up columns, stored as ``silu(gate) * up`` (the SiLU-and-mul kernel's roundings).
 
-What the H200 measured (bench/results/README.md, "A stream-K GEMM for 65-256 rows"): the
-partial sums cost more than the idle SMs they save (gate/up at 256 rows: 109 us with them, 93 us
-with the partial-sum traffic left out, 101 us for cuBLAS and the SiLU kernel), and on q/k/v, o,
-down and the output projection cuBLAS's split-K kernels won outright. What won is the plain form
-for gate/up up to 128 rows: 112 programs of one whole tile each, SiLU in the epilogue, against
-cuBLAS and the SiLU kernel. The engine routes only that (`use_stream_k_gemm`).
+The engine routes only the plain form, and only gate/up (`fits_one_wave`): up to 128 rows, 112
+programs of one whole tile each, SiLU in the epilogue, beat cuBLAS and the SiLU kernel. The
+partial sums cost more than the idle SMs they save, and on q/k/v, o, down and the output
+projection cuBLAS's split-K kernels win (`ember bench tune --sections stream_k` and step A/Bs;
+bench/results/README.md, "Stream-K gate/up rows").
 """
 
 from __future__ import annotations
@@ -35,15 +34,25 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ember.kernels.activation import silu_mul_rounded
-from ember.kernels.attention_plan import device_sm_count
 from ember.kernels.compile_ahead import launch
 from ember.kernels.pdl import wait_for_producer
 from ember.kernels.tiles import shrink_to_fit
 
 
 @triton.jit
-def _store_tile(out_ptr, acc, acc_up, off_m, off_n, M, N, stride_om, BLOCK_M: tl.constexpr,
-                OUT_N: tl.constexpr, GATED: tl.constexpr):  # fmt: skip
+def _store_tile(
+    out_ptr,
+    acc,
+    acc_up,
+    off_m,
+    off_n,
+    M,
+    N,
+    stride_om,
+    BLOCK_M: tl.constexpr,
+    OUT_N: tl.constexpr,
+    GATED: tl.constexpr,
+):
     rows = off_m + tl.arange(0, BLOCK_M)
     cols = off_n + tl.arange(0, OUT_N)
     dtype = out_ptr.dtype.element_ty
@@ -55,9 +64,26 @@ def _store_tile(out_ptr, acc, acc_up, off_m, off_n, M, N, stride_om, BLOCK_M: tl
 
 
 @triton.jit(noinline=True)
-def _reduce_partials(out_ptr, partials_ptr, first, last, tile_first, total_units, groups, tiles_m,
-                     tile_m, off_m, off_n, M, N, stride_om, PART: tl.constexpr,
-                     BLOCK_M: tl.constexpr, OUT_N: tl.constexpr, GATED: tl.constexpr):  # fmt: skip
+def _reduce_partials(
+    out_ptr,
+    partials_ptr,
+    first,
+    last,
+    tile_first,
+    total_units,
+    groups,
+    tiles_m,
+    tile_m,
+    off_m,
+    off_n,
+    M,
+    N,
+    stride_om,
+    PART: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    OUT_N: tl.constexpr,
+    GATED: tl.constexpr,
+):
     """Add the partial tiles of groups ``first..last`` in group order and store the tile. Not
     inlined, and in row slices: beside the main loop's accumulators it spilled registers."""
     REDUCE_ROWS: tl.constexpr = BLOCK_M // 4 if BLOCK_M >= 64 else BLOCK_M
@@ -72,14 +98,26 @@ def _reduce_partials(out_ptr, partials_ptr, first, last, tile_first, total_units
             total += tl.load(g_base + offsets, cache_modifier=".cg")
             if GATED:
                 total_up += tl.load(g_base + PART // 2 + offsets, cache_modifier=".cg")
-        _store_tile(out_ptr, total, total_up, off_m + r, off_n, M, N, stride_om, REDUCE_ROWS,
-                    OUT_N, GATED)  # fmt: skip
+        _store_tile(
+            out_ptr, total, total_up, off_m + r, off_n, M, N, stride_om, REDUCE_ROWS, OUT_N, GATED
+        )
 
 
 @triton.jit
-def _tile_product(x_desc, w_desc, off_m, off_n, kb_start, kb_stop, N, BLOCK_M: tl.constexpr,
-                  OUT_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
-                  GATED: tl.constexpr):  # fmt: skip
+def _tile_product(
+    x_desc,
+    w_desc,
+    off_m,
+    off_n,
+    kb_start,
+    kb_stop,
+    N,
+    BLOCK_M: tl.constexpr,
+    OUT_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    STAGES: tl.constexpr,
+    GATED: tl.constexpr,
+):
     """The tile's fp32 sums over K blocks ``[kb_start, kb_stop)`` (and the up half's)."""
     acc = tl.zeros([BLOCK_M, OUT_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, OUT_N], dtype=tl.float32)  # GATED only
@@ -141,12 +179,22 @@ def _stream_k_gemm_kernel(
         tile_first = tile_n * k_blocks
         stop = tl.minimum(tile_first + k_blocks, end)
         off_n = tile_n * OUT_N
-        acc, acc_up = _tile_product(x_desc, w_desc, off_m, off_n, unit - tile_first,
-                                    stop - tile_first, N, BLOCK_M, OUT_N, BLOCK_K, STAGES,
-                                    GATED)  # fmt: skip
+        acc, acc_up = _tile_product(
+            x_desc,
+            w_desc,
+            off_m,
+            off_n,
+            unit - tile_first,
+            stop - tile_first,
+            N,
+            BLOCK_M,
+            OUT_N,
+            BLOCK_K,
+            STAGES,
+            GATED,
+        )
         if (unit == tile_first) & (stop == tile_first + k_blocks):
-            _store_tile(out_ptr, acc, acc_up, off_m, off_n, M, N, stride_om, BLOCK_M, OUT_N,
-                        GATED)  # fmt: skip
+            _store_tile(out_ptr, acc, acc_up, off_m, off_n, M, N, stride_om, BLOCK_M, OUT_N, GATED)
         else:
             # Slot 0: the program's first tile; slot 1: its last. Gate partials, then up ones.
             # The barrier puts every thread's partials before the ticket's release.
@@ -163,38 +211,57 @@ def _stream_k_gemm_kernel(
             if arrived == last - first:
                 tl.store(ticket, 0)  # zero again for the next launch
                 tl.debug_barrier()
-                _reduce_partials(out_ptr, partials_ptr, first, last, tile_first, total_units,
-                                 groups, tiles_m, tile_m, off_m, off_n, M, N, stride_om, PART,
-                                 BLOCK_M, OUT_N, GATED)  # fmt: skip
+                _reduce_partials(
+                    out_ptr,
+                    partials_ptr,
+                    first,
+                    last,
+                    tile_first,
+                    total_units,
+                    groups,
+                    tiles_m,
+                    tile_m,
+                    off_m,
+                    off_n,
+                    M,
+                    N,
+                    stride_om,
+                    PART,
+                    BLOCK_M,
+                    OUT_N,
+                    GATED,
+                )
         unit = stop
 
 
-# Rows the engine gives the kernel (`use_stream_k_gemm`): below, the skinny GEMM streams the
-# weights; above, cuBLAS measured faster (at 192 and 256 rows the 8B gate/up needs two waves of
-# whole tiles or stream-K's partial sums, both slower than cuBLAS and the SiLU kernel).
-MIN_M = 65
-MAX_M = 128
 # The largest default tile, in fp32 partial sums.
 MAX_TILE_ELEMS = 128 * 256
 
 
-def use_stream_k_gemm(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether the gated product of ``x`` and the fused gate/up ``weight`` goes to this kernel:
-    on a Hopper GPU, at MIN_M-MAX_M rows, where its default tiles fit in one wave (one whole
-    tile per program: stream-K's partial sums measured slower than cuBLAS, see the module
-    docstring), with operands TMA can read (16-byte aligned rows)."""
+def fits_one_wave(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the gated product of ``x`` and the fused gate/up ``weight`` can run here as the
+    engine runs it: on a Hopper GPU, half-precision operands TMA can read (16-byte aligned
+    rows), and default tiles that fit one wave of one whole tile per program (stream-K's
+    partial sums lose to cuBLAS; the module docstring). Which rows it serves is
+    the caller's routing (`ember.kernels.tuning.LinearRoutes.stream_k_rows`)."""
     m, k = x.shape
     if not (
         x.is_cuda
         and x.dtype in (torch.bfloat16, torch.float16)
         and weight.dtype == x.dtype
-        and MIN_M <= m <= MAX_M
         and torch.cuda.get_device_capability(x.device)[0] >= 9
         and all(_tma_readable(t) for t in (x, weight))
     ):
         return False
     config = default_config(m, weight.shape[0], k, gated=True)
-    return num_tiles(m, weight.shape[0], config) <= device_sm_count(x.device)
+    return num_tiles(m, weight.shape[0], config) <= _sm_count(x.device)
+
+
+def _sm_count(device: torch.device) -> int:
+    """The device's SMs; an H200's 132 off CUDA (the CPU interpreter runs the same grids)."""
+    if device.type != "cuda":
+        return 132
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _tma_readable(t: torch.Tensor) -> bool:
@@ -205,8 +272,8 @@ def _tma_readable(t: torch.Tensor) -> bool:
 def default_config(m: int, n: int, k: int, gated: bool = False) -> dict[str, int]:
     """Tiles for an ``[m, k] x [n, k]^T`` product (``n`` counts gate and up when ``gated``):
     row tiles of up to 128 (a 256-row tile spilled registers), 256 weight rows a tile (128 of
-    gate and 128 of up), 64-wide K steps, 4 stages: the best of `ember bench tune --stream-k`'s
-    sweep for the 8B gate/up at 128 rows (one tile per program, 112 programs)."""
+    gate and 128 of up), 64-wide K steps, 4 stages: the best of `ember bench tune --sections
+    stream_k`'s sweep for the 8B gate/up at 128 rows (one tile per program, 112 programs)."""
     block_m = min(128, max(64, triton.next_power_of_2(m)))
     config = {"BLOCK_M": block_m, "BLOCK_N": 256, "BLOCK_K": 64, "STAGES": 4, "num_warps": 8}
     return fit_shared_memory(config)
@@ -248,7 +315,7 @@ class StreamKWorkspace:
         if self.counters is None:
             capacity = self.partial_elems
             if capacity is None:
-                capacity = 2 * device_sm_count(device) * MAX_TILE_ELEMS
+                capacity = 2 * _sm_count(device) * MAX_TILE_ELEMS
             self.counters = torch.zeros(self.tickets, dtype=torch.int32, device=device)
             self.partials = torch.empty(capacity, dtype=torch.float32, device=device)
         if tickets > self.counters.numel() or partial_elems > self.partials.numel():
@@ -297,7 +364,7 @@ def stream_k_gemm(
     tiles_m = triton.cdiv(m, block_m)
     tiles_n = triton.cdiv(n_rows, block_n)
     k_blocks = triton.cdiv(k, block_k)
-    sms = device_sm_count(x.device)
+    sms = _sm_count(x.device)
     if num_programs is None:
         num_programs = min(tiles_m * tiles_n, sms)
     groups = max(1, min(num_programs // tiles_m, tiles_n * k_blocks))
@@ -312,9 +379,24 @@ def stream_k_gemm(
         )
     x_desc = TensorDescriptor.from_tensor(x, [block_m, block_k])
     w_desc = TensorDescriptor.from_tensor(weight, [block_n // 2 if gated else block_n, block_k])
-    launch(_stream_k_gemm_kernel, (programs,),
-        x_desc, w_desc, out, partials, counters,
-        m, n, out.stride(0), tiles_m, k_blocks, tiles_n * k_blocks,
-        GATED=gated, PDL=pdl, num_warps=num_warps, launch_pdl=pdl, **config,
-    )  # fmt: skip
+    launch(
+        _stream_k_gemm_kernel,
+        (programs,),
+        x_desc,
+        w_desc,
+        out,
+        partials,
+        counters,
+        m,
+        n,
+        out.stride(0),
+        tiles_m,
+        k_blocks,
+        tiles_n * k_blocks,
+        GATED=gated,
+        PDL=pdl,
+        num_warps=num_warps,
+        launch_pdl=pdl,
+        **config,
+    )
     return out

@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
-
-if TYPE_CHECKING:
-    from ember.kernels.attention_plan import ChunkTiles
 
 
 @dataclass
@@ -22,9 +19,6 @@ class ForwardContext:
     block_tables: torch.Tensor  # int32 [S, M]
     max_query_len: int
     max_seq_len: int
-    # Persistent int32 zeros (>= sequences x KV heads): split-KV attention's arrival counters
-    # (the kernel re-zeroes them); None: zeros allocated per call.
-    split_kv_counters: torch.Tensor | None = None
-    # A mixed step's map of its chunks' query tiles for the attention kernel; None: the kernel
-    # finds each tile's sequence itself.
-    chunk_tiles: ChunkTiles | None = None
+    # The attention backend's own metadata of the step (`AttentionBackend.metadata`); None:
+    # the backend plans from the fields above.
+    attention: Any = None

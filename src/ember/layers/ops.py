@@ -1,19 +1,23 @@
 """The compute primitives a model calls, as one swappable object per model instance.
 
 `reference_ops()` is plain PyTorch (CPU, and the correctness oracle on a GPU);
-`triton_ops()` is the Triton fast path. Both take and return the same tensors, so the model code
-is written once.
+`triton_ops()` is the Triton fast path, routed by the device's `KernelTuning`. Both take and
+return the same tensors, so the model code is written once. Attention has its own per-instance
+object (`ember.layers.attention`), since what it needs depends on the model's shape.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
 from functools import partial
 
 import torch
 
+from ember.config import PDL_MODES
 from ember.dependencies import require_triton
+from ember.kernels.tuning import KernelTuning
 
 
 @dataclass(frozen=True)
@@ -28,11 +32,6 @@ class Ops:
     # (x, gate_up_weight, row_norm=None) -> [T, I]: silu_and_mul(linear(x, gate_up_weight)), as
     # one op so a backend may fuse the activation into the product's epilogue.
     gate_up_silu: Callable[..., torch.Tensor]
-    rope_and_cache_write: Callable[..., None]
-    paged_attention: Callable[..., None]
-    # (q, k, v, ctx, cos_sin_cache, k_cache, v_cache, scale, out) -> out: rope_and_cache_write
-    # then paged_attention over the step's ForwardContext, as one op so a backend may fuse them.
-    rope_and_attention: Callable[..., torch.Tensor]
     sample: Callable[..., torch.Tensor]
     # [B, V] float32, bfloat16 or float16 -> int64 [B]: the first maximum of each row
     # (all-greedy batches).
@@ -41,8 +40,9 @@ class Ops:
     # boolean masks and read lengths back to the host, which capture forbids.
     capturable: bool
     # When the kernels launch with programmatic dependent launch: "auto", "on" or "off"
-    # (ember.kernels.pdl).
+    # (PDL_MODES); under "auto", the step sizes (rows) that do.
     programmatic_launch: str = "off"
+    pdl_rows: frozenset[int] = field(default_factory=frozenset)
     # Deferred RMSNorm (ember.layers.row_norm): whether a model on these ops folds its decoder
     # norms' weights into the projections they feed, where its architecture allows.
     defer_norms: bool = False
@@ -60,6 +60,15 @@ class Ops:
     # (residual, parts [P, T, H] float32, weight, eps) -> [T, H]: residual += the parts' sum
     # (rounded to its dtype), then its RMSNorm, as fused_add_rms_norm does for a [T, H] input.
     add_parts_rms_norm: Callable[..., torch.Tensor] | None = None
+    # (workers) -> a context manager inside which launches only queue their kernels' compiles
+    # on that many threads (`ember.kernels.compile_ahead`); None: nothing to compile (the
+    # reference ops, or Triton's CPU interpreter).
+    compile_ahead: Callable[[int], AbstractContextManager] | None = None
+
+    def launches_with_pdl(self, rows: int) -> bool:
+        """Whether a step of ``rows`` tokens launches its kernels with PDL."""
+        mode = self.programmatic_launch
+        return mode == "on" or (mode == "auto" and rows in self.pdl_rows)
 
 
 def reference_ops(defer_norms: bool = False, split_k_parts: int = 1) -> Ops:
@@ -77,9 +86,6 @@ def reference_ops(defer_norms: bool = False, split_k_parts: int = 1) -> Ops:
         fused_add_rms_norm=ref.fused_add_rms_norm_reference,
         silu_and_mul=ref.silu_and_mul_reference,
         gate_up_silu=ref.gate_up_silu_reference,
-        rope_and_cache_write=ref.rope_and_cache_write_reference,
-        paged_attention=ref.paged_attention_reference,
-        rope_and_attention=ref.rope_and_attention_reference,
         sample=ref.sample_reference,
         greedy_argmax=partial(torch.argmax, dim=-1),
         capturable=False,
@@ -91,78 +97,63 @@ def reference_ops(defer_norms: bool = False, split_k_parts: int = 1) -> Ops:
     )
 
 
-def _launch_by_rows(op, pdl_for_rows, x: torch.Tensor, *args, **kwargs):
-    """``op`` with PDL where `AUTO_PDL_ROWS` has the step's rows (``x``'s first dim: every
-    step kernel's first operand has one row per token, or per sample for the logits).
-    ``pdl_for_rows`` (`ember.kernels.pdl`) comes bound, so eager steps import nothing per op."""
-    return op(x, *args, pdl=pdl_for_rows("auto", x.shape[0]), **kwargs)
+def _launch_by_rows(op, pdl_rows: frozenset[int], x: torch.Tensor, *args, **kwargs):
+    """``op`` with PDL where ``pdl_rows`` has the step's rows (``x``'s first dim: every step
+    kernel's first operand has one row per token, or per sample for the logits)."""
+    return op(x, *args, pdl=x.shape[0] in pdl_rows, **kwargs)
 
 
 def triton_ops(
     programmatic_launch: str = "off",
-    decode_rope_in_attention: bool = True,
     defer_norms: bool = True,
+    tuning: KernelTuning | None = None,
 ) -> Ops:
-    """The Triton kernels; ``programmatic_launch`` ("auto", "on", "off") launches the ones of a
-    forward pass with PDL: "auto" at the step sizes where it measured faster (Hopper and later;
-    the sampler's kernels run after host-visible torch ops and keep plain launches). A step may
-    mix PDL and plain launches: a kernel launched with PDL waits for the one before either way.
-    ``decode_rope_in_attention`` lets decode steps rotate and write the cache inside the
-    attention kernel; ``defer_norms``: models fold their decoder norms into the projections
-    (`ember.layers.row_norm`)."""
+    """The Triton kernels, routed by ``tuning`` (the device's; None: the defaults).
+    ``programmatic_launch`` ("auto", "on", "off") launches the ones of a forward pass with PDL:
+    "auto" at the tuning's step sizes (Hopper and later; the sampler's kernels run after
+    host-visible torch ops and keep plain launches). A step may mix PDL and plain launches: a
+    kernel launched with PDL waits for the one before either way. ``defer_norms``: models fold
+    their decoder norms into the projections (`ember.layers.row_norm`)."""
     require_triton()
-    from ember.config import PDL_MODES
-    from ember.kernels import (
-        activation,
-        argmax,
-        attention_step,
-        linear,
-        paged_attention,
-        rmsnorm,
-        rope_cache_write,
-        sampling,
-    )
-    from ember.kernels.pdl import pdl_for_rows
-    from ember.kernels.skinny_gemm import MAX_M as SKINNY_MAX_M
+    from ember.kernels import activation, argmax, rmsnorm, sampling
+    from ember.kernels.compile_ahead import compile_ahead, kernels_interpreted
+    from ember.kernels.linear import LinearRouter
 
     if programmatic_launch not in PDL_MODES:
         raise ValueError(
             f"programmatic_launch must be one of {PDL_MODES}, not {programmatic_launch!r}"
         )
+    tuning = tuning or KernelTuning()
+    router = LinearRouter(tuning.linear)
 
     def chained(op):
         if programmatic_launch == "on":
             return partial(op, pdl=True)
-        return partial(_launch_by_rows, op, pdl_for_rows) if programmatic_launch == "auto" else op
-
-    rope_and_attention = attention_step.rope_and_attention
-    if not decode_rope_in_attention:
-        rope_and_attention = partial(rope_and_attention, fuse_decode=False)
+        if programmatic_launch == "auto":
+            return partial(_launch_by_rows, op, tuning.pdl_rows)
+        return op
 
     return Ops(
         name="triton",
-        linear=chained(linear.linear),
+        linear=chained(router.linear),
         rms_norm=chained(rmsnorm.rms_norm),
         fused_add_rms_norm=chained(rmsnorm.fused_add_rms_norm),
         silu_and_mul=chained(activation.silu_and_mul),
-        gate_up_silu=chained(linear.gate_up_silu),
-        rope_and_cache_write=chained(rope_cache_write.rope_and_cache_write),
-        paged_attention=chained(paged_attention.paged_attention),
-        rope_and_attention=chained(rope_and_attention),
+        gate_up_silu=chained(router.gate_up_silu),
         sample=sampling.sample,
         greedy_argmax=argmax.greedy_argmax,
         capturable=True,
         programmatic_launch=programmatic_launch,
+        pdl_rows=tuning.pdl_rows,
         defer_norms=defer_norms,
         # Deferring pays where the skinny GEMM's epilogues take the norms' work (no kernel of
-        # their own). Past it, cuBLAS runs either form with as many kernels, and the plain one
-        # measured faster at batch 256 (bench/results/README.md, "Batch 256: ... norms past the
-        # skinny GEMM").
-        defer_norms_max_rows=SKINNY_MAX_M,
-        linear_add=chained(linear.linear_add),
+        # their own); past it, cuBLAS runs either form with as many kernels.
+        defer_norms_max_rows=tuning.defer_norms_max_rows,
+        linear_add=chained(router.linear_add),
         add_and_sum_squares=chained(rmsnorm.add_and_sum_squares),
-        linear_parts=chained(linear.linear_parts),
+        linear_parts=chained(router.linear_parts),
         add_parts_rms_norm=chained(rmsnorm.add_parts_rms_norm),
+        compile_ahead=None if kernels_interpreted() else compile_ahead,
     )
 
 
@@ -170,8 +161,8 @@ def select_ops(
     device: torch.device,
     backend: str = "auto",
     programmatic_launch: str = "off",
-    decode_rope_in_attention: bool = True,
     defer_norms: bool = True,
+    tuning: KernelTuning | None = None,
 ) -> Ops:
     """Triton on CUDA unless asked otherwise; the reference everywhere else (its norms never
     deferred: it is the oracle the fast path is checked against).
@@ -182,7 +173,7 @@ def select_ops(
     if backend == "reference" or (backend == "auto" and device.type != "cuda"):
         return reference_ops()
     if backend not in ("auto", "triton"):
-        raise ValueError(f"unknown attention backend {backend!r}; choose auto, triton or reference")
+        raise ValueError(f"unknown backend {backend!r}; choose auto, triton or reference")
     require_triton()
     from ember.kernels.pdl import supports_programmatic_launch
 
@@ -192,4 +183,4 @@ def select_ops(
                 "programmatic dependent launch needs a CUDA GPU of compute capability 9+"
             )
         programmatic_launch = "off"
-    return triton_ops(programmatic_launch, decode_rope_in_attention, defer_norms)
+    return triton_ops(programmatic_launch, defer_norms, tuning)

@@ -110,8 +110,8 @@ def paged_attention_reference(
     """Causal attention over the paged cache, one sequence at a time in fp32; returns ``out``.
     ``split_counters`` (the kernel's split-KV workspace) is accepted and unused.
 
-    Steps where every sequence has exactly one query token take one batched pass instead of a loop over
-    sequences; ``max_seq_len`` bounds the gathered context there.
+    Steps where every sequence has exactly one query token take one batched pass instead of a
+    loop over sequences; ``max_seq_len`` bounds the gathered context there.
     """
     if max_query_len == 1 and q.shape[0] == seq_lens.shape[0]:  # one query per sequence
         return _decode_attention_reference(
@@ -154,12 +154,21 @@ def rope_and_attention_reference(
 ) -> torch.Tensor:
     """One layer's attention step over the metadata ``ctx``: RoPE and the cache write, then
     paged attention (``row_norm``: q, k, v scaled by each token's ``1/rms`` first)."""
-    rope_and_cache_write_reference(q, k, v, ctx.positions, cos_sin_cache, ctx.slot_mapping,
-                                   k_cache, v_cache, row_norm=row_norm)  # fmt: skip
+    rope_and_cache_write_reference(
+        q, k, v, ctx.positions, cos_sin_cache, ctx.slot_mapping, k_cache, v_cache, row_norm=row_norm
+    )
     return paged_attention_reference(
-        q, k_cache, v_cache, ctx.query_start_loc, ctx.seq_lens, ctx.block_tables, scale, out,
-        max_query_len=ctx.max_query_len, max_seq_len=ctx.max_seq_len,
-    )  # fmt: skip
+        q,
+        k_cache,
+        v_cache,
+        ctx.query_start_loc,
+        ctx.seq_lens,
+        ctx.block_tables,
+        scale,
+        out,
+        max_query_len=ctx.max_query_len,
+        max_seq_len=ctx.max_seq_len,
+    )
 
 
 def _decode_attention_reference(
@@ -316,9 +325,12 @@ def hash_uniform(seeds: torch.Tensor, steps: torch.Tensor, num_tokens: int) -> t
 
 
 def sampling_keep_mask(
-    logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
     min_p: torch.Tensor,
-) -> torch.Tensor:  # fmt: skip
+) -> torch.Tensor:
     """bool ``[B, V]``: the tokens a sampled row may draw after top-k, top-p and min-p.
 
     The most probable token is always kept (so ``top_p <= 0`` degenerates to it). Top-p masses

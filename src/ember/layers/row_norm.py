@@ -25,8 +25,9 @@ class RowNorm:
 
     def __post_init__(self) -> None:
         if self.parts.dim() != 2 or self.parts.dtype != torch.float32:
-            raise ValueError(f"parts must be float32 [T, P], got {self.parts.dtype} "
-                             f"{tuple(self.parts.shape)}")  # fmt: skip
+            raise ValueError(
+                f"parts must be float32 [T, P], got {self.parts.dtype} {tuple(self.parts.shape)}"
+            )
         if not self.parts.is_contiguous():
             raise ValueError("parts must be contiguous")
 

@@ -2,14 +2,15 @@
 
 Llama 3.x and SmolLM2 (LlamaForCausalLM), Mistral (same graph), Qwen2 (q/k/v bias) and Qwen3
 (per-head q/k RMSNorm, explicit head_dim). q/k/v and gate/up are fused into single GEMMs at load
-time; the linear products, attention, norms and activation go through the instance's `Ops`.
+time; the linear products, norms and activation go through the instance's `Ops`, attention
+through its `AttentionBackend`.
 
 Where the ops defer the RMSNorm (`Ops.defer_norms`; not with a q/k/v bias or a q/k norm, which
 sit between the projection and its reader), each decoder norm's weight is folded into the
 projection it feeds at load and the residual stream runs in its deferred form
 (`ember.layers.residual`): no norm kernel inside the decoder. A pass of more rows than
 `Ops.defer_norms_max_rows` runs the plain form on the same folded weights (the norms' weights are
-then ones), which measured faster where cuBLAS takes the products.
+then ones), faster where cuBLAS takes the products (bench/results/README.md, "Deferred norms").
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 from torch import nn
 
 from ember.config import ModelConfig
+from ember.layers.attention import AttentionBackend
 from ember.layers.forward_context import ForwardContext
 from ember.layers.ops import Ops
 from ember.layers.residual import (
@@ -44,9 +46,9 @@ _FUSED_SHARDS = {
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, ops: Ops) -> None:
+    def __init__(self, cfg: ModelConfig, ops: Ops, backend: AttentionBackend) -> None:
         super().__init__()
-        self.cfg, self.ops = cfg, ops
+        self.cfg, self.ops, self.backend = cfg, ops, backend
         self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, cfg.attention_bias)
         self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=False)
         if cfg.qk_norm:
@@ -77,8 +79,9 @@ class Attention(nn.Module):
             q = self.ops.rms_norm(q.reshape(-1, cfg.head_dim), self.q_norm, eps).view_as(q)
             k = self.ops.rms_norm(k.reshape(-1, cfg.head_dim), self.k_norm, eps).view_as(k)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        self.ops.rope_and_attention(q, k, v, ctx, cos_sin_cache, k_cache, v_cache, self.scale, out,
-                                    row_norm=row_norm)  # fmt: skip
+        self.backend.forward(
+            q, k, v, ctx, cos_sin_cache, k_cache, v_cache, self.scale, out, row_norm=row_norm
+        )
         return add_sub_block_output(self.ops, stream, out.view(n, cfg.q_size), self.o_proj.weight)
 
 
@@ -96,9 +99,9 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, ops: Ops) -> None:
+    def __init__(self, cfg: ModelConfig, ops: Ops, attention: AttentionBackend) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg, ops)
+        self.self_attn = Attention(cfg, ops, attention)
         self.mlp = MLP(cfg, ops)
         self.input_layernorm = nn.Parameter(torch.ones(cfg.hidden_size))
         self.post_attention_layernorm = nn.Parameter(torch.ones(cfg.hidden_size))
@@ -118,11 +121,13 @@ class DecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Token ids in, final hidden states out; `compute_logits` on the rows that sample."""
 
-    def __init__(self, cfg: ModelConfig, ops: Ops) -> None:
+    def __init__(self, cfg: ModelConfig, ops: Ops, attention: AttentionBackend) -> None:
         super().__init__()
         self.cfg, self.ops = cfg, ops
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, ops) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, ops, attention) for _ in range(cfg.num_layers)
+        )
         self.norm = nn.Parameter(torch.ones(cfg.hidden_size))
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size))

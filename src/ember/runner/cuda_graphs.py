@@ -12,16 +12,16 @@ Padded tokens write no KV (slot -1) and their rows are never read. Padded decode
 1-token sequences on scratch block 0; padded mixed-step sequences are empty (no query tokens),
 so attention skips them.
 
-A decode graph fixes attention's KV split count, chosen from the longest sequence the graph may
-see. Cut for the model's whole length, a step of short sequences would run the split kernel's
-surplus programs (batch 1: 32 segments for 8 that hold keys) or split where it should not
-(batch 17-32 at 512 tokens: two segments where one is faster). So each batch bucket has a graph
-per length class (powers of two from 512 to the model's length) whose split count differs; a
-step takes the smallest class that holds its longest sequence (in-call on an H200: -23 us per
-step at batch 1, -66 at batch 32, at 512 tokens; bench/results/README.md).
+A decode graph fixes how attention plans the step (its KV split count), which depends on the
+longest sequence the graph may see. Planned for the model's whole length, a step of short
+sequences would run surplus split programs or split where it should not. So each batch bucket
+has a graph per length class (powers of two from 512 to the model's length) that the attention
+backend plans differently (`AttentionBackend.decode_variant`); a step takes the smallest class
+that holds its longest sequence (a step A/B at batch 1-64;
+bench/results/README.md, "Decode graph length classes").
 
-Without graphs, a step is ~3x slower at batch 64 on an H200: the launches of ~400 small kernels
-cost more CPU time than the GPU spends on them.
+Without graphs, a step's ~400 small kernel launches cost more CPU time than the GPU spends on
+them.
 """
 
 from __future__ import annotations
@@ -33,12 +33,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ember.kernels.attention_plan import (
-    ChunkTiles,
-    choose_num_kv_splits,
-    chunk_tile_bound,
-    device_sm_count,
-)
+from ember.config import StepLimits
+from ember.layers.attention import AttentionBackend, StagedAttention
 from ember.layers.forward_context import ForwardContext
 from ember.runner.input_buffers import InputBuffers
 
@@ -46,13 +42,10 @@ logger = logging.getLogger(__name__)
 
 # Mixed steps up to this many tokens are padded to a power of two (their GEMMs are bound by the
 # weights' bytes, so the padding rows cost little); above, to one of _MIXED_BUCKETS_PER_DOUBLING
-# sizes per doubling, since each padding row costs its share of a compute-bound GEMM.
+# sizes per doubling, since each padding row costs its share of a compute-bound GEMM. Chosen by
+# a step A/B, `--sections mixed` (bench/results/README.md, "Mixed graph buckets").
 _MIXED_POWER_OF_TWO_UP_TO = 256
 _MIXED_BUCKETS_PER_DOUBLING = 8
-# Chunks a mixed graph's chunk launch has a partial tile for (beside a full tile per
-# chunk_tile_tokens of its tokens): a step's new prompts, a burst of arrivals included; its
-# spare programs exit at once.
-_CHUNK_TILE_SLACK = 16
 # The shortest decode length class: at 512 tokens batch 1 already splits into the 8 segments of
 # one KV tile each that its minimum segment allows.
 _SHORTEST_LENGTH_CLASS = 512
@@ -104,41 +97,35 @@ class GraphKey:
 
 
 class StepGraphs:
+    """The step graphs of one model instance, over its input buffers, sized by its limits."""
+
     def __init__(
         self,
         model: torch.nn.Module,
         buffers: InputBuffers,
+        attention: AttentionBackend,
         kv_cache: torch.Tensor,
         cos_sin_cache: torch.Tensor,
-        max_batch: int,
-        max_seq_len: int,
-        max_tokens: int | None = None,
-        chunk_tile_tokens: int | None = None,
+        limits: StepLimits,
+        mixed: bool = True,
     ) -> None:
         self.model = model
         self.buffers = buffers
+        self.attention = attention
         self.kv_cache = kv_cache
         self.cos_sin_cache = cos_sin_cache
-        self.max_batch = max_batch
-        self.max_seq_len = max_seq_len
-        self.buckets = decode_buckets(max_batch)
-        self.length_classes = decode_length_classes(max_seq_len)
+        self.max_batch = limits.max_num_seqs
+        self.max_seq_len = limits.max_model_len
+        self.buckets = decode_buckets(self.max_batch)
+        self.length_classes = decode_length_classes(self.max_seq_len)
         # Per batch bucket, the bound each length class's steps run on (derived once: the
         # lookup is on every step's path).
-        self._class_bounds = {
-            b: self._graph_bounds(b, kv_cache.shape[-2], device_sm_count(kv_cache.device))
-            for b in self.buckets
-        }
+        self._class_bounds = {b: self._graph_bounds(b) for b in self.buckets}
         # Mixed graphs only where the step can have more tokens than sequences.
-        self.token_buckets = mixed_token_buckets(max_tokens) if max_tokens else []
-        self.chunk_tile_tokens = chunk_tile_tokens
-        # Per mixed bucket, its chunk launch's grid (derived once: the lookup is on every mixed
-        # step's path).
-        self._chunk_grids = (
-            [self.chunk_tile_grid(size) for size in self.token_buckets]
-            if chunk_tile_tokens
-            else None
-        )
+        self.token_buckets = mixed_token_buckets(limits.max_num_batched_tokens) if mixed else []
+        # Per mixed bucket, the attention grid it offers (derived once: the lookup is on every
+        # mixed step's path); None: no limit.
+        self._mixed_grids = [attention.graph_grid(size) for size in self.token_buckets]
         self._graphs: dict[GraphKey, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = None
         # Seconds of the captures' eager warm-up passes (where the kernels of a new shape are
@@ -161,37 +148,31 @@ class StepGraphs:
                 return GraphKey(True, size, size, self._class_bounds[size][i])
         return None
 
-    def mixed_bucket_for(
-        self, num_tokens: int, num_seqs: int, num_chunk_tiles: int = 0
-    ) -> GraphKey | None:
-        """The mixed-step graph for this many tokens and chunk tiles, or None past the
-        largest."""
+    def mixed_bucket_for(self, num_tokens: int, num_seqs: int, grid: int = 0) -> GraphKey | None:
+        """The mixed-step graph for this many tokens whose attention grid holds ``grid``
+        programs, or None past the largest."""
         if num_seqs > self.max_batch:
             return None
-        grids, buckets = self._chunk_grids, self.token_buckets
+        grids, buckets = self._mixed_grids, self.token_buckets
         for i in range(bisect_left(buckets, num_tokens), len(buckets)):
-            if grids is None or grids[i] >= num_chunk_tiles:
+            if grids[i] is None or grids[i] >= grid:
                 return GraphKey(False, self.max_batch, buckets[i], self.max_seq_len)
         return None
 
-    def chunk_tile_grid(self, num_tokens: int) -> int:
-        """Programs of a mixed graph's chunk launch (`chunk_tile_map`): the tiles of its tokens
-        plus a partial last tile for each of up to _CHUNK_TILE_SLACK chunks (never more chunks
-        than sequences, so the map's buffer holds it). A step with more takes a larger graph,
-        or runs eagerly."""
-        spare = min(_CHUNK_TILE_SLACK, self.max_batch)
-        return chunk_tile_bound(num_tokens, spare, self.chunk_tile_tokens)
+    def mixed_grid(self, key: GraphKey) -> int | None:
+        """The attention grid the mixed graph ``key`` offers."""
+        return self.attention.graph_grid(key.num_tokens)
 
-    def _graph_bounds(self, batch: int, num_kv_heads: int, num_sms: int) -> list[int]:
+    def _graph_bounds(self, batch: int) -> list[int]:
         """For each length class, the bound of the graph its steps take at ``batch``: the
-        largest class whose KV split count is the same (the same graph), so classes that split
-        alike share one capture."""
+        largest class that attention plans alike (the same graph), so classes that plan alike
+        share one capture."""
         classes = self.length_classes
-        splits = [choose_num_kv_splits(batch, num_kv_heads, c, num_sms) for c in classes]
+        variants = [self.attention.decode_variant(batch, c) for c in classes]
         bounds = []
         for i in range(len(classes)):
             j = i
-            while j + 1 < len(classes) and splits[j + 1] == splits[i]:
+            while j + 1 < len(classes) and variants[j + 1] == variants[i]:
                 j += 1
             bounds.append(classes[j])
         return bounds
@@ -232,19 +213,20 @@ class StepGraphs:
 
     def _context(self, key: GraphKey) -> ForwardContext:
         buf, s, t = self.buffers.block(key.decode), key.num_seqs, key.num_tokens
+        # Only "one query per sequence or not" matters to the kernels (their tile choice).
+        max_query_len = 1 if key.decode else t
+        grid = 0 if key.decode else (self.mixed_grid(key) or 0)
         return ForwardContext(
             positions=buf["positions"][:t],
             slot_mapping=buf["slot_mapping"][:t],
             query_start_loc=buf["query_start_loc"][: s + 1],
             seq_lens=buf["seq_lens"][:s],
             block_tables=buf["block_tables"][:s],
-            # Only "one query per sequence or not" matters to the kernels (their tile choice).
-            max_query_len=1 if key.decode else t,
+            max_query_len=max_query_len,
             max_seq_len=key.max_seq_len,
-            split_kv_counters=self.buffers.split_kv_counters,
-            chunk_tiles=None
-            if key.decode or not self.chunk_tile_tokens
-            else ChunkTiles(buf["chunk_tiles"], self.chunk_tile_grid(t), self.chunk_tile_tokens),
+            attention=self.attention.metadata(
+                buf, StagedAttention(grid=grid), s, max_query_len, key.max_seq_len
+            ),
         )
 
     def _forward(self, key: GraphKey) -> torch.Tensor:

@@ -5,7 +5,7 @@ A block's inputs live in one device buffer, each a view at a fixed offset, and e
 staging set is one pinned buffer with the same layout. An upload copies the used rows of
 every input, and merges copies that the layout puts close together: a host-to-device copy
 costs ~2-3 us on the GPU whatever its size at these sizes, so a decode step's eight inputs go
-in one copy.
+in one copy (a step A/B; bench/results/README.md, "Step input copies").
 
 Two blocks: the general one sized for the largest step, and a decode block where every
 input has one row per sequence. Its arrays are short, so a decode step's used rows span a few
@@ -21,7 +21,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ember.kernels.attention_plan import chunk_tile_bound
+from ember.config import StepLimits
+from ember.layers.attention import ArrayLayout, AttentionBackend
 
 _ALIGN = 16
 # Copy the gap between two used runs rather than start another copy when it is this small:
@@ -30,19 +31,18 @@ MERGE_GAP_BYTES = 16 * 1024
 
 
 def _layout(
-    t: int, s: int, max_blocks_per_seq: int, chunk_tile_tokens: int
+    t: int, s: int, max_blocks_per_seq: int, extra: ArrayLayout
 ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """Inputs in layout order: the short per-sequence arrays first, then the per-token ones, the
-    block tables (the widest rows) last, so a step's used rows form as few runs as possible."""
+    """Inputs in layout order: the short per-sequence arrays first, then the attention backend's
+    ``extra`` arrays, then the per-token ones, the block tables (the widest rows) last, so a
+    step's used rows form as few runs as possible."""
     return {
         "query_start_loc": ((s + 1,), torch.int32),
         "seq_lens": ((s,), torch.int32),
         "sample_indices": ((s,), torch.int64),
         "gather_dst": ((s,), torch.int64),
         "gather_src": ((s,), torch.int64),
-        # A mixed step's chunk tiles (`chunk_tile_map`). Sized to the bound, not to the tokens:
-        # its unused tail lies between short arrays and must stay under MERGE_GAP_BYTES.
-        "chunk_tiles": ((chunk_tile_bound(t, s, chunk_tile_tokens),), torch.int32),
+        **extra,
         "input_ids": ((t,), torch.int64),
         "positions": ((t,), torch.int64),
         "slot_mapping": ((t,), torch.int64),
@@ -80,9 +80,15 @@ class HostStaging:
 class InputBlock:
     """A step layout's inputs on the device, with two host staging sets."""
 
-    def __init__(self, max_tokens: int, max_seqs: int, max_blocks_per_seq: int,
-                 device: torch.device, chunk_tile_tokens: int = 1) -> None:  # fmt: skip
-        self.layout = _layout(max_tokens, max_seqs, max_blocks_per_seq, chunk_tile_tokens)
+    def __init__(
+        self,
+        max_tokens: int,
+        max_seqs: int,
+        max_blocks_per_seq: int,
+        device: torch.device,
+        extra: ArrayLayout | None = None,
+    ) -> None:
+        self.layout = _layout(max_tokens, max_seqs, max_blocks_per_seq, extra or {})
         self.offsets: dict[str, int] = {}
         size = 0
         for name, (shape, dtype) in self.layout.items():
@@ -132,27 +138,20 @@ class InputBlock:
 
 
 class InputBuffers:
-    """Device-side inputs of a step, sized for the largest step the scheduler can build: the
-    general block, and the decode block for steps of one token per sequence."""
+    """Device-side inputs of a step, sized for the largest step the limits allow: the general
+    block (with the attention backend's arrays), and the decode block for steps of one token per
+    sequence."""
 
     def __init__(
-        self,
-        max_tokens: int,
-        max_seqs: int,
-        max_blocks_per_seq: int,
-        device: torch.device,
-        num_kv_heads: int,
-        chunk_tile_tokens: int = 1,
+        self, limits: StepLimits, block_size: int, device: torch.device, attention: AttentionBackend
     ) -> None:
-        self.general = InputBlock(max_tokens, max_seqs, max_blocks_per_seq, device,
-                                  chunk_tile_tokens)  # fmt: skip
-        # Decode steps have no chunks: the decode block's map stays unused.
-        self.decode = InputBlock(max_seqs, max_seqs, max_blocks_per_seq, device)
-        # Split-KV attention's arrival counters: zero between launches (the kernel re-zeroes
-        # them), never staged from the host.
-        self.split_kv_counters = torch.zeros(
-            max_seqs * num_kv_heads, dtype=torch.int32, device=device
+        max_seqs = limits.max_num_seqs
+        max_blocks_per_seq = -(-limits.max_model_len // block_size)
+        self.general = InputBlock(
+            limits.max_step_tokens, max_seqs, max_blocks_per_seq, device, attention.step_arrays()
         )
+        # Decode steps have no chunks: the decode block stages nothing for attention.
+        self.decode = InputBlock(max_seqs, max_seqs, max_blocks_per_seq, device)
 
     def block(self, decode: bool) -> InputBlock:
         return self.decode if decode else self.general

@@ -1,7 +1,9 @@
 """Builds a step's inputs from the scheduler's decision, runs the model, samples.
 
-The runner keeps a persistent record of every request it has seen (its tokens and block table),
-updated from the scheduler's diffs; it never decides policy.
+The runner keeps, for every running request, what the GPU needs of it (its block table) and
+which launched step holds its newest sample; everything else it reads from the scheduler's own
+`Request` (tokens, computed count, parameters, the one count of samples in flight). It records
+each sample into its request as it comes back; it never decides policy.
 
 A step is `launch` (stage inputs, enqueue the forward pass and sampling, start an async copy of
 the sampled ids to host memory) then `collect` (wait for that copy, hand back plain lists). The
@@ -13,53 +15,82 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
+from ember.config import StepLimits
+from ember.engine.request import Request, RequestStatus
 from ember.engine.step_types import RunnerOutput, SchedulerOutput, TokenLogprobs
-from ember.kernels.attention_plan import ChunkTiles, chunk_tile_map, prefill_query_tile
-from ember.kernels.compile_ahead import compile_ahead
+from ember.layers.attention import AttentionBackend, StagedAttention
 from ember.layers.forward_context import ForwardContext
 from ember.runner.cuda_graphs import GraphKey, StepGraphs
 from ember.runner.input_buffers import InputBlock, InputBuffers
-from ember.runner.sampler import Sampler, SamplingRow
-from ember.sampling_params import SamplingParams
+from ember.runner.sampler import Sampler
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass(eq=False)
-class RequestState:
-    request_id: str
-    token_ids: list[int]  # known on the host
-    num_prompt_tokens: int
-    params: SamplingParams
-    seed: int
-    num_output_tokens: int  # includes samples still on their way back
-    block_ids: list[int]
-    num_computed_tokens: int
-    block_array: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
-    stop_ids: tuple[int, ...] = ()  # masked until min_tokens: EOS and the request's stop ids
-    # The launched step whose sample is our newest token, and the row of that sample.
-    pending_step: StepHandle | None = None
-    pending_row: int = 0
+class RunningRequest:
+    """The runner's view of one request it was handed: the request itself, its block table as
+    an array, and the launched step whose sample is the request's newest token (with its row).
+    It is also the sampler's row for the request (`ember.runner.sampler.SamplingRow`)."""
+
+    __slots__ = (
+        "block_array",
+        "block_ids",
+        "pending_row",
+        "pending_step",
+        "request",
+        "stop_ids_until_min_tokens",
+    )
+
+    def __init__(self, request: Request, block_ids: list[int], stop_ids: tuple[int, ...]) -> None:
+        self.request = request
+        self.block_ids: list[int] = []
+        self.block_array = np.zeros(0, np.int32)
+        # Masked until min_tokens: EOS and the request's stop ids.
+        self.stop_ids_until_min_tokens = stop_ids + tuple(request.params.stop_token_ids)
+        self.pending_step: StepHandle | None = None
+        self.pending_row = 0
+        self.add_blocks(block_ids)
 
     def add_blocks(self, block_ids: list[int]) -> None:
         self.block_ids.extend(block_ids)
         self.block_array = np.asarray(self.block_ids, dtype=np.int32)  # copied into block tables
 
+    # The sampler's row.
     @property
-    def num_known_tokens(self) -> int:
-        return len(self.token_ids) + (self.pending_step is not None)
+    def params(self):
+        return self.request.params
+
+    @property
+    def seed(self) -> int:
+        return self.request.seed
+
+    @property
+    def step(self) -> int:
+        """Tokens generated before the sample now being drawn (counted in flight already)."""
+        request = self.request
+        return len(request.output_token_ids) + request.num_pending_tokens - 1
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.request.prompt_token_ids
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.request.output_token_ids
 
 
 @dataclass(eq=False)
 class StepHandle:
     """A launched step: what it sampled for whom, and where the ids will land on the host."""
 
-    states: list[RequestState]
+    states: list[RunningRequest]
     tokens: torch.Tensor | None  # device
     host_tokens: torch.Tensor | None  # pinned on CUDA
     done: torch.cuda.Event | None
@@ -71,51 +102,41 @@ class ModelRunner:
     def __init__(
         self,
         model: torch.nn.Module,
+        attention: AttentionBackend,
         kv_cache: torch.Tensor,
         cos_sin_cache: torch.Tensor,
         block_size: int,
         sampler: Sampler,
         stop_ids_until_min_tokens: tuple[int, ...],
-        max_num_seqs: int,
-        max_num_batched_tokens: int,
-        max_model_len: int,
+        limits: StepLimits,
         use_cuda_graphs: bool,
         mixed_cuda_graphs: bool = True,
-        num_q_heads: int | None = None,
+        compile_ahead: Callable[[int], AbstractContextManager] | None = None,
     ) -> None:
+        """``limits``: the instance's step limits, with ``max_model_len`` resolved;
+        ``compile_ahead``: the ops' (`Ops.compile_ahead`), for `compile_kernels`."""
+        self.compile_ahead = compile_ahead
         self.model = model
+        self.attention = attention
         self.kv_cache = kv_cache
         self.cos_sin_cache = cos_sin_cache
         self.block_size = block_size
         self.sampler = sampler
         self.device = kv_cache.device
         self.stop_ids_until_min_tokens = stop_ids_until_min_tokens
-        self.max_num_seqs = max_num_seqs
-        self.states: dict[str, RequestState] = {}
-        # Query tokens per tile of a mixed step's chunk tile map (None: no map; the kernel
-        # searches instead).
-        self.chunk_tile_tokens = (
-            prefill_query_tile(num_q_heads, kv_cache.shape[-2]) if num_q_heads else None
-        )
-        self.buffers = InputBuffers(
-            max_tokens=max(max_num_batched_tokens, max_num_seqs),
-            max_seqs=max_num_seqs,
-            max_blocks_per_seq=-(-max_model_len // block_size),
-            device=self.device,
-            num_kv_heads=kv_cache.shape[-2],
-            chunk_tile_tokens=self.chunk_tile_tokens or 1,
-        )
+        self.limits = limits
+        self.states: dict[str, RunningRequest] = {}
+        self.buffers = InputBuffers(limits, block_size, self.device, attention)
         self.graphs = None
         if use_cuda_graphs and self.device.type == "cuda":
             self.graphs = StepGraphs(
                 model,
                 self.buffers,
+                attention,
                 kv_cache,
                 cos_sin_cache,
-                max_num_seqs,
-                max_model_len,
-                max_tokens=max_num_batched_tokens if mixed_cuda_graphs else None,
-                chunk_tile_tokens=self.chunk_tile_tokens,
+                limits,
+                mixed=mixed_cuda_graphs,
             )
         self._in_flight: StepHandle | None = None
 
@@ -146,18 +167,19 @@ class ModelRunner:
         away, so it may run while the weights are still loading. A failure here only costs the
         speed-up: the captures' warm-ups compile whatever is missing, one by one (and raise if
         a kernel really does not compile)."""
-        if self.graphs is None or workers <= 0:
+        if self.graphs is None or workers <= 0 or self.compile_ahead is None:
             return
         started = time.perf_counter()
         try:
-            with torch.inference_mode(), compile_ahead(workers):
+            with torch.inference_mode(), self.compile_ahead(workers):
                 for key in self.graphs.all_keys:
                     self._stage_empty_step(key)
                     self.graphs.forward_for_launches(key)
                 self._warm_eager_launches()
         except Exception:
-            logger.warning("compiling ahead failed; each kernel compiles at its first launch",
-                           exc_info=True)  # fmt: skip
+            logger.warning(
+                "compiling ahead failed; each kernel compiles at its first launch", exc_info=True
+            )
         if self.device.type == "cuda":
             # The pass's own GEMMs, timed with it; not the device, whose other streams may be
             # copying weights meanwhile.
@@ -169,9 +191,10 @@ class ModelRunner:
         projection (its GEMM's tiles follow the row count) and the sampler's kernels
         (`Sampler.warm_up`). A kernel first compiled at a step stalls the whole batch."""
         weight = next(self.model.parameters())
-        max_rows = self.max_num_seqs
-        hidden = torch.zeros(max_rows, self.model.cfg.hidden_size, dtype=weight.dtype,
-                             device=self.device)  # fmt: skip
+        max_rows = self.limits.max_num_seqs
+        hidden = torch.zeros(
+            max_rows, self.model.cfg.hidden_size, dtype=weight.dtype, device=self.device
+        )
         for rows in range(1, max_rows + 1):
             self.model.compute_logits(hidden[:rows])
         self.sampler.warm_up(weight.dtype)
@@ -207,13 +230,15 @@ class ModelRunner:
             handle.done.synchronize()  # a blocking-sync event: the thread sleeps, no spinning
         token_list = handle.host_tokens.tolist()
         ids, tokens, logprobs = [], [], []
+        states, running = self.states, RequestStatus.RUNNING
         for i, state in enumerate(handle.states):
             if state.pending_step is handle:
                 state.pending_step = None
-            if self.states.get(state.request_id) is not state:
+            request = state.request
+            if states.get(request.request_id) is not state or request.status is not running:
                 continue  # finished or preempted while the step ran: its sample is stale
-            state.token_ids.append(token_list[i])
-            ids.append(state.request_id)
+            request.record_sample(token_list[i])
+            ids.append(request.request_id)
             tokens.append(token_list[i])
             logprobs.append(handle.logprobs[i] if handle.logprobs else None)
         handle.result = RunnerOutput(ids, tokens, logprobs if handle.logprobs else [])
@@ -226,9 +251,9 @@ class ModelRunner:
         staging = buf.next_staging()
         plan = self._stage_inputs(scheduled, staging)
         prev = self._in_flight
-        if prev is not None and any(s.params.uses_penalties for s in plan.sampling_states):
+        if prev is not None and any(s.request.params.uses_penalties for s in plan.sampling_states):
             self.collect(prev)  # penalties need the whole output history on the host
-        rows = [self._sampling_row(s) for s in plan.sampling_states]
+        rows = plan.sampling_states
         bucket = self._graph_bucket(plan, buf)
         padded = self._pad_for_graph(staging, plan, bucket) if bucket is not None else plan
         buf.upload(staging, padded.upload_counts)
@@ -261,7 +286,6 @@ class ModelRunner:
             logprobs,
         )
         for i, state in enumerate(plan.sampling_states):
-            state.num_output_tokens += 1
             state.pending_step, state.pending_row = handle, i
         return handle
 
@@ -296,32 +320,22 @@ class ModelRunner:
     # -- inputs -----------------------------------------------------------------------------------
 
     def _apply_diffs(self, scheduled: SchedulerOutput) -> None:
+        states = self.states
         for request_id in scheduled.finished_request_ids:
-            self.states.pop(request_id, None)
+            states.pop(request_id, None)
         for new in scheduled.new_requests:
-            self.states[new.request_id] = RequestState(
-                request_id=new.request_id,
-                token_ids=list(new.token_ids),
-                num_prompt_tokens=new.num_prompt_tokens,
-                params=new.params,
-                seed=new.seed,
-                num_output_tokens=new.num_output_tokens,
-                block_ids=[],
-                num_computed_tokens=new.num_computed_tokens,
-                stop_ids=self.stop_ids_until_min_tokens + tuple(new.params.stop_token_ids),
-            )
-            self.states[new.request_id].add_blocks(new.block_ids)
+            state = RunningRequest(new.request, new.block_ids, self.stop_ids_until_min_tokens)
+            states[new.request.request_id] = state
         for cached in scheduled.cached_requests:
-            state = self.states[cached.request_id]
             if cached.new_block_ids:
-                state.add_blocks(cached.new_block_ids)
-            state.num_computed_tokens = cached.num_computed_tokens
+                states[cached.request_id].add_blocks(cached.new_block_ids)
 
     def _stage_inputs(self, scheduled: SchedulerOutput, st) -> _StepPlan:
         """Write the step's inputs into the staging set ``st``. The loop runs once per request
         per step, so it collects per-sequence values and decode tokens in lists and writes
         each array with one numpy assignment: item by item, numpy's writes (~70 ns each, seven
-        a decode) cost as much as the rest of the loop."""
+        a decode) cost as much as the rest of the loop (`ember bench cpu-step`;
+        bench/results/README.md, "Host path")."""
         bs = self.block_size
         ids, pos, slots = st.numpy("input_ids"), st.numpy("positions"), st.numpy("slot_mapping")
         tables = st.numpy("block_tables")
@@ -334,23 +348,27 @@ class ModelRunner:
         t = max_query_len = 0  # over the chunks; a decode's is 1
         for s, (request_id, n) in enumerate(scheduled.num_scheduled_tokens.items()):
             state = states[request_id]
-            start = state.num_computed_tokens
-            token_ids = state.token_ids
-            known = len(token_ids)
-            end = start + n
+            request = state.request
+            end = request.num_computed_tokens  # the scheduler has counted this step's tokens
+            start = end - n
+            prompt, outputs = request.prompt_token_ids, request.output_token_ids
+            num_prompt = len(prompt)
+            known = num_prompt + len(outputs)  # on the host
             if end > known:  # the last token fed was sampled by the step still in flight
                 gather_dst.append(t + n - 1)
                 gather_src.append(state.pending_row)
             if n == 1:  # a decode
                 if end <= known:
                     id_rows.append(t)
-                    id_values.append(token_ids[start])
+                    id_values.append(
+                        prompt[start] if start < num_prompt else outputs[start - num_prompt]
+                    )
                 decode_rows.append(t)
                 decode_pos.append(start)
                 decode_slots.append(state.block_ids[start // bs] * bs + start % bs)
             else:
                 host_end = min(end, known)
-                ids[t : t + host_end - start] = token_ids[start:host_end]
+                ids[t : t + host_end - start] = _token_range(prompt, outputs, start, host_end)
                 p = np.arange(start, end)
                 pos[t : t + n] = p
                 slots[t : t + n] = state.block_array[p // bs].astype(np.int64) * bs + p % bs
@@ -360,8 +378,7 @@ class ModelRunner:
             t += n
             seq_ends.append(end)
             token_ends.append(t)
-            state.num_computed_tokens = end
-            if end == known + (state.pending_step is not None):  # `num_known_tokens`
+            if end == known + (state.pending_step is not None):  # it feeds every known token
                 sample_rows.append(t - 1)
                 sampling_states.append(state)
         num_seqs = len(seq_ends)
@@ -377,10 +394,7 @@ class ModelRunner:
         plan.max_query_len = max(max_query_len, 1) if decode_rows else max_query_len
         plan.max_seq_len = max(seq_ends, default=0)
         plan.num_tokens, plan.num_seqs = t, num_seqs
-        if max_query_len > 1 and self.chunk_tile_tokens:
-            plan.num_chunk_tiles = chunk_tile_map(st.numpy("query_start_loc"), num_seqs,
-                                                  self.chunk_tile_tokens,
-                                                  st.numpy("chunk_tiles"))  # fmt: skip
+        plan.attention = self.attention.stage(st, num_seqs, max_query_len)
         return plan
 
     def _graph_bucket(self, plan: _StepPlan, buf: InputBlock) -> GraphKey | None:
@@ -391,16 +405,15 @@ class ModelRunner:
         if plan.max_query_len == 1 and len(plan.sampling_states) == plan.num_seqs:
             key = self.graphs.bucket_for(plan.num_seqs, plan.max_seq_len)
         else:
-            key = self.graphs.mixed_bucket_for(plan.num_tokens, plan.num_seqs,
-                                               plan.num_chunk_tiles)  # fmt: skip
+            key = self.graphs.mixed_bucket_for(plan.num_tokens, plan.num_seqs, plan.attention.grid)
         return key if key is not None and self.buffers.block(key.decode) is buf else None
 
     def _pad_for_graph(self, st, plan: _StepPlan, key: GraphKey) -> _StepPlan:
         """Pad the staged inputs to the graph's shape; padding writes no KV and is never read.
 
         Decode: extra rows are 1-token sequences on scratch block 0. Mixed: extra tokens belong
-        to no sequence, extra sequences are empty, extra sample rows point at token 0, extra
-        chunk tiles are spare (-1).
+        to no sequence, extra sequences are empty, extra sample rows point at token 0, and the
+        attention backend pads its own arrays to the graph's grid.
         """
         t, s, n_samples = plan.num_tokens, plan.num_seqs, len(plan.sampling_states)
         st.numpy("input_ids")[t : key.num_tokens] = 0
@@ -408,6 +421,7 @@ class ModelRunner:
         st.numpy("slot_mapping")[t : key.num_tokens] = -1
         st.numpy("block_tables")[s : key.num_seqs] = 0
         st.numpy("sample_indices")[n_samples : key.num_seqs] = 0
+        padded = _StepPlan(**plan.__dict__)
         if key.decode:
             st.numpy("seq_lens")[s : key.num_seqs] = 1
             st.numpy("query_start_loc")[s + 1 : key.num_seqs + 1] = np.arange(
@@ -416,13 +430,10 @@ class ModelRunner:
         else:
             st.numpy("seq_lens")[s : key.num_seqs] = 0
             st.numpy("query_start_loc")[s + 1 : key.num_seqs + 1] = t
-        padded = _StepPlan(**plan.__dict__)
+            grid = self.graphs.mixed_grid(key)
+            padded.attention = self.attention.pad_for_graph(st, plan.attention, grid)
         padded.num_tokens, padded.num_seqs = key.num_tokens, key.num_seqs
         padded.num_sample_rows = key.num_seqs
-        if not key.decode and self.graphs.chunk_tile_tokens:
-            grid = self.graphs.chunk_tile_grid(key.num_tokens)
-            st.numpy("chunk_tiles")[plan.num_chunk_tiles : grid] = -1
-            padded.num_chunk_tiles = grid
         return padded
 
     def _context(self, plan: _StepPlan, buf: InputBlock) -> ForwardContext:
@@ -434,21 +445,21 @@ class ModelRunner:
             block_tables=buf["block_tables"][: plan.num_seqs],
             max_query_len=plan.max_query_len,
             max_seq_len=plan.max_seq_len,
-            split_kv_counters=self.buffers.split_kv_counters,
-            chunk_tiles=ChunkTiles(buf["chunk_tiles"], plan.num_chunk_tiles, self.chunk_tile_tokens)
-            if plan.num_chunk_tiles
-            else None,
+            attention=self.attention.metadata(
+                buf, plan.attention, plan.num_seqs, plan.max_query_len, plan.max_seq_len
+            ),
         )
 
-    def _sampling_row(self, state: RequestState) -> SamplingRow:
-        return SamplingRow(
-            params=state.params,
-            seed=state.seed,
-            step=state.num_output_tokens,
-            token_ids=state.token_ids,
-            num_prompt_tokens=state.num_prompt_tokens,
-            stop_ids_until_min_tokens=state.stop_ids,
-        )
+
+def _token_range(prompt: list[int], outputs: list[int], start: int, end: int) -> list[int]:
+    """Tokens ``[start, end)`` of a request's prompt followed by its outputs (a resumed
+    request's outputs are fed again like its prompt)."""
+    num_prompt = len(prompt)
+    if end <= num_prompt:
+        return prompt[start:end]
+    if start >= num_prompt:
+        return outputs[start - num_prompt : end - num_prompt]
+    return prompt[start:] + outputs[: end - num_prompt]
 
 
 def _scatter(array: np.ndarray, rows: list[int], values: list[int], num_rows: int) -> None:
@@ -467,9 +478,9 @@ class _StepPlan:
     max_query_len: int = 0
     max_seq_len: int = 0
     num_gathers: int = 0
-    sampling_states: list[RequestState] = field(default_factory=list)
+    sampling_states: list[RunningRequest] = field(default_factory=list)
     num_sample_rows: int = 0  # sample_indices rows to upload beyond the sampled ones (padding)
-    num_chunk_tiles: int = 0  # chunk_tiles entries staged (a graph's grid when padded)
+    attention: StagedAttention = field(default_factory=StagedAttention)
 
     @property
     def upload_counts(self) -> dict[str, int]:
@@ -483,5 +494,5 @@ class _StepPlan:
             "sample_indices": max(len(self.sampling_states), self.num_sample_rows),
             "gather_dst": self.num_gathers,
             "gather_src": self.num_gathers,
-            "chunk_tiles": self.num_chunk_tiles,
+            **self.attention.uploads,
         }

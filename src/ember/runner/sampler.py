@@ -7,39 +7,50 @@ contract in docs/CONTRACTS.md, so a seeded request gets the same tokens whatever
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
+from ember.config import StepLimits
 from ember.engine.step_types import TokenLogprobs
 from ember.layers.ops import Ops
 from ember.sampling_params import SamplingParams
 
 
-@dataclass
-class SamplingRow:
-    """What the sampler needs to know about one sampling row."""
+class SamplingRow(Protocol):
+    """What the sampler reads of one sampling row (the runner's per-request state)."""
 
     params: SamplingParams
     seed: int
-    step: int  # tokens this request has already generated
-    token_ids: list[int]  # prompt then outputs; complete only when penalties are used
-    num_prompt_tokens: int
-    stop_ids_until_min_tokens: tuple[int, ...]  # EOS and stop ids, masked before min_tokens
+    # Tokens this request generated before this sample.
+    step: int
+    prompt_token_ids: list[int]
+    # Complete only where penalties are used (the runner collects the step in flight first).
+    output_token_ids: list[int]
+    # EOS and the request's stop ids, masked until min_tokens.
+    stop_ids_until_min_tokens: tuple[int, ...]
 
-    @property
-    def prompt_token_ids(self) -> list[int]:
-        return self.token_ids[: self.num_prompt_tokens]
 
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens :]
+@dataclass
+class FixedSamplingRow:
+    """A `SamplingRow` of given values (warm-up draws, tests)."""
+
+    params: SamplingParams
+    seed: int = 0
+    step: int = 0
+    prompt_token_ids: list[int] = field(default_factory=list)
+    output_token_ids: list[int] = field(default_factory=list)
+    stop_ids_until_min_tokens: tuple[int, ...] = ()
 
 
 class Sampler:
     def __init__(
-        self, ops: Ops, vocab_size: int, device: torch.device, max_rows: int = 256
+        self, ops: Ops, vocab_size: int, device: torch.device, limits: StepLimits | None = None
     ) -> None:
+        """Rows: at most ``limits.max_num_seqs`` per draw (the defaults' without limits)."""
+        max_rows = (limits or StepLimits()).max_num_seqs
         self.ops = ops
         self.vocab_size = vocab_size
         self.device = device
@@ -56,7 +67,7 @@ class Sampler:
         self._turn = 0
 
     def __call__(
-        self, logits: torch.Tensor, rows: list[SamplingRow]
+        self, logits: torch.Tensor, rows: Sequence[SamplingRow]
     ) -> tuple[torch.Tensor, list[TokenLogprobs | None] | None]:
         """``logits [B, V]`` in the model's dtype; every computation on them runs in float32."""
         params = [r.params for r in rows]
@@ -82,14 +93,14 @@ class Sampler:
         `ember.kernels.compile_ahead` queued for compiling, before a request meets it: compiled
         at a step, it would stall the whole batch for the compile."""
         max_rows = len(self._staging[0]["seeds"])
-        drawn = SamplingRow(SamplingParams(temperature=1.0, top_p=0.9), 0, 0, [], 0, ())
+        drawn = FixedSamplingRow(SamplingParams(temperature=1.0, top_p=0.9))
         for dtype in dict.fromkeys((logits_dtype, torch.float32)):
             logits = torch.zeros(max_rows, self.vocab_size, dtype=dtype, device=self.device)
             for rows in range(1, max_rows + 1):
                 self.ops.greedy_argmax(logits[:rows])
         self(torch.zeros(1, self.vocab_size, dtype=logits_dtype, device=self.device), [drawn])
 
-    def _row_tensors(self, rows: list[SamplingRow]) -> list[torch.Tensor]:
+    def _row_tensors(self, rows: Sequence[SamplingRow]) -> list[torch.Tensor]:
         """temperature, top_k, top_p, min_p, seeds, steps as device tensors, without a sync."""
         self._turn ^= 1
         staging, n = self._staging[self._turn], len(rows)
@@ -111,7 +122,7 @@ class Sampler:
         return out
 
     @staticmethod
-    def _rows_to_process(rows: list[SamplingRow]) -> list[int]:
+    def _rows_to_process(rows: Sequence[SamplingRow]) -> list[int]:
         """The rows whose logits change before the draw (bias, penalties, min_tokens)."""
         return [
             i
@@ -120,7 +131,7 @@ class Sampler:
         ]
 
     def _process(
-        self, logits: torch.Tensor, rows: list[SamplingRow], needs: list[int]
+        self, logits: torch.Tensor, rows: Sequence[SamplingRow], needs: list[int]
     ) -> torch.Tensor:
         """float32 ``logits`` with ``needs``' rows processed (a copy if any are)."""
         if not needs:

@@ -1,4 +1,4 @@
-"""A GGUF model file seen as a Hugging Face checkpoint: config, tensors, tokenizer, chat template."""
+"""A GGUF model file seen as a Hugging Face checkpoint: config, tensors, tokenizer, template."""
 
 from __future__ import annotations
 

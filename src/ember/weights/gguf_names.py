@@ -70,7 +70,8 @@ def undo_rope_permutation(tensor: torch.Tensor, num_heads: int) -> torch.Tensor:
     """Inverse of llama.cpp's Q/K row permutation, for a weight [out, in] or a bias [out].
 
     Within each head llama.cpp stores row pairs (i, i + head_dim/2) next to each other; rows
-    go back to HF's order by viewing each head as [head_dim/2, 2] and transposing to [2, head_dim/2].
+    go back to HF's order by viewing each head as [head_dim/2, 2] and transposing to
+    [2, head_dim/2].
     """
     rows, rest = tensor.shape[0], tensor.shape[1:]
     half = rows // num_heads // 2

@@ -34,7 +34,8 @@ def llama3_rope_scaling(
     if np.allclose(divisors, 1.0, rtol=_MATCH_RTOL):
         return None
     # In the medium band the divisor r satisfies 1/r = (1 - s)/factor + s, with the smoothing s
-    # linear in 1/wavelength: s = original_context / ((high - low) * wavelength) - low / (high - low).
+    # linear in 1/wavelength:
+    # s = original_context / ((high - low) * wavelength) - low / (high - low).
     medium = (divisors > 1 + _MATCH_RTOL) & (divisors < factor * (1 - _MATCH_RTOL))
     if medium.sum() < 2:
         raise ValueError(f"{path}: cannot recover llama3 rope scaling from rope_freqs")

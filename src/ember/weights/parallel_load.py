@@ -2,10 +2,10 @@
 
 Going through `safetensors` one tensor at a time, every byte is copied twice on one thread
 (file -> a pageable CPU tensor -> the GPU, the second copy synchronous and staged by the driver):
-~2 GB/s, 8 s for an 8B model's 16 GB on an H200 host. Here each tensor is cut into chunks; a pool
-of threads reads chunks straight from the file into page-locked buffers (`os.preadv`, no GIL)
-and enqueues each buffer's copy into its parameter on one of several streams, so reads, copies
-and the next reads overlap. A buffer is reused once the event recorded after its copy has fired.
+~2 GB/s. Here each tensor is cut into chunks; a pool of threads reads chunks straight from the
+file into page-locked buffers (`os.preadv`, no GIL) and enqueues each buffer's copy into its
+parameter on one of several streams, so reads, copies and the next reads overlap. A buffer is
+reused once the event recorded after its copy has fired.
 
 On a CPU the same threads read straight into the parameters (no staging) when the file holds the
 parameter's dtype.
@@ -26,7 +26,9 @@ from ember.host_cpus import usable_cpus
 from ember.weights.safetensors_layout import TensorExtent
 
 # Chunk size: large enough that a read and a copy each amortise their fixed cost, small enough
-# that a few buffers per thread stay cheap to pin (pinning runs at ~10 GB/s).
+# that a few buffers per thread stay cheap to pin (pinning runs at ~10 GB/s). A load's report
+# (`weight_load_seconds`, `weight_wait_seconds`) measures these three
+# (bench/results/README.md, "Parallel weight load").
 DEFAULT_CHUNK_BYTES = 32 << 20
 DEFAULT_COPY_STREAMS = 4
 MAX_READ_THREADS = 8

@@ -1,0 +1,72 @@
+"""One GPU's routing and tile tables for the Triton path, held by each model instance.
+
+Which kernel runs a linear product at which size, at which step sizes the kernels launch with
+programmatic dependent launch, and how attention splits and tiles (`AttentionTuning`) are
+measured answers, not constants of the kernels: a model instance builds its `KernelTuning` once
+for its device and passes it down to the ops it launches, so two models of different shapes in
+one process (or a GPU whose answers differ) each route by their own table. The defaults are the
+H200's; each names the command that measures it again (a "step A/B": `ember bench step` on the
+baseline and the variant in one device call) and its entry in bench/results/README.md.
+Importable without Triton.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ember.kernels.attention_plan import AttentionTuning
+
+# The skinny GEMM's largest M: its tiles hold at most this many rows (`ember.kernels.skinny_gemm`).
+SKINNY_GEMM_MAX_ROWS = 64
+
+
+@dataclass(frozen=True)
+class LinearRoutes:
+    """Where a linear product ``[m, k] x [n, k]^T`` runs (`ember.kernels.linear.LinearRouter`).
+
+    The skinny Triton GEMM takes products up to `skinny_max_rows` that are no wider than their
+    input (attention output, MLP down) or much wider (the vocabulary), and the q/k/v-like ones
+    (k < n < 4k) up to `skinny_qkv_max_rows`; under PDL every decode-sized product (a cuBLAS
+    kernel breaks the launch chain). The gated gate/up product takes the fused skinny kernel
+    past `gated_plain_max_rows` with plain launches, the stream-K kernel over `stream_k_rows`.
+    `split_k_rows`: products no wider than their input leave `split_k_max_parts` float32
+    partial sums (of at least `split_k_min_part_k` columns each) for the next norm to add.
+    """
+
+    # Chosen by `ember bench tune --sections gemm`, then a step A/B
+    # (bench/results/README.md, "Skinny GEMM routing").
+    skinny_max_rows: int = SKINNY_GEMM_MAX_ROWS
+    skinny_qkv_max_rows: int = 16
+    # Chosen by a step A/B (bench/results/README.md, "Fused gate/up and SiLU").
+    gated_plain_max_rows: int = 16
+    # Chosen by `ember bench tune --sections stream_k` and a step A/B at 80-144 rows
+    # (bench/results/README.md, "Stream-K gate/up rows").
+    stream_k_rows: tuple[int, int] = (SKINNY_GEMM_MAX_ROWS + 1, 128)
+    # Chosen by `ember bench tune --sections split_k` and a step A/B at 96-256 rows
+    # (bench/results/README.md, "Split-K parts").
+    split_k_rows: tuple[int, int] = (SKINNY_GEMM_MAX_ROWS + 1, 256)
+    split_k_max_parts: int = 2
+    split_k_min_part_k: int = 2048
+
+
+@dataclass(frozen=True)
+class KernelTuning:
+    """A GPU's tables: linear routes, attention's splits and tiles, the decode step sizes (rows)
+    that launch with PDL under ``--programmatic-launch auto``, and the most rows a forward pass
+    runs with deferred RMSNorms (past the skinny GEMM, cuBLAS runs both forms alike and the
+    plain one measured faster)."""
+
+    linear: LinearRoutes = field(default_factory=LinearRoutes)
+    attention: AttentionTuning = field(default_factory=AttentionTuning)
+    # Chosen by a step A/B of `--programmatic-launch off|on|auto` at batch 1-64
+    # (bench/results/README.md, "PDL rows").
+    pdl_rows: frozenset[int] = frozenset({1, 2, 4, 8, 16, 48, 64})
+    # Chosen by a step A/B of `--separate-norms` (bench/results/README.md, "Deferred norms").
+    defer_norms_max_rows: int = SKINNY_GEMM_MAX_ROWS
+
+    @classmethod
+    def for_device(cls, device: torch.device) -> KernelTuning:
+        """The table for ``device``: the H200's, with the device's SM count."""
+        return cls(attention=AttentionTuning.for_device(device))

@@ -1,0 +1,276 @@
+"""The benchmark commands that run without a GPU."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from ember import LLM, SamplingParams
+from ember.bench import cpu_step
+from ember.cli import main
+
+pytestmark = pytest.mark.slow  # the benchmarks' tooling: whole runs, not the engine
+
+
+def test_make_model_writes_a_loadable_checkpoint(tmp_path):
+    out = tmp_path / "tiny"
+    assert (
+        main(["bench", "make-model", "--preset", "tiny", "--out", str(out), "--device", "cpu"]) == 0
+    )
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"]
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert "model.layers.3.mlp.down_proj.weight" in index["weight_map"]
+    llm = LLM(str(out), max_model_len=128)
+    tokens = llm.generate(["hello"], SamplingParams(temperature=0, max_tokens=4))[0].outputs[0]
+    assert len(tokens.token_ids) == 4
+
+
+def test_cpu_step_reports_every_phase():
+    row = cpu_step.measure(batch=8, context=64, steps=5)
+    assert row["batch"] == 8
+    phases = ("schedule_ms", "launch_ms", "collect_ms", "update_ms")
+    assert all(row[key] > 0 for key in phases) and "wait_ms" not in row
+    assert abs(row["total_ms"] - sum(row[key] for key in phases)) < 1e-9
+    assert row["gc"]["gen2_collections"] >= 0 and row["gc"]["gc_ms_per_step"] >= 0
+
+
+def test_cpu_step_decodes_every_request_on_the_stand_in_model():
+    """The stand-in model feeds the engine's own scheduler and runner: every request gets one
+    token a step, and the pool is whole again once they finish."""
+    from ember.config import StepLimits
+    from ember.engine.request import Request
+    from ember.sampling_params import SamplingParams
+
+    loop = cpu_step.null_model_loop(StepLimits(4, 64, 128), num_blocks=32)
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    requests = [Request(f"r{i}", list(range(1, 20 + i)), params, i, 5) for i in range(6)]
+    for request in requests:
+        loop.scheduler.add_request(request)
+    while loop.has_work():
+        loop.step()
+    assert all(r.output_token_ids == [0] * 5 and r.is_finished for r in requests)
+    loop.scheduler.check_invariants()
+
+
+@pytest.mark.parametrize("benchmark", ["step", "profile", "tune"])
+def test_gpu_benchmarks_refuse_without_a_gpu(capsys, benchmark):
+    if torch.cuda.is_available():
+        return
+    args = ["--model", "unused"] if benchmark != "tune" else []
+    assert main(["bench", benchmark, *args]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().out
+
+
+@pytest.fixture
+def tiny_bench(tiny_bench_factory):
+    """A StepBench over the tiny preset on the CPU, with made-up ceilings."""
+    from ember.bench.roofline import Ceilings
+
+    return tiny_bench_factory(Ceilings(hbm_bytes_per_s=1e11, bf16_flops_per_s=1e12))
+
+
+def test_step_bench_logic_runs_on_a_cpu(tiny_bench):
+    """The GPU step benchmark's bookkeeping (warm requests, drains, roofline maths) on a tiny
+    model on the CPU, so a device run is not the first time this code executes."""
+    bench, inst = tiny_bench, tiny_bench.inst
+    row = bench.decode(batch=2, context=32, steps=3, warmup=1)
+    assert row["step_ms"] > 0 and 0 < row["fraction_of_roofline"]
+    assert row["sequential_roofline_ms"] >= row["roofline_ms"] * (1 - 1e-9)
+    assert row["gpu_only_ms"] is None  # no graphs on a CPU
+    host = row["host_ms_per_step"]
+    assert set(host) == {"schedule", "launch", "wait", "collect", "update"}
+    assert min(host["schedule"], host["launch"], host["collect"], host["update"]) > 0
+    assert host["wait"] == 0  # a CPU step has no event to wait on
+    assert sum(host.values()) <= row["step_ms"] * 1.05
+    assert set(row["gc"]) == {
+        "gc_ms_per_step",
+        "gen2_collections",
+        "gen2_pause_ms",
+        "max_pause_ms",
+        "slow_passes",
+    }
+    assert all(p["pause_ms"] > 20 for p in row["gc"]["slow_passes"])  # gc_heap.SLOW_PASS_S
+    assert bench.decode(batch=4, context=250)["skipped"].startswith("KV for")
+    prefill = bench.prefill(chunk=16, repeat=1)
+    assert prefill["tokens_per_s"] > 0
+    eager = bench.eager_vs_graph(batch=2, context=32)
+    assert eager["eager_step_ms"] > 0
+    assert bench.loop.runner is inst.runner  # back on the instance's runner
+    mixed = bench.mixed(batch=2, context=32, chunk=20, steps=3, warmup=1)
+    assert mixed["step_ms"] > 0 and mixed["prompts"] == 4
+    # Every prompt went through its prefill beside the decodes (the last may be in flight).
+    assert mixed["prompts_prefilled"] >= 3
+    assert bench.mixed(batch=4, context=250, chunk=20)["skipped"].startswith("KV for")
+    inst.scheduler.check_invariants()
+    assert inst.kv_manager.num_free_blocks == inst.kv_manager.pool.capacity
+
+
+def _arrivals(seed: int = 0) -> list[tuple[int, list[int], int]]:
+    """(the step before which it arrives, prompt, max_tokens) of eight greedy requests: more than
+    the tiny bench's four slots, prompts longer than its 64-token step, some arriving late."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = [5, 70, 12, 33, 9, 90, 17, 40]
+    return [
+        (0 if i < 5 else 3, torch.randint(3, 4000, (n,), generator=g).tolist(), 3 + i % 5)
+        for i, n in enumerate(lengths)
+    ]
+
+
+def _trace(inst, step, has_work, prefix: str) -> list[list[tuple]]:
+    """Each step's updates (request, new tokens, finish reason) over the `_arrivals` workload."""
+    steps: list[list[tuple]] = []
+    arrivals = dict(enumerate(_arrivals()))
+    while arrivals or has_work():
+        for i, (at, prompt, max_tokens) in list(arrivals.items()):
+            if at == len(steps):
+                params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+                inst.add_request(f"{prefix}{i}", prompt, params)
+                del arrivals[i]
+        updates = step()
+        steps.append([(u.request_id[1:], u.new_token_ids, u.finish_reason) for u in updates])
+    return steps
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_bench_loop_steps_as_the_instance_does(tiny_bench_factory, overlap):
+    """The step bench's loop (the instance's public calls, each timed) yields, step by step, the
+    updates `ModelInstance.step` yields, with and without overlap."""
+    from ember.bench.host_phases import TimedLoop
+    from ember.bench.roofline import Ceilings
+
+    inst = tiny_bench_factory(Ceilings(1e11, 1e12), overlap=overlap).inst
+    by_instance = _trace(inst, inst.step, inst.has_work, "i")
+    loop = TimedLoop.of(inst)
+    by_loop = _trace(inst, loop.step, loop.has_work, "l")
+    assert by_loop == by_instance
+    tokens = [u for step in by_loop for u in step]
+    assert len(tokens) == sum(n for _, _, n in _arrivals())  # every token came back, once
+    assert sum(reason == "length" for _, _, reason in tokens) == len(_arrivals())
+    assert min(loop.seconds.values()) >= 0 and loop.seconds["launch"] > 0
+    inst.scheduler.check_invariants()
+
+
+def test_step_bench_row_records_an_error_and_the_plot_skips_it(tmp_path, capsys):
+    from ember.bench.step_bench import _plot, _row
+
+    def failing(batch, context):
+        raise MemoryError("KV pool exhausted")
+
+    row = _row(failing, 256, 4096)
+    assert row == {"args": [256, 4096], "error": "MemoryError: KV pool exhausted"}
+    assert "KV pool exhausted" in capsys.readouterr().out
+    good = {"batch": 1, "context": 512, "step_ms": 5.0, "roofline_ms": 4.0}
+    prefill = {"chunk": 512, "step_ms": 9.0, "fraction_of_bf16_peak": 0.5}
+    result = {"gpu": "cpu", "model": "tiny", "decode": [good, row], "prefill": [prefill, row]}
+    _plot(result, tmp_path / "plot.png")
+    assert (tmp_path / "plot.png").stat().st_size > 0
+
+
+def test_make_model_output_rows_past_the_tokenizer_are_zero(tmp_path, monkeypatch):
+    """A preset wider than the tokenizer (Llama 3's 128k ids) must still decode greedily to ids
+    the tokenizer has, or a serving benchmark would stream tokens without text."""
+    from safetensors.torch import load_file
+
+    from ember.bench import make_model as mm
+
+    wide = {**mm.PRESETS["tiny"], "vocab_size": mm.TOKENIZER_VOCAB + 512}
+    wide["tie_word_embeddings"] = False
+    monkeypatch.setitem(mm.PRESETS, "wide", wide)
+    out = mm.make_model("wide", tmp_path / "wide", device="cpu")
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shard = load_file(str(out / index["weight_map"]["lm_head.weight"]))
+    lm_head = shard["lm_head.weight"]
+    assert lm_head.shape[0] == mm.TOKENIZER_VOCAB + 512
+    assert not lm_head[mm.TOKENIZER_VOCAB :].any() and lm_head[: mm.TOKENIZER_VOCAB].any()
+    llm = LLM(str(out), max_model_len=128)
+    outs = llm.generate(["hello", "a b c"], SamplingParams(temperature=0, max_tokens=8))
+    assert all(t < mm.TOKENIZER_VOCAB for o in outs for t in o.outputs[0].token_ids)
+
+
+def test_profile_splits_kernels_by_what_they_follow():
+    from ember.bench.step_profile import by_predecessor
+
+    # Two steps of: norm, gemm (q/k/v), attention, gemm (o); times in us.
+    one_step = [("norm", 0, 2), ("gemm", 3, 13), ("attn", 14, 20), ("gemm", 22, 30)]
+    spans = one_step + [(name, start + 100, end + 100) for name, start, end in one_step]
+    rows = {(r["after"], r["kernel"]): r for r in by_predecessor(spans, num_steps=2)}
+    after_norm, after_attention = rows[("norm", "gemm")], rows[("attn", "gemm")]
+    assert after_norm["launches_per_step"] == 1 and after_norm["us_each"] == 10
+    assert after_norm["gap_us_each"] == 1
+    assert after_attention["us_each"] == 8 and after_attention["gap_us_each"] == 2
+    # The second step's first kernel follows the first step's last: 70 us of gap.
+    assert rows[("gemm", "norm")]["launches_per_step"] == 0.5
+    assert rows[("gemm", "norm")]["gap_us_each"] == 70
+    assert [r["us_per_step"] for r in by_predecessor(spans, 2)] == sorted(
+        (r["us_per_step"] for r in rows.values()), reverse=True
+    )
+
+
+def test_profile_groups_kernels_by_category():
+    from ember.bench.step_profile import categorize, summarize_kernels
+
+    assert categorize("_paged_attention_kernel") == "attention"
+    assert categorize("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize64x64x64") == "gemm"
+    assert categorize("nvjet_tst_128x64_64x8_1x1_v_bz_TNT") == "gemm"
+    assert categorize("_fused_add_rms_norm_kernel") == "norm"
+    assert categorize("_rope_and_cache_write_kernel") == "rope_kv_write"
+    assert categorize("Memcpy DtoH (Device -> Pinned)") == "copy"
+    assert categorize("something_else") == "other"
+    events = [("nvjet_gemm", 30.0), ("nvjet_gemm", 30.0), ("_paged_attention_kernel", 10.0)] * 2
+    summary = summarize_kernels(events, num_steps=2)
+    assert summary["gpu_us_per_step"] == 70.0
+    assert summary["categories_us_per_step"] == {"gemm": 60.0, "attention": 10.0}
+    top = summary["top_kernels"][0]
+    assert top["name"] == "nvjet_gemm" and top["launches_per_step"] == 2
+
+
+def test_critical_path_counts_what_each_kernel_adds():
+    from ember.bench.step_profile import critical_path_us
+
+    spans = [
+        ("nvjet_gemm", 0.0, 10.0),
+        ("_rms_norm_kernel", 2.0, 12.0),  # launched early (PDL): adds only 2 us past the GEMM
+        ("_paged_attention_kernel", 20.0, 25.0),  # after an idle gap: adds its own 5 us
+    ]
+    assert critical_path_us(spans, num_steps=1) == {"gemm": 10.0, "attention": 5.0, "norm": 2.0}
+
+
+def test_critical_path_by_role_tells_one_kernels_roles_apart():
+    from ember.bench.step_profile import critical_path_by_role
+
+    # Two layers of: gemm (q/k/v), attn, gemm (o), gemm (gate/up), gemm (down); each kernel
+    # launched early (PDL) except o, which starts 1 us after attention ends.
+    layer = [("gemm", 0, 10), ("attn", 8, 14), ("gemm", 15, 20), ("gemm", 18, 50), ("gemm", 45, 60)]
+    spans = layer + [(name, start + 60, end + 60) for name, start, end in layer]
+    rows = critical_path_by_role(spans, num_steps=1)
+    by_role = {(tuple(r["before"]), r["kernel"], r["next"]): r for r in rows}
+    assert by_role[(("gemm", "gemm"), "gemm", "attn")]["critical_us_each"] == 10  # 2nd q/k/v
+    assert by_role[(("gemm", "attn"), "gemm", "gemm")]["critical_us_each"] == 5  # o: 15-20
+    attention = by_role[(("gemm", "gemm"), "attn", "gemm")]
+    assert attention["critical_us_each"] == 4  # 8-14, past q/k/v's end at 10
+    assert by_role[(("attn", "gemm"), "gemm", "gemm")]["critical_us_per_step"] == 60  # gate/up
+    assert by_role[(("gemm", "gemm"), "gemm", "")]["critical_us_each"] == 10  # the last down
+    assert sum(r["critical_us_per_step"] for r in rows) == 118  # busy 0-120 less two 1 us gaps
+    assert [r["critical_us_per_step"] for r in rows] == sorted(
+        (r["critical_us_per_step"] for r in rows), reverse=True
+    )
+
+
+def test_profile_logic_runs_on_a_cpu(tiny_bench, tmp_path):
+    """The profiler benchmark's request bookkeeping on a tiny model (no CUDA kernels to count)."""
+    from ember.bench.step_profile import profile_decode, profile_mixed
+
+    bench, inst = tiny_bench, tiny_bench.inst
+    trace = tmp_path / "trace.json"
+    decode = profile_decode(bench, batch=2, context=16, steps=2, trace=trace)
+    assert decode["wall_us_per_step"] > 0 and trace.stat().st_size > 0
+    mixed = profile_mixed(bench, batch=2, context=16, chunk=24, trace=None)
+    assert mixed["kind"] == "mixed" and mixed["prefill_tokens"] == 24
+    assert inst.kv_manager.num_free_blocks == inst.kv_manager.pool.capacity
+    # A batch that fills every slot would profile a decode-only step under the mixed label.
+    full = inst.limits.max_num_seqs
+    with pytest.raises(ValueError, match="needs a slot"):
+        profile_mixed(bench, batch=full, context=16, chunk=24, trace=None)

@@ -1,0 +1,64 @@
+"""The engine's kernels compiled for an H200 (sm_90) on the CPU: every default configuration and
+planned launch fits an SM's shared memory, and the check catches one that does not (the CPU
+interpreter cannot)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.slow  # the benchmarks' tooling: whole runs, not the engine
+
+_OVERSIZE = """
+import json
+from ember.bench.compile_check import skinny_gemm_config
+
+config = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 256, "STAGES": 6, "num_warps": 4}
+print(json.dumps(skinny_gemm_config("qkv", 64, config).shared_bytes))
+"""
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    # Interpreted kernels cannot be compiled: the check runs in a process of its own.
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    return subprocess.run(
+        [sys.executable, *args], env=env, capture_output=True, text=True, timeout=600, check=False
+    )
+
+
+def test_every_default_configuration_fits_an_h200():
+    from ember.bench.compile_check import SM90_SHARED_MEMORY_LIMIT
+
+    done = _run("-m", "ember.bench.compile_check", "--json")
+    assert done.returncode == 0, done.stderr[-2000:]
+    results = json.loads(done.stdout)
+    cases = {(r["kernel"], r["case"]) for r in results}
+    assert ("skinny_gemm", "gate_up m=1") in cases and ("stream_k_gemm", "gate_up m=128") in cases
+    # The attention kernel as the planner launches it, its heaviest variants among them.
+    attention = {r["case"]: r["constexprs"] for r in results if r["kernel"] == "paged_attention"}
+    assert set(attention) == {
+        "decode split",
+        "decode",
+        "decode, full grid",
+        "mixed decodes",
+        "mixed chunks",
+    }
+    for variant in ("SPLIT_KV", "ROPE", "PRELOAD_KV", "TILE_MAP"):
+        assert any(constexprs[variant] for constexprs in attention.values()), variant
+    for r in results:
+        assert 0 < r["shared_bytes"] <= SM90_SHARED_MEMORY_LIMIT and r["fits"], r
+    # The pipelined tiles are what take the room: a wider step asks more.
+    by_case = {r["case"]: r["shared_bytes"] for r in results}
+    assert by_case["gate_up m=64"] > by_case["o m=1"]
+
+
+def test_the_check_catches_tiles_too_big_for_an_sm():
+    from ember.bench.compile_check import SM90_SHARED_MEMORY_LIMIT
+
+    done = _run("-c", _OVERSIZE)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout) > SM90_SHARED_MEMORY_LIMIT

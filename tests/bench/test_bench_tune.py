@@ -1,0 +1,81 @@
+"""`ember bench tune`'s sweeps, checked on the CPU: the shapes they sweep, and that every launch
+of the attention sweep computes what the engine's planned launch computes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ember.bench.tune import (
+    GEMM_CONFIGS,
+    AttentionShape,
+    attend,
+    attention_planner,
+    decode_inputs,
+    fastest,
+    linear_shapes,
+    skinny_configs,
+    sweep_launches,
+)
+
+
+def test_tune_sweeps_every_linear_layer_of_the_preset():
+    shapes = {name: (n, k) for name, n, k in linear_shapes("llama-3.1-8b")}
+    assert shapes["qkv"] == (4096 + 2 * 1024, 4096)
+    assert shapes["gate_up"] == (2 * 14336, 4096)
+    assert shapes["down"] == (4096, 14336)
+    assert shapes["lm_head"] == (128256, 4096)
+    assert AttentionShape.of("llama-3.1-8b") == AttentionShape(32, 8, 128, 16)
+
+
+def test_tune_names_each_skinny_tile_once_with_m_padded():
+    configs = skinny_configs(3)
+    assert len(configs) == len(GEMM_CONFIGS)
+    assert configs["n32_k256_s4_w4"] == {
+        "BLOCK_M": 16,
+        "BLOCK_N": 32,
+        "BLOCK_K": 256,
+        "STAGES": 4,
+        "num_warps": 4,
+    }
+    assert {c["BLOCK_M"] for c in skinny_configs(33).values()} == {64}
+
+
+def test_fastest_leaves_out_what_did_not_launch():
+    assert fastest({"a": 2.0, "b": "OutOfResources: shared memory", "c": 1.5}) == "c"
+    assert fastest({"a": "OutOfResources: shared memory"}) is None
+
+
+def test_attention_sweep_covers_tiles_times_splits_that_fit_the_context():
+    shape = AttentionShape.of("llama-3.1-8b")
+    planner = attention_planner(shape, torch.device("cpu"))
+    tiles = ((64, 2, 3), (16, 1, 4))
+    sweep = sweep_launches(planner, context=100, tiles=tiles, splits=(1, 2, 4, 8))
+    # A segment is one tile at least: 64 x 2 > 100 keys, 16 x 8 > 100.
+    assert set(sweep) == {"n64_w2_s3_x1", "n16_w1_s4_x1", "n16_w1_s4_x2", "n16_w1_s4_x4"}
+    for name, (launch,) in sweep.items():
+        assert launch.decode_only and launch.min_split_tokens == 1
+        assert launch.tiles["BLOCK_M"] == planner.decode_tiles()["BLOCK_M"] == 16
+        assert name.endswith(f"_x{launch.splits}")
+
+
+@pytest.mark.parametrize("context", [20, 70])
+def test_every_swept_attention_launch_computes_the_planned_attention(context):
+    """Each tile and split the sweep times runs the kernel on the engine's inputs to the same
+    result as the planner's own launch (Triton's interpreter on the CPU)."""
+    shape = AttentionShape(num_q_heads=4, num_kv_heads=2, head_dim=16, block_size=4)
+    planner = attention_planner(shape, torch.device("cpu"), elem_bytes=4)
+    torch.manual_seed(context)
+    batch = 3
+    inputs = decode_inputs(shape, batch, context, torch.float32, device="cpu")
+    inputs["seq_lens"] = torch.tensor([context, context // 2 + 1, 1], dtype=torch.int32)
+    counters = torch.zeros(batch * shape.num_kv_heads, dtype=torch.int32)
+    expected = torch.empty_like(inputs["q"])
+    attend(inputs, expected, planner.plan(batch, 1, context), counters)
+    sweep = sweep_launches(planner, context, tiles=((16, 1, 2), (32, 2, 1)), splits=(1, 2, 4))
+    assert sweep
+    for name, launches in sweep.items():
+        out = torch.full_like(inputs["q"], float("nan"))
+        attend(inputs, out, launches, counters)
+        torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4, msg=name)
+    assert not counters.any()  # the split path leaves its arrival counters at zero

@@ -1,0 +1,157 @@
+#!/usr/bin/env bash
+# One GPU run on a fresh machine with no network: install the carried wheels, run the GPU tests
+# and the benchmarks, and write logs and results into OUTDIR (docs/gpu.md).
+#
+#   tools/gpu_run.sh OUTDIR [STAGE ...]       stages, run in the order given:
+#                                             tests step profile tune parity serve peer
+#                                             (default: tests step parity serve peer)
+#
+# Needs, carried beside the tree (tools/prepare_gpu_assets.sh makes them here):
+#   .whl/                        wheels the GPU image lacks (fastapi, msgspec, pyzmq, gguf, ...)
+#   .gpu_assets/tokenizer/       SmolLM2's tokenizer files (the 98 MB GGUF does not travel)
+#   .gpu_assets/sharegpt.json    the ShareGPT conversations, trimmed to what the benchmark samples
+#
+# Environment overrides (for a dry run on a CPU: EMBER_GPU_RUN_SKIP_INSTALL=1 PYTHON=python
+# EMBER_BENCH_PRESET=tiny EMBER_SERVE_PROMPTS=8 EMBER_PINNED_PROMPTS=8 EMBER_PEER_PROMPTS=4
+# EMBER_PEER_DEVICE=cpu EMBER_SERVE_OUTPUT_LEN=8):
+#   EMBER_STEP_ARGS (e.g. "--sections attention"), EMBER_TUNE_ARGS (e.g. "--sections split_k stream_k"),
+#   EMBER_BENCH_PRESET (llama-3.1-8b), EMBER_GPU_TESTS ("tests/gpu tests/kernels"),
+#   EMBER_SERVE_PROMPTS ("1000 4000"), EMBER_PINNED_PROMPTS (1000), EMBER_PEER_PROMPTS (1000),
+#   EMBER_PEER_DEVICE (cuda), EMBER_SERVE_OUTPUT_LEN (unset),
+#   EMBER_PEER_ARGS ("--cuda-graphs on --max-memory-percent 0.6"), EMBER_SRC (the ember sources
+#   to run, default ./src: another copy of them, e.g. `git archive REV src` carried, gives a
+#   before/after pair in one device call), EMBER_RUN_SECONDS (570: every command is stopped in
+#   time for the results to be bundled inside the device's 600 s call)
+set -uo pipefail
+OUT=${1:?usage: tools/gpu_run.sh OUTDIR [STAGE ...]}
+shift
+STAGES=${*:-tests step parity serve peer}
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+cd "$ROOT"
+# At most 8 files come back from the device: results go to $OUT/results and are bundled into
+# one archive when the script ends, however it ends; the log stays beside it.
+RES="$OUT/results"
+mkdir -p "$RES"
+LOG="$OUT/gpu_run.log"
+exec > >(tee -a "$LOG") 2>&1
+bundle() { tar -czf "$OUT/results.tar.gz" -C "$OUT" results && rm -rf "$RES"; }
+trap bundle EXIT
+
+PY=${PYTHON:-python3}
+if [ -z "${EMBER_GPU_RUN_SKIP_INSTALL:-}" ]; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 1
+fi
+# EMBER_SRC serves another copy of the sources (an A/B in one call: two runs, two OUTDIRs).
+export PYTHONPATH=/tmp/site:${EMBER_SRC:-$ROOT/src}:$ROOT/tests
+export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
+export EMBER_TEST_TOKENIZER_DIR=$ROOT/.gpu_assets/tokenizer
+PRESET=${EMBER_BENCH_PRESET:-llama-3.1-8b}
+MODEL=/tmp/$PRESET-random
+# A command the device kills loses the archive; each step here gets what is left of the budget.
+DEADLINE=$(( $(date +%s) + ${EMBER_RUN_SECONDS:-570} ))
+limited() {
+  local left=$(( DEADLINE - $(date +%s) ))
+  if [ "$left" -le 5 ]; then echo "skipped (out of time): $*"; return 124; fi
+  timeout --signal=INT --kill-after=10 "$left" "$@"
+}
+stamp() { echo "=== $(date -u +%H:%M:%S) $*"; }
+
+stamp "machine"
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv || true
+$PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+# Every server dependency imports, so a missing wheel shows here and not as a dead server.
+$PY -c "import fastapi, uvicorn, msgspec, zmq, gguf, aiohttp, ember.server.app" || exit 1
+
+make_model() {
+  if [ ! -f "$MODEL/config.json" ]; then
+    stamp "make-model $PRESET"
+    limited $PY -m ember.cli bench make-model --preset "$PRESET" --out "$MODEL" \
+      --tokenizer-dir "$EMBER_TEST_TOKENIZER_DIR" || exit 1
+  fi
+}
+
+DATASET=(--dataset sharegpt --dataset-path "$ROOT/.gpu_assets/sharegpt.json" --seed 0
+  --tokenizer "$EMBER_TEST_TOKENIZER_DIR/tokenizer.json")
+[ -n "${EMBER_SERVE_OUTPUT_LEN:-}" ] && DATASET+=(--sharegpt-output-len "$EMBER_SERVE_OUTPUT_LEN")
+SERVE_COMMON=("${DATASET[@]}" --max-concurrency 200 --disable-tqdm)
+SERVER_ARGS="--max-num-seqs 256 --max-num-batched-tokens 4096 --max-model-len 4096"
+
+stage_tests() {
+  stamp "GPU tests"
+  limited $PY -m pytest -q -p no:cacheprovider ${EMBER_GPU_TESTS:-tests/gpu tests/kernels} \
+    --junitxml="$RES/gpu_tests.xml" > "$RES/gpu_tests.log" 2>&1
+  local rc=$?
+  tail -n 40 "$RES/gpu_tests.log"
+  if [ $rc != 0 ]; then
+    # Later stages still measure, on the path the tests cover best: graphs for decode only.
+    echo "GPU tests failed (rc $rc): serving with --cuda-graph-mode decode"
+    SERVER_ARGS="$SERVER_ARGS --cuda-graph-mode decode"
+  fi
+}
+
+stage_step() {
+  make_model
+  stamp "bench step"
+  limited $PY -m ember.cli bench step --model "$MODEL" --out "$RES" ${EMBER_STEP_ARGS:-}
+}
+
+stage_profile() {
+  make_model
+  stamp "bench profile"
+  limited $PY -m ember.cli bench profile --model "$MODEL" --out "$RES/profile"
+}
+
+stage_tune() {  # needs no checkpoint: the sweeps allocate the 8B shapes themselves
+  stamp "bench tune"
+  limited $PY -m ember.cli bench tune --out "$RES" ${EMBER_TUNE_ARGS:-}
+}
+
+stage_parity() {
+  make_model
+  for dtype in float32 bfloat16; do
+    stamp "bench parity $dtype"
+    limited $PY -m ember.cli bench parity --model "$MODEL" --dtype $dtype \
+      --output-json "$RES/parity_${PRESET}_$dtype.json"
+  done
+}
+
+serve_once() {  # NAME [extra bench-serve args...]
+  local name=$1
+  shift
+  stamp "bench serve $name ($SERVER_ARGS)"
+  limited $PY -m ember.cli bench serve --launch "$MODEL" --server-args="$SERVER_ARGS" \
+    "${SERVE_COMMON[@]}" --server-log "$RES/server_${name}.log" \
+    --output-json "$RES/serve_${name}.json" "$@"
+}
+
+stage_serve() {  # the first size, then the pinned run (its ratio to the first), then the rest
+  make_model
+  local sizes=(${EMBER_SERVE_PROMPTS:-1000 4000}) pinned=${EMBER_PINNED_PROMPTS:-1000} n
+  serve_once "${sizes[0]}" --num-prompts "${sizes[0]}"
+  [ "$pinned" != 0 ] && serve_once "${pinned}_pinned" --num-prompts "$pinned" --server-cpus 0
+  for n in "${sizes[@]:1}"; do
+    serve_once "$n" --num-prompts "$n"
+  done
+}
+
+stage_peer() {
+  make_model
+  local n=${EMBER_PEER_PROMPTS:-1000}
+  # transformers' defaults (no CUDA graphs with paged|sdpa) ran ~250 tok/s on the 8B shape, ~14 min
+  # for 1,000 prompts, over one call's 10 min; its own CUDA graphs need room left by the KV cache.
+  local peer_args=${EMBER_PEER_ARGS---cuda-graphs on --max-memory-percent 0.6}
+  stamp "peer: transformers continuous batching, $n prompts"
+  limited $PY -m ember.bench.peer_transformers --model "$MODEL" --num-prompts "$n" "${DATASET[@]}" \
+    --max-concurrency 200 --device "${EMBER_PEER_DEVICE:-cuda}" --disable-tqdm $peer_args \
+    --output-json "$RES/peer_transformers_${n}.json"
+}
+
+# Stages run in the order given.
+for stage in $STAGES; do
+  case $stage in
+    tests | step | profile | tune | parity | serve | peer) "stage_$stage" ;;
+    *) echo "unknown stage: $stage" ;;
+  esac
+done
+stamp "done"
