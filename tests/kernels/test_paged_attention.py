@@ -85,8 +85,9 @@ def planner_for(step: Step, num_sms: int = 132) -> AttentionPlanner:
     """The planner of the step's shape on a GPU of ``num_sms`` SMs (an H200's table else)."""
     num_q_heads, head_dim = step.q.shape[1], step.q.shape[2]
     tuning = AttentionTuning(num_sms=num_sms)
-    return AttentionPlanner(tuning, num_q_heads, step.k_cache.shape[2], head_dim,
-                            step.q.element_size())  # fmt: skip
+    return AttentionPlanner(
+        tuning, num_q_heads, step.k_cache.shape[2], head_dim, step.q.element_size()
+    )
 
 
 def plan_for(step: Step, *, num_sms: int = 132, splits: int | None = None, bound: int = 0):
