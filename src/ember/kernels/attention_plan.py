@@ -211,31 +211,19 @@ class AttentionPlanner:
     ) -> tuple[AttentionLaunch, ...]:
         """The launches of a step of ``num_seqs`` sequences whose longest query has
         ``max_query_len`` tokens and longest sequence ``max_seq_len`` (host-side bounds; under a
-        CUDA graph the bucket's), launched with PDL or not. ``splits`` forces a decode-only step's
-        segment count (down to one tile a segment); None lets the heuristic choose.
+        CUDA graph the bucket's): `decode_plan` where every query is one token, else
+        `mixed_plan`."""
+        if max_query_len == 1:
+            return self.decode_plan(num_seqs, max_seq_len, pdl=pdl, splits=splits)
+        if splits is not None and splits > 1:
+            raise ValueError("split-KV attention only serves decode-only steps (max_query_len 1)")
+        return self.mixed_plan()
 
-        A decode-only step is one launch. A mixed step is two: its decodes on decode tiles (a
-        long one in up to `AttentionTuning.mixed_decode_splits` segments, cut from its own
-        length so a graph's padding does not change them), its chunks on prefill tiles over the
-        chunk tile map; a decode on prefill tiles would compute 4 of a program's 128 rows.
-        """
-        if max_query_len != 1:
-            if splits is not None and splits > 1:
-                raise ValueError(
-                    "split-KV attention only serves decode-only steps (max_query_len 1)"
-                )
-            tuning = self.tuning
-            decodes = AttentionLaunch(
-                self.decode_tiles(),
-                True,
-                Sequences.SINGLE_TOKEN,
-                splits=tuning.mixed_decode_splits,
-                min_split_tokens=tuning.min_tokens_per_split,
-            )
-            chunks = AttentionLaunch(
-                self.prefill_tiles, False, Sequences.MULTI_TOKEN, chunk_map=True
-            )
-            return decodes, chunks
+    def decode_plan(
+        self, num_seqs: int, max_seq_len: int, *, pdl: bool = False, splits: int | None = None
+    ) -> tuple[AttentionLaunch, ...]:
+        """One launch over a decode-only step, launched with PDL or not. ``splits`` forces the
+        segment count (down to one tile a segment); None lets the heuristic choose."""
         if splits is None:
             splits = self.num_splits(num_seqs, max_seq_len)
             min_split_tokens = self.min_split_tokens(num_seqs)
@@ -247,11 +235,27 @@ class AttentionPlanner:
         # by a full wave, the preload cost more than it hid. A step A/B at batch 1-128
         # (bench/results/README.md, "K/V preload").
         preload = pdl and splits > 1 and self.under_one_wave(num_seqs)
-        return (
-            AttentionLaunch(
-                tiles, True, splits=splits, min_split_tokens=min_split_tokens, preload_kv=preload
-            ),
+        launch = AttentionLaunch(
+            tiles, True, splits=splits, min_split_tokens=min_split_tokens, preload_kv=preload
         )
+        return (launch,)
+
+    def mixed_plan(self) -> tuple[AttentionLaunch, ...]:
+        """The two launches of a step with prefill chunks, whatever its shape (so a step gives
+        the same numbers eagerly and padded in a CUDA graph): its decodes on decode tiles (a
+        long one in up to `AttentionTuning.mixed_decode_splits` segments, cut from its own
+        length), its chunks on prefill tiles over the chunk tile map; a decode on prefill tiles
+        would compute 4 of a program's 128 rows."""
+        tuning = self.tuning
+        decodes = AttentionLaunch(
+            self.decode_tiles(),
+            True,
+            Sequences.SINGLE_TOKEN,
+            splits=tuning.mixed_decode_splits,
+            min_split_tokens=tuning.min_tokens_per_split,
+        )
+        chunks = AttentionLaunch(self.prefill_tiles, False, Sequences.MULTI_TOKEN, chunk_map=True)
+        return decodes, chunks
 
     # -- the chunk tile map ----------------------------------------------------------------------
 

@@ -22,6 +22,12 @@ import numpy as np
 import torch
 
 from ember.config import StepLimits
+from ember.kernels.attention_plan import (
+    AttentionLaunch,
+    AttentionPlanner,
+    AttentionTuning,
+    ChunkTiles,
+)
 from ember.layers.forward_context import ForwardContext
 from ember.layers.row_norm import RowNorm
 
@@ -125,8 +131,8 @@ class ReferenceAttention(AttentionBackend):
 class TritonStepAttention:
     """A step's launches of the attention kernel and, for a mixed step, its chunk tile map."""
 
-    launches: tuple
-    chunk_tiles: Any = None
+    launches: tuple[AttentionLaunch, ...]
+    chunk_tiles: ChunkTiles | None = None
 
 
 class TritonAttention(AttentionBackend):
@@ -144,7 +150,7 @@ class TritonAttention(AttentionBackend):
 
     def __init__(
         self,
-        planner,
+        planner: AttentionPlanner,
         limits: StepLimits,
         device: torch.device,
         launches_with_pdl: Callable[[int], bool],
@@ -165,7 +171,7 @@ class TritonAttention(AttentionBackend):
         self.split_counters = torch.zeros(
             max_seqs * planner.num_kv_heads, dtype=torch.int32, device=device
         )
-        self._mixed_launches = planner.plan(max_seqs, 2, 1)
+        self._mixed_launches = planner.mixed_plan()  # the same for every mixed step
 
     def step_arrays(self) -> ArrayLayout:
         # Sized to the bound, not to the tokens: in the runner's layout its unused tail lies
@@ -196,8 +202,6 @@ class TritonAttention(AttentionBackend):
         return self.planner.num_splits(batch, max_seq_len)
 
     def metadata(self, arrays, staged, num_seqs, max_query_len, max_seq_len) -> TritonStepAttention:
-        from ember.kernels.attention_plan import ChunkTiles
-
         if max_query_len != 1:
             chunk_tiles = None
             if staged.grid:
@@ -206,7 +210,7 @@ class TritonAttention(AttentionBackend):
                 )
             return TritonStepAttention(self._mixed_launches, chunk_tiles)
         pdl = self.launches_with_pdl(num_seqs)  # a decode step's rows are its sequences
-        return TritonStepAttention(self.planner.plan(num_seqs, 1, max_seq_len, pdl=pdl))
+        return TritonStepAttention(self.planner.decode_plan(num_seqs, max_seq_len, pdl=pdl))
 
     def forward(self, q, k, v, ctx, cos_sin_cache, k_cache, v_cache, scale, out, row_norm=None):
         from ember.kernels.attention_step import rope_and_attention
@@ -243,15 +247,13 @@ def select_attention(
     dtype: torch.dtype,
     device: torch.device,
     limits: StepLimits,
-    tuning=None,
+    tuning: AttentionTuning | None = None,
     fuse_decode: bool = True,
 ) -> AttentionBackend:
     """The attention backend for a model on ``ops``: Triton's where the ops are Triton's (planned
     by ``tuning``, an `AttentionTuning`; None: the device's), else the reference."""
     if ops.name != "triton":
         return ReferenceAttention(limits)
-    from ember.kernels.attention_plan import AttentionPlanner, AttentionTuning
-
     tuning = tuning or AttentionTuning.for_device(device)
     elem_bytes = torch.empty((), dtype=dtype).element_size()
     planner = AttentionPlanner(tuning, num_q_heads, num_kv_heads, head_dim, elem_bytes)
