@@ -19,14 +19,15 @@ from ember.config import EngineConfig, ModelConfig
 from ember.engine.kv_cache_manager import KVCacheManager
 from ember.engine.request import Request
 from ember.engine.scheduler import Scheduler
-from ember.engine.step_types import RequestUpdate, SchedulerOutput
+from ember.engine.step_loop import StepLoop
+from ember.engine.step_types import RequestUpdate
 from ember.kernels.compile_ahead import default_compile_workers
 from ember.kernels.tuning import KernelTuning
 from ember.layers.attention import select_attention
 from ember.layers.ops import select_ops
 from ember.layers.reference_ops import build_cos_sin_cache
 from ember.models.registry import model_class
-from ember.runner.model_runner import ModelRunner, StepHandle
+from ember.runner.model_runner import ModelRunner
 from ember.runner.sampler import Sampler
 from ember.sampling_params import SamplingParams
 from ember.tokenizer.tokenizer import Tokenizer
@@ -112,11 +113,11 @@ class ModelInstance:
             ModelConfig.from_hf_dict(ckpt.hf_config), ckpt, self.tokenizer
         )
         cfg = self.model_config
-        self.max_model_len = min(
+        max_model_len = min(
             config.limits.max_model_len or cfg.max_position_embeddings,
             cfg.max_position_embeddings,
         )
-        self.limits = dataclasses.replace(config.limits, max_model_len=self.max_model_len)
+        self.limits = dataclasses.replace(config.limits, max_model_len=max_model_len)
         # This instance's routing and tile tables, for its GPU (`ember.kernels.tuning`).
         self.tuning = KernelTuning.for_device(self.device)
         self.ops = select_ops(
@@ -188,6 +189,11 @@ class ModelInstance:
             "loaded %s in %.2f s: %s", self.name, self.load_report.seconds, self.load_report
         )
 
+    @property
+    def max_model_len(self) -> int:
+        """The context length this instance serves (its limits', resolved against the model)."""
+        return self.limits.max_model_len
+
     def _build_runner(self, config: EngineConfig, block_size: int) -> None:
         """Scheduler and runner over the allocated cache (no weight value is read here)."""
         cfg = self.model_config
@@ -210,7 +216,7 @@ class ModelInstance:
         )
         # Overlap: launch step N+1 before collecting step N (on by default on a GPU).
         self.overlap = config.overlap if config.overlap is not None else self.device.type == "cuda"
-        self._in_flight: tuple[SchedulerOutput, StepHandle] | None = None
+        self.loop = StepLoop(self.scheduler, self.runner, self.overlap)
         self._rng = random.Random(config.seed)
 
     def _compile_workers(self) -> int:
@@ -340,23 +346,11 @@ class ModelInstance:
         return self.scheduler.abort(request_id)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_unfinished() or self._in_flight is not None
+        return self.loop.has_work()
 
     def step(self) -> list[RequestUpdate]:
         """Advance by one step; returns what changed for each request."""
-        if not self.overlap:
-            scheduled = self.scheduler.schedule()
-            return self.scheduler.update(scheduled, self.runner.execute(scheduled))
-        # Schedule and launch the next step while the previous one still runs on the GPU, then
-        # collect the previous one.
-        scheduled = self.scheduler.schedule()
-        handle = self.runner.launch(scheduled)
-        updates: list[RequestUpdate] = []
-        if self._in_flight is not None:
-            prev_scheduled, prev_handle = self._in_flight
-            updates = self.scheduler.update(prev_scheduled, self.runner.collect(prev_handle))
-        self._in_flight = None if scheduled.is_empty else (scheduled, handle)
-        return updates
+        return self.loop.step()
 
 
 def _with_generation_eos(cfg: ModelConfig, ckpt: Checkpoint, tokenizer: Tokenizer) -> ModelConfig:

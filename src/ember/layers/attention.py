@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from ember.config import StepLimits
+from ember.dependencies import require_triton
 from ember.kernels.attention_plan import (
     AttentionLaunch,
     AttentionPlanner,
@@ -29,6 +30,7 @@ from ember.kernels.attention_plan import (
     ChunkTiles,
 )
 from ember.layers.forward_context import ForwardContext
+from ember.layers.reference_ops import rope_and_attention_reference
 from ember.layers.row_norm import RowNorm
 
 # What a backend adds to a step's inputs: array name -> (shape, dtype).
@@ -53,8 +55,6 @@ class StagedAttention:
 class AttentionBackend:
     """The interface, and the behaviour of a backend that needs nothing staged. A backend
     serves the steps one instance's `StepLimits` allow."""
-
-    name = "none"
 
     def __init__(self, limits: StepLimits | None = None) -> None:
         self.limits = limits or StepLimits()
@@ -117,11 +117,7 @@ class AttentionBackend:
 class ReferenceAttention(AttentionBackend):
     """Plain PyTorch, one sequence at a time in float32."""
 
-    name = "reference"
-
     def forward(self, q, k, v, ctx, cos_sin_cache, k_cache, v_cache, scale, out, row_norm=None):
-        from ember.layers.reference_ops import rope_and_attention_reference
-
         return rope_and_attention_reference(
             q, k, v, ctx, cos_sin_cache, k_cache, v_cache, scale, out, row_norm=row_norm
         )
@@ -146,8 +142,6 @@ class TritonAttention(AttentionBackend):
     larger graph, or runs eagerly.
     """
 
-    name = "triton"
-
     def __init__(
         self,
         planner: AttentionPlanner,
@@ -157,10 +151,11 @@ class TritonAttention(AttentionBackend):
         fuse_decode: bool = True,
         chunk_slack: int = 16,
     ) -> None:
-        from ember.dependencies import require_triton
-
         require_triton()
+        from ember.kernels.attention_step import rope_and_attention
+
         super().__init__(limits)
+        self._rope_and_attention = rope_and_attention  # the kernels' entry, imported once
         max_seqs = limits.max_num_seqs
         self.planner = planner
         self.launches_with_pdl = launches_with_pdl
@@ -213,14 +208,12 @@ class TritonAttention(AttentionBackend):
         return TritonStepAttention(self.planner.decode_plan(num_seqs, max_seq_len, pdl=pdl))
 
     def forward(self, q, k, v, ctx, cos_sin_cache, k_cache, v_cache, scale, out, row_norm=None):
-        from ember.kernels.attention_step import rope_and_attention
-
         step = ctx.attention
         if step is None:  # a forward pass the runner did not stage (a test's own context)
             step = self.metadata(
                 {}, StagedAttention(), ctx.seq_lens.shape[0], ctx.max_query_len, ctx.max_seq_len
             )
-        return rope_and_attention(
+        return self._rope_and_attention(
             q,
             k,
             v,

@@ -125,7 +125,7 @@ class StepGraphs:
         self.token_buckets = mixed_token_buckets(limits.max_num_batched_tokens) if mixed else []
         # Per mixed bucket, the attention grid it offers (derived once: the lookup is on every
         # mixed step's path); None: no limit.
-        self._mixed_grids = [attention.graph_grid(size) for size in self.token_buckets]
+        self._mixed_grids = {size: attention.graph_grid(size) for size in self.token_buckets}
         self._graphs: dict[GraphKey, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = None
         # Seconds of the captures' eager warm-up passes (where the kernels of a new shape are
@@ -154,14 +154,14 @@ class StepGraphs:
         if num_seqs > self.max_batch:
             return None
         grids, buckets = self._mixed_grids, self.token_buckets
-        for i in range(bisect_left(buckets, num_tokens), len(buckets)):
-            if grids[i] is None or grids[i] >= grid:
-                return GraphKey(False, self.max_batch, buckets[i], self.max_seq_len)
+        for size in buckets[bisect_left(buckets, num_tokens) :]:
+            if grids[size] is None or grids[size] >= grid:
+                return GraphKey(False, self.max_batch, size, self.max_seq_len)
         return None
 
     def mixed_grid(self, key: GraphKey) -> int | None:
         """The attention grid the mixed graph ``key`` offers."""
-        return self.attention.graph_grid(key.num_tokens)
+        return self._mixed_grids[key.num_tokens]
 
     def _graph_bounds(self, batch: int) -> list[int]:
         """For each length class, the bound of the graph its steps take at ``batch``: the
