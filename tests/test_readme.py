@@ -66,6 +66,14 @@ def test_offline_api_example_runs():
     assert sum(line.rstrip().endswith(("stop", "length")) for line in lines) >= 3
 
 
+def test_engine_example_runs():
+    """The several-models example: both models answer, and the one put to sleep says so."""
+    (example,) = blocks_with("python", "from ember import Engine")
+    out = run_python(example)
+    assert out.rstrip().endswith("sleeping loaded")
+    assert len(out.strip().splitlines()) >= 3  # two completions (each may span lines), states
+
+
 def test_offline_one_liner_prints_text():
     (block,) = blocks_with("bash", '.venv/bin/python -c "from ember import LLM')
     command = block.strip()

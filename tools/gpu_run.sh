@@ -4,6 +4,7 @@
 #
 #   tools/gpu_run.sh OUTDIR [STAGE ...]       stages, run in the order given:
 #                                             tests step profile tune parity serve peer
+#                                             multi_wake multi_pair multi_traffic
 #                                             (default: tests step parity serve peer)
 #
 # Needs, carried beside the tree (tools/prepare_gpu_assets.sh makes them here):
@@ -147,10 +148,65 @@ stage_peer() {
     --output-json "$RES/peer_transformers_${n}.json"
 }
 
+# Several models in one server (`ember bench multi-model`): three 8B-shaped checkpoints of
+# different random weights (the first is $MODEL) and one 1B-shaped. Sizes on the H200 (bf16):
+# an 8B holds 16 GB of weights, 38 GB with its 20 GB KV cache and reserve; the 95 GB budget
+# holds two 8B and the 1B, never all four.
+MULTI_BUDGET=${EMBER_MULTI_BUDGET:-95e9}
+MULTI_SECONDS=${EMBER_MULTI_SECONDS:-180}
+make_multi_models() {
+  make_model
+  for seed in 1 2; do
+    if [ ! -f "/tmp/$PRESET-$seed/config.json" ]; then
+      stamp "make-model $PRESET seed $seed"
+      limited $PY -m ember.cli bench make-model --preset "$PRESET" --out "/tmp/$PRESET-$seed" \
+        --seed "$seed" --tokenizer-dir "$EMBER_TEST_TOKENIZER_DIR" || exit 1
+    fi
+  done
+  if [ ! -f /tmp/llama-3.2-1b-random/config.json ]; then
+    stamp "make-model llama-3.2-1b"
+    limited $PY -m ember.cli bench make-model --preset llama-3.2-1b --out /tmp/llama-3.2-1b-random \
+      --seed 3 --tokenizer-dir "$EMBER_TEST_TOKENIZER_DIR" || exit 1
+  fi
+}
+MULTI_COMMON=(--dataset sharegpt --dataset-path "$ROOT/.gpu_assets/sharegpt.json" --seed 0
+  --tokenizer "$EMBER_TEST_TOKENIZER_DIR/tokenizer.json" --max-model-len 4096
+  --server-args="--max-num-seqs 256 --max-num-batched-tokens 4096"
+  --sleep-host-memory-bytes 40e9 --budget-bytes "$MULTI_BUDGET")
+
+stage_multi_wake() {  # sleep/wake and unload/load of one 8B model in a running server
+  make_model
+  stamp "bench multi-model wake"
+  limited $PY -m ember.cli bench multi-model --mode wake --model "a=$MODEL" \
+    --kv-cache-bytes 20e9 --repeats 5 "${MULTI_COMMON[@]}" \
+    --server-log "$RES/server_multi_wake.log" --out "$RES/multi_model_wake.json"
+}
+
+stage_multi_pair() {  # one 8B alone at concurrency 200, then two 8B sharing it 50/50
+  make_multi_models
+  stamp "bench multi-model pair"
+  limited $PY -m ember.cli bench multi-model --mode pair --model "a=$MODEL" \
+    --model "b=/tmp/$PRESET-1" --kv-cache-bytes 20e9 --concurrency 200 \
+    --duration "${EMBER_PAIR_SECONDS:-60}" --num-prompts 4000 "${MULTI_COMMON[@]}" \
+    --server-log "$RES/server_multi_pair.log" --out "$RES/multi_model_pair.json"
+}
+
+stage_multi_traffic() {  # 3 x 8B + 1B, ShareGPT split 60/25/10/5 at concurrency 200
+  make_multi_models
+  stamp "bench multi-model traffic"
+  limited $PY -m ember.cli bench multi-model --mode traffic --model "a=$MODEL" \
+    --model "b=/tmp/$PRESET-1" --model "c=/tmp/$PRESET-2" --model d=/tmp/llama-3.2-1b-random \
+    --weight 60 --weight 25 --weight 10 --weight 5 \
+    --kv-cache-bytes 20e9 --kv-cache-bytes 20e9 --kv-cache-bytes 20e9 --kv-cache-bytes 8e9 \
+    --concurrency 200 --duration "$MULTI_SECONDS" --num-prompts 20000 "${MULTI_COMMON[@]}" \
+    --server-log "$RES/server_multi_traffic.log" --out "$RES/multi_model_traffic.json"
+}
+
 # Stages run in the order given.
 for stage in $STAGES; do
   case $stage in
-    tests | step | profile | tune | parity | serve | peer) "stage_$stage" ;;
+    tests | step | profile | tune | parity | serve | peer | multi_wake | multi_pair | multi_traffic)
+      "stage_$stage" ;;
     *) echo "unknown stage: $stage" ;;
   esac
 done

@@ -5,16 +5,16 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams", "__version__"]
+__all__ = ["LLM", "CompletionOutput", "Engine", "RequestOutput", "SamplingParams", "__version__"]
 
 if TYPE_CHECKING:
-    from ember.api import LLM, CompletionOutput, RequestOutput
+    from ember.api import LLM, CompletionOutput, Engine, RequestOutput
     from ember.sampling_params import SamplingParams
 
 
 def __getattr__(name: str):
     # Imported on first use so that `ember --help` and the front end don't pay for torch.
-    if name in ("LLM", "RequestOutput", "CompletionOutput"):
+    if name in ("LLM", "Engine", "RequestOutput", "CompletionOutput"):
         from ember import api
 
         return getattr(api, name)

@@ -1,4 +1,5 @@
-"""The offline API, shaped like vLLM's: `LLM(...).generate(prompts, SamplingParams(...))`."""
+"""The offline API, shaped like vLLM's: `LLM(...).generate(prompts, SamplingParams(...))` for
+one model; `Engine` for several under one memory budget (`generate(..., model=NAME)`)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ember.config import engine_config
+from ember.config import MEMORY_OPTIONS, engine_config, memory_config
 from ember.engine.model_instance import ModelInstance
+from ember.engine.model_plan import validate_prompt
+from ember.engine.model_pool import ModelPool
 from ember.engine.step_types import TokenLogprobs
 from ember.sampling_params import SamplingParams
 from ember.tokenizer.detokenizer import IncrementalDetokenizer
@@ -37,45 +40,95 @@ class RequestOutput:
     finished: bool = False
 
 
-class LLM:
-    """A model loaded in this process. `LLM()` with no model loads the embedded SmolLM2."""
+class Engine:
+    """Several models in this process under one memory budget: `add_model` configures one
+    (loaded on its first request, or by `load`), `generate(..., model=NAME)` runs on it.
+    A model that does not fit puts the least recently used one to sleep (`ember.engine
+    .model_pool`); `sleep`, `wake`, `load` and `unload` do it by hand. ``memory_options``:
+    `ember.config.MEMORY_OPTIONS` (``gpu_memory_utilization``, ``memory_budget_bytes``,
+    ``sleep_host_memory_bytes``)."""
 
-    def __init__(self, model: str | None = None, **options: Any) -> None:
-        """``model``: a GGUF file, a model directory or a Hugging Face id in the local cache
-        (None: the embedded SmolLM2). ``options``: the engine's, named as `ember serve`'s flags
-        and vLLM's `LLM` keywords (`ember.config.ENGINE_OPTIONS`: ``max_model_len``,
-        ``max_num_seqs``, ``max_num_batched_tokens``, ``gpu_memory_utilization``, ``dtype``,
-        ``device``, ``seed``, ``enforce_eager``, ...); one left out keeps its default."""
-        self.instance = ModelInstance(engine_config(model, **options))
+    def __init__(self, **memory_options: Any) -> None:
+        self.pool = ModelPool([], memory_config(**memory_options))
         self._ids = itertools.count()
 
-    def get_tokenizer(self):
-        return self.instance.tokenizer
+    def add_model(self, name: str | None = None, model: str | None = None, **options: Any) -> str:
+        """Configure ``model`` (as `LLM`'s) under ``name`` (default: the model as given);
+        ``options``: the engine's (`ember.config.ENGINE_OPTIONS`). Returns the name."""
+        options.setdefault("served_model_name", name)
+        return self.pool.add_model(engine_config(model, **options))
+
+    @property
+    def models(self) -> list[str]:
+        return list(self.pool.slots)
+
+    def state(self, name: str) -> str:
+        return self.pool.state(name).value
+
+    def load(self, name: str) -> float:
+        """Load (or wake) ``name`` now; the seconds it took."""
+        return self._command(name, "load")
+
+    def sleep(self, name: str) -> float:
+        return self._command(name, "sleep")
+
+    def wake(self, name: str) -> float:
+        return self._command(name, "wake")
+
+    def unload(self, name: str) -> float:
+        return self._command(name, "unload")
+
+    def _command(self, name: str, action: str) -> float:
+        results = []
+        self.pool.command(name, action, results.append)
+        self.pool.wait_transitions()
+        (result,) = results
+        if result.status != 200:
+            failure = self.pool.failure(name)
+            if failure is not None:
+                raise failure  # the load's own error: a bad file reads as one
+            raise RuntimeError(result.message)
+        return result.seconds
+
+    def instance(self, name: str) -> ModelInstance:
+        """The loaded model ``name`` (loading it first if needed)."""
+        if self.pool.state(name).value != "loaded":
+            self.load(name)
+        instance = self.pool.instance(name)
+        assert instance is not None
+        return instance
+
+    def get_tokenizer(self, name: str):
+        return self.pool.slots[name].plan.tokenizer
 
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        model: str,
     ) -> list[RequestOutput]:
-        """Generate completions for every prompt; outputs come back in the order of the prompts."""
+        """Generate completions on ``model`` for every prompt, in the order of the prompts."""
+        plan = self.pool.slots[model].plan
         prompt_list = _as_prompt_list(prompts)
         params_list = _as_params_list(sampling_params, len(prompt_list))
-        encoded = [self._encode(p) for p in prompt_list]
+        encoded = [_encode(plan.tokenizer, p) for p in prompt_list]
         for (_, ids), params in zip(encoded, params_list):
-            self.instance.validate_prompt(ids, params)  # all checked before any is queued
-        return self._run(encoded, params_list)
+            validate_prompt(plan, ids, params)  # all checked before any is queued
+        return self._run(model, encoded, params_list)
 
     def chat(
         self,
         messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
+        model: str,
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to each conversation, then generate."""
+        """Apply ``model``'s chat template to each conversation, then generate."""
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
-        tokenizer = self.instance.tokenizer
+        tokenizer = self.get_tokenizer(model)
         prompts = [
             {
                 "prompt_token_ids": tokenizer.encode_chat(
@@ -86,23 +139,15 @@ class LLM:
             }
             for conv in conversations
         ]
-        return self.generate(prompts, sampling_params)
-
-    def _encode(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            return prompt, self.instance.tokenizer.encode(prompt)
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
-            if "prompt" in prompt:
-                return prompt["prompt"], self.instance.tokenizer.encode(prompt["prompt"])
-            raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
-        return None, [int(t) for t in prompt]
+        return self.generate(prompts, sampling_params, model=model)
 
     def _run(
-        self, encoded: list[tuple[str | None, list[int]]], params_list: list[SamplingParams]
+        self,
+        model: str,
+        encoded: list[tuple[str | None, list[int]]],
+        params_list: list[SamplingParams],
     ) -> list[RequestOutput]:
-        instance, tokenizer = self.instance, self.instance.tokenizer
+        pool, tokenizer = self.pool, self.get_tokenizer(model)
         results: list[RequestOutput] = []
         tracked: dict[str, _Tracked] = {}
         for (text, ids), params in zip(encoded, params_list):
@@ -127,18 +172,88 @@ class LLM:
                     include_stop_str_in_output=params.include_stop_str_in_output,
                 )
                 tracked[request_id] = _Tracked(completion, detok)
-                instance.add_request(request_id, ids, choice_params)
-        while instance.has_work():
-            for update in instance.step():
+                pool.add_request(model, request_id, ids, choice_params)
+        unfinished = set(tracked)
+        while unfinished:
+            pool.poll()
+            rejections = pool.take_rejections()
+            if rejections:
+                for request_id in unfinished:
+                    pool.abort(request_id)
+                raise RuntimeError(rejections[0].message)
+            for update in pool.step():
                 entry = tracked[update.request_id]
                 entry.add(update)
                 if entry.detok.finished and update.finish_reason is None:
-                    instance.abort(update.request_id)  # a stop string ended it
+                    pool.abort(update.request_id)  # a stop string ended it
                 if entry.done:
                     entry.finalize()
+                    unfinished.discard(update.request_id)
         for out in results:
             out.finished = True
         return results
+
+
+class LLM:
+    """One model loaded in this process. `LLM()` with no model loads the embedded SmolLM2."""
+
+    def __init__(self, model: str | None = None, **options: Any) -> None:
+        """``model``: a GGUF file, a model directory or a Hugging Face id in the local cache
+        (None: the embedded SmolLM2). ``options``: the engine's, named as `ember serve`'s flags
+        and vLLM's `LLM` keywords (`ember.config.ENGINE_OPTIONS`: ``max_model_len``,
+        ``max_num_seqs``, ``max_num_batched_tokens``, ``dtype``, ``device``, ``seed``,
+        ``enforce_eager``, ...; and `ember.config.MEMORY_OPTIONS`:
+        ``gpu_memory_utilization``, ...); one left out keeps its default."""
+        memory = {k: options.pop(k) for k in MEMORY_OPTIONS if k in options}
+        self.engine = Engine(**memory)
+        self.model_name = self.engine.add_model(
+            options.pop("served_model_name", None) or model, model, **options
+        )
+        self.engine.load(self.model_name)
+
+    @property
+    def instance(self) -> ModelInstance:
+        return self.engine.instance(self.model_name)
+
+    def get_tokenizer(self):
+        return self.engine.get_tokenizer(self.model_name)
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate completions for every prompt; outputs come back in the order of the prompts."""
+        return self.engine.generate(prompts, sampling_params, model=self.model_name)
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to each conversation, then generate."""
+        return self.engine.chat(
+            messages,
+            sampling_params,
+            model=self.model_name,
+            add_generation_prompt=add_generation_prompt,
+            chat_template_kwargs=chat_template_kwargs,
+        )
+
+
+def _encode(tokenizer, prompt: PromptType) -> tuple[str | None, list[int]]:
+    if isinstance(prompt, str):
+        return prompt, tokenizer.encode(prompt)
+    if isinstance(prompt, dict):
+        if "prompt_token_ids" in prompt:
+            return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
+        if "prompt" in prompt:
+            return prompt["prompt"], tokenizer.encode(prompt["prompt"])
+        raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+    return None, [int(t) for t in prompt]
 
 
 @dataclass

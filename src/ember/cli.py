@@ -1,4 +1,5 @@
-"""The `ember` command: `ember serve [MODEL] ...` and `ember bench <benchmark> ...`.
+"""The `ember` command: `ember serve [[NAME=]SOURCE ...] [--config FILE] ...` and
+`ember bench <benchmark> ...`.
 
 Flags are named as vLLM's where vLLM has one, so `ember serve` can replace `vllm serve` in a
 script. Heavy modules (torch, the server) are imported only by the subcommand that runs, so
@@ -15,12 +16,23 @@ import sys
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-from ember.config import ENGINE_OPTIONS, PDL_MODES, engine_config
+from ember.config import (
+    ENGINE_OPTIONS,
+    MEMORY_OPTIONS,
+    PDL_MODES,
+    MemoryConfig,
+    engine_config,
+    memory_config,
+)
 from ember.server.config import (
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_QUEUE,
+    DEFAULT_MODEL_LOAD_TIMEOUT_S,
     DEFAULT_SHUTDOWN_TIMEOUT_S,
 )
+from ember.server.config_file import CUDA_GRAPH_MODES, ModelEntry
+
+log = logging.getLogger("ember.cli")
 
 
 class BenchCommand(NamedTuple):
@@ -79,6 +91,13 @@ BENCH_COMMANDS: dict[str, BenchCommand] = {
         "host cost of one engine step (schedule, launch, collect, update) on a stand-in model, "
         "no GPU",
     ),
+    "multi-model": BenchCommand(
+        "ember.bench.multi_model",
+        "add_arguments",
+        "run",
+        "several models in one server: traffic split across them, sleeps and wakes, stalls, wake "
+        "and load times",
+    ),
 }
 
 API_KEY_ENV = "EMBER_API_KEY"
@@ -86,18 +105,27 @@ API_KEY_ENV = "EMBER_API_KEY"
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "model",
-        nargs="?",
-        default=None,
-        help="a .gguf file, a model directory, or a Hugging Face model id in the local cache "
-        "(default: the embedded SmolLM2-135M-Instruct)",
+        "models",
+        nargs="*",
+        metavar="[NAME=]SOURCE",
+        help="the models to serve, each a .gguf file, a model directory, or a Hugging Face model "
+        "id in the local cache, served as NAME (default: SOURCE as given); the first answers "
+        "requests that name no model (default: the embedded SmolLM2-135M-Instruct)",
+    )
+    parser.add_argument(
+        "--config",
+        metavar="FILE",
+        help="a TOML file of models to serve (after those on the command line) and their "
+        "settings, and engine-wide settings (README.md, 'Several models on one GPU')",
     )
     parser.add_argument("--host", default="0.0.0.0", help="address to listen on")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument(
-        "--served-model-name", help="the name clients use in 'model' (default: MODEL as given)"
+        "--served-model-name",
+        help="the name clients use in 'model' (default: MODEL as given); one model only",
     )
     defaults = engine_config()
+    memory = MemoryConfig()
     parser.add_argument(
         "--dtype",
         help="auto (float32 on CPU, the checkpoint's bf16/fp16 on GPU; the default), float32, "
@@ -108,8 +136,48 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--gpu-memory-utilization",
         type=float,
-        help=f"fraction of GPU memory for weights and KV cache "
-        f"(default: {defaults.cache.gpu_memory_utilization})",
+        help=f"fraction of GPU memory for all models' weights and KV caches "
+        f"(default: {memory.gpu_memory_utilization})",
+    )
+    parser.add_argument(
+        "--memory-budget-bytes",
+        type=int,
+        help="a memory budget in bytes for all models, instead of --gpu-memory-utilization "
+        "(on a CPU: no limit by default)",
+    )
+    parser.add_argument(
+        "--sleep-host-memory-bytes",
+        type=int,
+        help="pinned host memory holding sleeping models' weights (default: no bound; past it "
+        "a sleeping model's weights are read again from its checkpoint on wake)",
+    )
+    parser.add_argument(
+        "--model-load-timeout",
+        type=float,
+        metavar="SECONDS",
+        help="how long a request may wait for its model to load or wake, then 503 "
+        f"(default: {DEFAULT_MODEL_LOAD_TIMEOUT_S:g})",
+    )
+    parser.add_argument(
+        "--pinned",
+        action="store_true",
+        default=None,
+        help="never put the models to sleep to make room for another",
+    )
+    parser.add_argument(
+        "--idle-timeout",
+        dest="idle_timeout_s",
+        type=float,
+        metavar="SECONDS",
+        help="put a model to sleep after this long without a request (default: only to make "
+        "room for another model)",
+    )
+    parser.add_argument(
+        "--no-preload",
+        dest="preload",
+        action="store_false",
+        default=None,
+        help="load each model at its first request, not at start",
     )
     parser.add_argument(
         "--max-num-seqs",
@@ -147,7 +215,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--cuda-graph-mode",
-        choices=("full", "decode"),
+        choices=CUDA_GRAPH_MODES,
         help="full (the default): CUDA graphs for decode and prefill steps; decode: decode "
         "steps only",
     )
@@ -157,7 +225,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         default=os.environ.get(API_KEY_ENV),
         help=f"require 'Authorization: Bearer KEY' (default: ${API_KEY_ENV})",
     )
-    parser.add_argument("--chat-template", help="a chat template file, or the template itself")
+    parser.add_argument(
+        "--chat-template", help="a chat template file, or the template itself (every model's)"
+    )
     parser.add_argument(
         "--max-queue",
         type=int,
@@ -236,16 +306,71 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     return options
 
 
-def server_config(args: argparse.Namespace):
-    """The ServerConfig described by `ember serve` flags."""
-    from ember.server.config import ServedModelSpec, ServerConfig
-    from ember.server.models import served_name_for
+def parse_model_argument(text: str) -> tuple[str | None, str]:
+    """``(NAME, SOURCE)`` of a ``[NAME=]SOURCE`` argument (NAME None when not given). It is
+    split at its first '=' only where what comes before is a plain name (no '/') and something
+    comes after, and never when the whole argument exists on disk (a path with '=' in it)."""
+    name, equals, source = text.partition("=")
+    if not equals or not name or not source or "/" in name or os.sep in name:
+        return None, text
+    if os.path.exists(text):
+        return None, text
+    return name, source
 
-    options = engine_options(args)
-    options["served_model_name"] = served_name_for(args.model, args.served_model_name)
-    engine = engine_config(args.model, **options)
+
+def command_line_models(args: argparse.Namespace) -> list[ModelEntry]:
+    """The models `ember serve`'s positional arguments name, in order (none: an empty list);
+    ValueError where --served-model-name cannot apply."""
+    arguments = list(getattr(args, "models", None) or ())
+    served_model_name = getattr(args, "served_model_name", None)
+    if served_model_name and len(arguments) > 1:
+        raise ValueError(
+            f"--served-model-name names one model, but {len(arguments)} are given; "
+            "name each as NAME=SOURCE instead"
+        )
+    entries = []
+    for text in arguments:
+        name, source = parse_model_argument(text)
+        if name and served_model_name:
+            raise ValueError(f"{text!r} names its model already; leave out --served-model-name")
+        entries.append(
+            ModelEntry(source, name=name or served_model_name, origin=f"the argument {text!r}")
+        )
+    return entries
+
+
+def server_config(args: argparse.Namespace):
+    """The ServerConfig described by `ember serve` flags (and its --config file); ValueError
+    for a mistake in either, naming the file where it is there."""
+    from ember.server.config import ServerConfig
+    from ember.server.config_file import ConfigFile, build_specs, load_config_file
+
+    file = load_config_file(args.config) if getattr(args, "config", None) else ConfigFile("")
+    entries = command_line_models(args)
+    if file.models and args.served_model_name:
+        raise ValueError(
+            f"--served-model-name names one model, but {file.path} lists models too; "
+            "name each model in its own place instead"
+        )
+    entries += file.models
+    if not entries:  # the embedded default model
+        entries = [ModelEntry(None, name=args.served_model_name)]
+    defaults = engine_options(args)
+    defaults.pop("served_model_name", None)  # each model's own
+    models = build_specs(entries, defaults, args.chat_template)
+    memory = dict(file.memory)  # a flag given wins over the file
+    memory.update(
+        (name, getattr(args, name)) for name in MEMORY_OPTIONS if getattr(args, name) is not None
+    )
+    load_timeout = args.model_load_timeout
+    if load_timeout is None:
+        load_timeout = file.model_load_timeout_s
+    if load_timeout is None:
+        load_timeout = DEFAULT_MODEL_LOAD_TIMEOUT_S
     return ServerConfig(
-        models=(ServedModelSpec(engine, chat_template=args.chat_template),),
+        models=models,
+        memory=memory_config(**memory),
+        model_load_timeout_s=load_timeout,
         host=args.host,
         port=args.port,
         api_key=args.api_key or None,
@@ -259,12 +384,17 @@ def server_config(args: argparse.Namespace):
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from ember.server.serve import run_server
-
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    return run_server(server_config(args))
+    try:
+        config = server_config(args)
+    except (ValueError, OSError) as error:
+        log.error("ember serve: %s", error)
+        return 1
+    from ember.server.serve import run_server
+
+    return run_server(config)
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -281,11 +411,15 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     serve = commands.add_parser(
         "serve",
-        help="serve a model over the OpenAI API",
-        description="Serve a model over the OpenAI API (a drop-in for `vllm serve`).",
+        help="serve models over the OpenAI API",
+        description="Serve one model, or several sharing the GPU, over the OpenAI API (a "
+        "drop-in for `vllm serve`). Per-model flags (--dtype, --max-model-len, --pinned, "
+        "--chat-template, ...) set every model's default; a model's table in --config "
+        "overrides them. Engine-wide flags (--gpu-memory-utilization, --memory-budget-bytes, "
+        "--sleep-host-memory-bytes, --model-load-timeout) win over the file's.",
     )
     add_serve_arguments(serve)
-    serve.set_defaults(run=run_serve)
+    serve.set_defaults(run=run_serve, usage_error=serve.error)
     bench = commands.add_parser("bench", help="benchmarks")
     benchmarks = bench.add_subparsers(dest="benchmark", required=True, metavar="BENCHMARK")
     for name, command in BENCH_COMMANDS.items():
@@ -301,8 +435,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, rest = parser.parse_known_args(argv)
     if args.command == "bench":
         args.bench_args = rest
+    elif args.command == "serve" and rest and not any(arg.startswith("-") for arg in rest):
+        args.models += rest  # models after flags: `ember serve a --port 8001 b`
     elif rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    if args.command == "serve":
+        try:
+            command_line_models(args)
+        except ValueError as error:
+            args.usage_error(str(error))
     return args.run(args)
 
 

@@ -128,8 +128,7 @@ class CacheConfig:
 
     block_size: int = 16
     num_blocks: int | None = None  # None: sized from the memory budget
-    kv_cache_memory_bytes: int | None = None  # budget on CPU (1 GiB if None); on GPU derived
-    gpu_memory_utilization: float = 0.90
+    kv_cache_memory_bytes: int | None = None  # None: the model's share of the memory budget
 
 
 @dataclass(frozen=True)
@@ -149,6 +148,47 @@ class StepLimits:
         """Rows the step's token arrays hold: a decode step may feed one per sequence even
         where that is more than the token budget."""
         return max(self.max_num_batched_tokens, self.max_num_seqs)
+
+
+@dataclass(frozen=True)
+class ModelPolicy:
+    """How the engine treats one model among several (`ember.engine.model_pool`): ``pinned``
+    models are never put to sleep; one idle (no request) for ``idle_timeout_s`` sleeps;
+    ``preload`` loads it at start when it fits without evicting another; ``memory_share`` is
+    the fraction of the memory budget its weights, KV cache and reserve aim for (None: the KV
+    cache gets ``kv_cache_memory_bytes``, else an equal share of the budget per model)."""
+
+    pinned: bool = False
+    idle_timeout_s: float | None = None
+    preload: bool = True
+    memory_share: float | None = None
+
+
+@dataclass(frozen=True)
+class MemoryConfig:
+    """The engine process's one memory budget, shared by every model it holds.
+
+    ``gpu_memory_utilization``: the process's share of the GPU (weights, KV caches, graph pools
+    and activations of all loaded models). ``memory_budget_bytes`` replaces it with a byte count
+    (the only budget on a CPU, where None means no limit). ``sleep_host_memory_bytes`` bounds
+    the pinned host memory holding sleeping models' weights (None: no bound); past it, a
+    sleeping model's weights are dropped and read again from its checkpoint on wake."""
+
+    gpu_memory_utilization: float = 0.90
+    memory_budget_bytes: int | None = None
+    sleep_host_memory_bytes: int | None = None
+
+
+# Options of `memory_config` (engine-wide, not per model).
+MEMORY_OPTIONS = tuple(f.name for f in dataclasses.fields(MemoryConfig))
+
+
+def memory_config(**options: Any) -> MemoryConfig:
+    """A `MemoryConfig` from flat options; one left out or None keeps its default."""
+    unknown = sorted(set(options) - set(MEMORY_OPTIONS))
+    if unknown:
+        raise TypeError(f"unknown memory option(s): {', '.join(unknown)}")
+    return MemoryConfig(**{k: v for k, v in options.items() if v is not None})
 
 
 @dataclass(frozen=True)
@@ -180,6 +220,7 @@ class EngineConfig:
     # (bench/results/README.md, "Deferred norms").
     defer_norms: bool = True
     overlap: bool | None = None  # None: overlap CPU and GPU work when on a GPU
+    policy: ModelPolicy = field(default_factory=ModelPolicy)
 
     @property
     def asks_for_triton(self) -> bool:
@@ -196,16 +237,20 @@ _SECTION_OPTIONS: dict[str, tuple[str, str]] = {
     "block_size": ("cache", "block_size"),
     "num_gpu_blocks_override": ("cache", "num_blocks"),
     "kv_cache_memory_bytes": ("cache", "kv_cache_memory_bytes"),
-    "gpu_memory_utilization": ("cache", "gpu_memory_utilization"),
     "max_num_seqs": ("limits", "max_num_seqs"),
     "max_num_batched_tokens": ("limits", "max_num_batched_tokens"),
     "max_model_len": ("limits", "max_model_len"),
     "long_prefill_token_threshold": ("limits", "long_prefill_token_threshold"),
+    "pinned": ("policy", "pinned"),
+    "idle_timeout_s": ("policy", "idle_timeout_s"),
+    "preload": ("policy", "preload"),
+    "memory_share": ("policy", "memory_share"),
 }
 _ENGINE_FIELDS = frozenset(f.name for f in dataclasses.fields(EngineConfig)) - {
     "model",
     "cache",
     "limits",
+    "policy",
 }
 ENGINE_OPTIONS = tuple(sorted(_ENGINE_FIELDS | set(_SECTION_OPTIONS)))
 
@@ -219,7 +264,7 @@ def engine_config(model: str | None = None, **options: Any) -> EngineConfig:
     if unknown:
         raise TypeError(f"unknown engine option(s): {', '.join(unknown)}")
     given = {name: value for name, value in options.items() if value is not None}
-    sections: dict[str, dict[str, Any]] = {"cache": {}, "limits": {}}
+    sections: dict[str, dict[str, Any]] = {"cache": {}, "limits": {}, "policy": {}}
     top: dict[str, Any] = {}
     for name, value in given.items():
         if name in _SECTION_OPTIONS:
@@ -235,5 +280,6 @@ def engine_config(model: str | None = None, **options: Any) -> EngineConfig:
         model=model,
         cache=CacheConfig(**sections["cache"]),
         limits=StepLimits(**limits),
+        policy=ModelPolicy(**sections["policy"]),
         **top,
     )

@@ -1,4 +1,5 @@
-"""The engine loop and its IPC, without a model: fake instances that emit one token per step."""
+"""The engine loop and its IPC, without a model: fake instances, in a pool of loaded models,
+that emit one token per step."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from ember.engine.ipc import (
     Shutdown,
     StepOutputs,
 )
+from ember.engine.model_pool import ModelState, UnknownModelError
 from ember.engine.scheduler import StepCounts
 from ember.engine.step_types import RequestUpdate
 from ember.sampling_params import SamplingParams
@@ -67,6 +69,57 @@ class FakeInstance:
         self.kv_manager.num_free_blocks = 10 - len(self.requests)
 
 
+class FakePool:
+    """The `ModelPool` surface the engine loop uses, over fake instances that are all loaded."""
+
+    def __init__(self, instances: dict[str, FakeInstance]) -> None:
+        self.instances = instances
+        self.slots = {
+            name: SimpleNamespace(
+                name=name, state=ModelState.LOADED, error=None, instance=inst, queued=[]
+            )
+            for name, inst in instances.items()
+        }
+        self.states_changed = False
+
+    def has_work(self):
+        return any(instance.has_work() for instance in self.instances.values())
+
+    def next_deadline(self):
+        return None
+
+    def poll(self):
+        pass
+
+    def step(self):
+        return [u for i in self.instances.values() if i.has_work() for u in i.step()]
+
+    def add_request(self, model, request_id, prompt_token_ids, params):
+        if model not in self.instances:
+            raise UnknownModelError(model)
+        self.instances[model].add_request(request_id, prompt_token_ids, params)
+
+    def abort(self, request_id):
+        return any(instance.abort(request_id) for instance in self.instances.values())
+
+    def take_rejections(self):
+        return []
+
+    def statuses(self):
+        return []
+
+    def infos(self):
+        return []
+
+
+def run_core(instances: dict[str, FakeInstance], channel: ScriptedChannel) -> None:
+    EngineCore(FakePool(instances), channel).run()
+
+
+def step_outputs(channel: ScriptedChannel) -> list[StepOutputs]:
+    return [m for m in channel.sent if isinstance(m, StepOutputs)]
+
+
 class ScriptedChannel:
     """Feeds the loop message batches; records what it sends."""
 
@@ -76,7 +129,7 @@ class ScriptedChannel:
         self.parent_alive = True
         self.blocking_receives = 0
 
-    def receive(self, block: bool):
+    def receive(self, block: bool, timeout_s: float | None = None):
         if block:
             self.blocking_receives += 1
         if self.batches:
@@ -94,8 +147,8 @@ def add(request_id: str, model: str, max_tokens: int, prompt=(1, 2, 3)) -> AddRe
 def test_steps_every_model_and_reports_tokens_until_done():
     a, b = FakeInstance(), FakeInstance()
     channel = ScriptedChannel([[add("r1", "a", 2), add("r2", "b", 3)]])
-    EngineCore({"a": a, "b": b}, channel).run()
-    updates = [u for m in channel.sent for u in m.updates]
+    run_core({"a": a, "b": b}, channel)
+    updates = [u for m in step_outputs(channel) for u in m.updates]
     assert [(u.request_id, u.finish_reason) for u in updates] == [
         ("r1", None),
         ("r2", None),
@@ -104,12 +157,13 @@ def test_steps_every_model_and_reports_tokens_until_done():
         ("r2", "length"),
     ]
     # Idle at the end: a stats message settles the gauges at zero, then the loop blocks.
-    assert channel.sent[-1].stats is not None
-    assert {s.model: s.kv_blocks_used for s in channel.sent[-1].stats} == {"a": 0, "b": 0}
+    last = step_outputs(channel)[-1]
+    assert last.stats is not None
+    assert {s.model: s.kv_blocks_used for s in last.stats} == {"a": 0, "b": 0}
     assert channel.blocking_receives >= 1
     # The process's collector passes ride with every stats message, and only with those.
-    assert all((m.gc is not None) == (m.stats is not None) for m in channel.sent)
-    gc = channel.sent[-1].gc
+    assert all((m.gc is not None) == (m.stats is not None) for m in step_outputs(channel))
+    gc = last.gc
     assert len(gc.passes) == len(gc.pause_seconds) == 3
 
 
@@ -124,9 +178,9 @@ def test_collector_passes_during_the_loop_reach_the_stats():
             return super().step()
 
     channel = ScriptedChannel([[add("r1", "a", 2)]])
-    EngineCore({"a": CollectingInstance()}, channel).run()
-    assert channel.sent[-1].gc.passes[2] >= 2
-    assert channel.sent[-1].gc.pause_seconds[2] > 0
+    run_core({"a": CollectingInstance()}, channel)
+    assert step_outputs(channel)[-1].gc.passes[2] >= 2
+    assert step_outputs(channel)[-1].gc.pause_seconds[2] > 0
     assert not any(
         getattr(cb, "__self__", None).__class__.__name__ == "GcPauses" for cb in collector.callbacks
     )
@@ -134,8 +188,8 @@ def test_collector_passes_during_the_loop_reach_the_stats():
 
 def test_invalid_request_and_unknown_model_are_rejected_not_fatal():
     channel = ScriptedChannel([[add("bad", "a", 2, prompt=[500]), add("x", "nope", 2)]])
-    EngineCore({"a": FakeInstance()}, channel).run()
-    rejected = [r for m in channel.sent for r in m.rejected]
+    run_core({"a": FakeInstance()}, channel)
+    rejected = [r for m in step_outputs(channel) for r in m.rejected]
     assert [r.request_id for r in rejected] == ["bad", "x"]
     assert "vocabulary" in rejected[0].message and "nope" in rejected[1].message
 
@@ -143,8 +197,8 @@ def test_invalid_request_and_unknown_model_are_rejected_not_fatal():
 def test_abort_stops_a_request_between_steps():
     instance = FakeInstance()
     channel = ScriptedChannel([[add("r1", "a", 100)], [AbortRequests(["r1", "unknown"])]])
-    EngineCore({"a": instance}, channel).run()
-    updates = [u for m in channel.sent for u in m.updates]
+    run_core({"a": instance}, channel)
+    updates = [u for m in step_outputs(channel) for u in m.updates]
     assert len(updates) == 1 and not instance.requests
 
 

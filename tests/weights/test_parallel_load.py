@@ -16,9 +16,9 @@ from helpers.tiny_models import make_tiny_model
 from safetensors.torch import load_file, save_file
 
 from ember import LLM, SamplingParams
-from ember.config import engine_config
+from ember.config import MemoryConfig, engine_config
 from ember.engine import model_instance
-from ember.engine.engine_core import load_instances
+from ember.engine.model_pool import ModelPool
 from ember.weights.hf_checkpoint import HFDirCheckpoint
 from ember.weights.parallel_load import load_extents
 from ember.weights.safetensors_layout import read_extents
@@ -208,9 +208,13 @@ def test_weights_load_while_the_kernels_compile(tmp_path, monkeypatch):
 
 def test_load_progress_counts_every_tensor(tmp_path):
     path = make_tiny_model("LlamaForCausalLM", tmp_path / "m", num_hidden_layers=1)
-    messages = []
+    done: list[int] = []
     config = engine_config(str(path), device="cpu", max_model_len=64)
-    load_instances([config], messages.append)
+    pool = ModelPool([config], MemoryConfig())
+    pool.set_progress(lambda name: done.append)
+    results = []
+    pool.command(str(path), "load", results.append)
+    assert results[0].status == 200
     total = HFDirCheckpoint(path).num_tensors
-    assert messages[0].done == 0 and messages[-1].done == total == messages[-1].total
-    assert [m.done for m in messages] == sorted(m.done for m in messages)
+    assert done[-1] == total and len(done) == total
+    assert done == sorted(done)

@@ -27,7 +27,7 @@ from ember.bench.roofline import (
     measure_sustained,
     time_cuda,
 )
-from ember.config import engine_config
+from ember.config import MemoryConfig, engine_config
 from ember.engine.gc_heap import SLOW_PASS_S, GcPauses, freeze_startup_heap
 from ember.engine.model_instance import ModelInstance
 from ember.runner.model_runner import ModelRunner
@@ -336,13 +336,12 @@ def bench_instance(
     benchmarks; ``engine_options``: further `engine_config` options (the fast-path flags')."""
     ceilings = ceilings or measure_ceilings()
     options = {
-        "gpu_memory_utilization": 0.92,
         "max_num_seqs": 256,
         "max_num_batched_tokens": max_num_batched_tokens,
         "max_model_len": max_model_len,
         **(engine_options or {}),
     }
-    inst = ModelInstance(engine_config(model, **options))
+    inst = ModelInstance(engine_config(model, **options), memory=MemoryConfig(0.92))
     inst.kv_cache.normal_(0, 0.5)  # never time on zeros
     return inst, ceilings
 

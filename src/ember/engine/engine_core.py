@@ -1,11 +1,18 @@
-"""The engine process: loads the served models and steps them for as long as the front end lives.
+"""The engine process: holds the configured models and steps them for as long as the front end
+lives.
 
 One loop, one thread:
 
-1. take every message the front end sent (add, abort, shutdown) without blocking;
-2. step every model instance that has work, one step each (several models interleave);
-3. send one message with every request that changed, plus stats now and then;
-4. with no work anywhere, block on the socket until a message arrives (never spin).
+1. take every message the front end sent (add, abort, model command, shutdown) without
+   blocking;
+2. let the model pool finish transitions (loads, sleeps, wakes run on its worker thread), time
+   out requests whose model did not come up, and put idle models to sleep;
+3. step every loaded model that has work, one step each (`ember.engine.model_pool`: the
+   interleaving policy);
+4. send one message with every request that changed, plus stats now and then, and model states
+   whenever one changed;
+5. with no work anywhere, block on the socket until a message arrives or the pool has
+   something due (never spin).
 
 It speaks token ids only; text, chat templates and HTTP live in the front end. Started by the
 front end through `ember.engine.launch.start_engine_process` (multiprocessing, spawn; kept out
@@ -18,17 +25,19 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import signal
+import threading
 import time
 import traceback
 from collections.abc import Callable
-from typing import Any
+from concurrent.futures import ThreadPoolExecutor
 
-from ember.config import EngineConfig
+from ember.config import EngineConfig, MemoryConfig
 from ember.dependencies import MissingDependencyError
 from ember.engine.gc_heap import SLOW_PASS_S, GcPauses, freeze_startup_heap
 from ember.engine.ipc import (
     AbortRequests,
     AddRequest,
+    CommandDone,
     EngineChannel,
     EngineFailed,
     EngineGc,
@@ -36,13 +45,20 @@ from ember.engine.ipc import (
     FrontendMessage,
     IpcAddresses,
     LoadProgress,
-    ModelInfo,
+    ModelCommand,
+    ModelStates,
     ModelStats,
     RequestRejected,
     Shutdown,
     StepOutputs,
 )
-from ember.engine.model_instance import ModelInstance
+from ember.engine.model_pool import (
+    CommandResult,
+    ModelPool,
+    ModelState,
+    ModelUnavailableError,
+    UnknownModelError,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -50,15 +66,51 @@ STATS_INTERVAL_S = 0.5  # how often stats ride along with outputs while busy
 PROGRESS_INTERVAL_S = 0.1  # how often load progress is reported
 
 
-class EngineCore:
-    """The served model instances, by served name, and the loop that steps them."""
+class LoadProgressBoard:
+    """Weight tensors loaded so far, per model, written by the loading thread and sent by the
+    engine loop (the only thread that may use the socket)."""
 
-    def __init__(self, instances: dict[str, ModelInstance], channel: EngineChannel) -> None:
-        self.instances = instances
+    def __init__(self, totals: dict[str, int | None]) -> None:
+        self._totals = totals
+        self._done: dict[str, int] = {}
+        self._sent: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self._sent_at = 0.0
+
+    def reporter(self, model: str) -> Callable[[int], None]:
+        def report(done: int) -> None:
+            with self._lock:
+                self._done[model] = done
+
+        return report
+
+    def due(self, force: bool = False) -> list[LoadProgress]:
+        """Progress not sent yet (at most every PROGRESS_INTERVAL_S unless ``force``)."""
+        now = time.monotonic()
+        if not force and now - self._sent_at < PROGRESS_INTERVAL_S:
+            return []
+        with self._lock:
+            changed = {m: d for m, d in self._done.items() if self._sent.get(m) != d}
+        self._sent.update(changed)
+        self._sent_at = now
+        return [LoadProgress(m, d, self._totals.get(m)) for m, d in changed.items()]
+
+
+class EngineCore:
+    """The model pool and the loop that steps it."""
+
+    def __init__(
+        self, pool: ModelPool, channel: EngineChannel, progress: LoadProgressBoard | None = None
+    ) -> None:
+        self.pool = pool
         self.channel = channel
+        self.progress = progress
         self._stats_sent_at = 0.0
         self._stats_dirty = True
         self._running = True
+        self._ready_sent = False
+        self.failed = False  # every model failed to load at start
+        self._done: list[CommandDone] = []
         self._gc_pauses = GcPauses(slow_pass_s=SLOW_PASS_S)  # a slow pass is logged
 
     def run(self) -> None:
@@ -67,24 +119,68 @@ class EngineCore:
             self._loop()
 
     def _loop(self) -> None:
+        pool = self.pool
         while self._running:
-            busy = any(instance.has_work() for instance in self.instances.values())
+            if not self._ready_sent and not self._announce_ready():
+                return
+            busy = pool.has_work()
             if not busy and self._stats_dirty:
                 self._send(StepOutputs(updates=[], stats=self.stats()))  # settle the gauges
-            messages = self.channel.receive(block=not busy)
+            messages = self.channel.receive(block=not busy, timeout_s=pool.next_deadline())
             if not self.channel.parent_alive:
                 logger.info("the front-end process is gone; the engine exits")
                 return
             rejected = self._handle(messages)
-            updates = []
-            for instance in self.instances.values():
-                if instance.has_work():
-                    updates.extend(instance.step())
+            pool.poll()
+            updates = pool.step()
+            rejected += [
+                RequestRejected(r.request_id, r.message, r.retry_after_s)
+                for r in pool.take_rejections()
+            ]
+            self._send_progress_and_states()
             if updates or rejected or messages:
                 self._stats_dirty = True
             if updates or rejected or self._stats_due():
                 stats = self.stats() if self._stats_due() else None
                 self._send(StepOutputs(updates, rejected, stats))
+            done, self._done = self._done, []
+            for message in done:
+                self.channel.send(message)
+
+    def _announce_ready(self) -> bool:
+        """Once the start-up loads are over, say so; False (after reporting) if every model
+        failed to load."""
+        if any(s.state is ModelState.LOADING for s in self.pool.slots.values()):
+            return True
+        self._send_progress_and_states(force=True)
+        slots = list(self.pool.slots.values())
+        if all(slot.state is ModelState.FAILED for slot in slots):
+            missing = [s.failure for s in slots if isinstance(s.failure, MissingDependencyError)]
+            if len(missing) == len(slots):  # a setup problem: its one line, as the only cause
+                message = str(missing[0])
+            else:
+                message = "no model could be loaded: " + "; ".join(
+                    f"{s.name}: {s.error}" for s in slots
+                )
+            logger.error("%s", message)
+            self.channel.send(EngineFailed(message))
+            self.failed = True
+            return False
+        # The loaded heap never becomes garbage; the collector's oldest pass must not walk it
+        # between steps (ember.engine.gc_heap).
+        frozen = freeze_startup_heap()
+        logger.info("froze %d start-up objects out of the collector's passes", frozen)
+        self.channel.send(EngineReady(self.pool.infos()))
+        self._ready_sent = True
+        return True
+
+    def _send_progress_and_states(self, force: bool = False) -> None:
+        if self.progress is not None:
+            for message in self.progress.due(force):
+                self.channel.send(message)
+        if self.pool.states_changed:
+            self.pool.states_changed = False
+            self.channel.send(ModelStates(self.pool.statuses()))
 
     def _handle(self, messages: list[FrontendMessage]) -> list[RequestRejected]:
         rejected = []
@@ -95,22 +191,42 @@ class EngineCore:
                     rejected.append(error)
             elif isinstance(message, AbortRequests):
                 for request_id in message.request_ids:
-                    for instance in self.instances.values():
-                        if instance.abort(request_id):
-                            break
+                    self.pool.abort(request_id)
+            elif isinstance(message, ModelCommand):
+                self._command(message)
             elif isinstance(message, Shutdown):
                 self._running = False
         return rejected
 
     def _add(self, message: AddRequest) -> RequestRejected | None:
-        instance = self.instances.get(message.model)
-        if instance is None:
-            return RequestRejected(message.request_id, f"the model {message.model!r} is not served")
         try:
-            instance.add_request(message.request_id, message.prompt_token_ids, message.params)
+            self.pool.add_request(
+                message.model, message.request_id, message.prompt_token_ids, message.params
+            )
+        except UnknownModelError:
+            return RequestRejected(message.request_id, f"the model {message.model!r} is not served")
+        except ModelUnavailableError as exc:
+            return RequestRejected(message.request_id, str(exc), retry_after_s=5.0)
         except ValueError as exc:
             return RequestRejected(message.request_id, str(exc))
         return None
+
+    def _command(self, message: ModelCommand) -> None:
+        def done(result: CommandResult) -> None:
+            self._done.append(
+                CommandDone(
+                    message.command_id,
+                    result.status,
+                    result.message,
+                    result.state,
+                    result.seconds,
+                )
+            )
+
+        try:
+            self.pool.command(message.model, message.action, done)
+        except UnknownModelError:
+            done(CommandResult(404, f"the model {message.model!r} is not served", "", 0.0))
 
     def _stats_due(self) -> bool:
         return time.monotonic() - self._stats_sent_at >= STATS_INTERVAL_S
@@ -125,7 +241,11 @@ class EngineCore:
 
     def stats(self) -> list[ModelStats]:
         result = []
-        for name, instance in self.instances.items():
+        for name, slot in self.pool.slots.items():
+            instance = slot.instance
+            if instance is None:
+                result.append(ModelStats(name, 0, len(slot.queued), 0, 0, 0))
+                continue
             scheduler, kv = instance.scheduler, instance.kv_manager
             capacity, steps = kv.pool.capacity, scheduler.step_counts
             result.append(
@@ -145,79 +265,45 @@ class EngineCore:
         return result
 
 
-# ------------------------------------------------------------------------ loading
-
-
-class _ThrottledProgress:
-    """Sends LoadProgress for one model at most every PROGRESS_INTERVAL_S (and at the end)."""
-
-    def __init__(self, model: str, total: int | None, send: Callable[[LoadProgress], None]):
-        self.model, self.total, self._send = model, total, send
-        self._sent_at = 0.0
-
-    def __call__(self, done: int) -> None:
-        now = time.monotonic()
-        if now - self._sent_at >= PROGRESS_INTERVAL_S or done == self.total:
-            self._sent_at = now
-            self._send(LoadProgress(self.model, done, self.total))
-
-
-def load_instances(
-    configs: list[EngineConfig], report: Callable[[LoadProgress], None]
-) -> dict[str, ModelInstance]:
-    """Load every configured model, reporting progress per weight tensor (throttled)."""
-    from ember.weights.resolve import open_checkpoint
-
-    instances: dict[str, ModelInstance] = {}
-    for config in configs:
-        name = config.served_model_name or config.model or "default"
-        if name in instances:
-            raise ValueError(f"two models are served under the name {name!r}")
-        checkpoint = open_checkpoint(config.model)
-        progress = _ThrottledProgress(name, _tensor_count(checkpoint), report)
-        progress(0)
-        # The progress is sent from the instance's weight-loading thread; nothing else uses the
-        # engine's socket until the instance is built (a join between, so handing the socket
-        # over is safe for zmq).
-        instances[name] = ModelInstance(config, checkpoint=checkpoint, on_tensor_loaded=progress)
-    return instances
-
-
-def _tensor_count(checkpoint: Any) -> int | None:
-    """How many tensors `iter_tensors` will yield, where the checkpoint can tell cheaply."""
+def _tensor_count(checkpoint: object) -> int | None:
+    """How many tensors the checkpoint will yield, where it can tell cheaply."""
     count = getattr(checkpoint, "num_tensors", None)
     return int(count) if isinstance(count, int) else None
-
-
-def model_info(name: str, instance: ModelInstance) -> ModelInfo:
-    return ModelInfo(
-        name=name,
-        max_model_len=instance.max_model_len,
-        vocab_size=instance.model_config.vocab_size,
-        num_kv_blocks=instance.load_report.num_blocks,
-        block_size=instance.kv_manager.block_size,
-        load_seconds=instance.load_report.seconds,
-    )
 
 
 # ------------------------------------------------------------------------ process entry point
 
 
-def run_engine(configs: list[EngineConfig], addresses: IpcAddresses) -> None:
-    """Body of the engine process: load, announce, serve; report a failure before exiting."""
+def run_engine(
+    configs: list[EngineConfig],
+    addresses: IpcAddresses,
+    memory: MemoryConfig | None = None,
+    load_timeout_s: float = 300.0,
+) -> None:
+    """Body of the engine process: plan every model, start the configured loads, serve; report
+    a failure before exiting."""
     # Ctrl+C reaches the whole process group; the front end decides when the engine stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s engine %(levelname)s %(message)s")
     parent = multiprocessing.parent_process()
     channel = EngineChannel(addresses, parent.sentinel if parent is not None else None)
     try:
-        instances = load_instances(configs, channel.send)
-        # The loaded heap never becomes garbage; the collector's oldest pass must not walk it
-        # between steps (ember.engine.gc_heap).
-        frozen = freeze_startup_heap()
-        logger.info("froze %d start-up objects out of the collector's passes", frozen)
-        channel.send(EngineReady([model_info(name, inst) for name, inst in instances.items()]))
-        EngineCore(instances, channel).run()
+        with ThreadPoolExecutor(1, thread_name_prefix="model-transition") as worker:
+            pool = ModelPool([], memory or MemoryConfig(), worker, load_timeout_s)
+            for config in configs:
+                pool.add_model(config, isolate_failure=len(configs) > 1)
+            totals = {
+                name: _tensor_count(slot.plan.checkpoint)
+                for name, slot in pool.slots.items()
+                if slot.plan is not None
+            }
+            board = LoadProgressBoard(totals)
+            pool.set_progress(board.reporter)
+            for name, total in totals.items():
+                channel.send(LoadProgress(name, 0, total))
+            pool.preload()
+            core = EngineCore(pool, channel, board)
+            core.run()
     except MissingDependencyError as exc:  # a setup problem, said in one line: no traceback
         logger.error("%s", exc)
         channel.send(EngineFailed(str(exc)))
@@ -228,6 +314,8 @@ def run_engine(configs: list[EngineConfig], addresses: IpcAddresses) -> None:
         raise SystemExit(1) from exc
     finally:
         channel.close()
+    if core.failed:
+        raise SystemExit(1)
 
 
 def main(argv: list[str] | None = None) -> None:

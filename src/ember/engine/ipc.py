@@ -42,7 +42,18 @@ class Shutdown(msgspec.Struct, tag="shutdown", array_like=True):
     """Abort everything and exit."""
 
 
-FrontendMessage = AddRequest | AbortRequests | Shutdown
+MODEL_ACTIONS = ("load", "sleep", "wake", "unload")
+
+
+class ModelCommand(msgspec.Struct, tag="command", array_like=True):
+    """Load, sleep, wake or unload the configured model `model`; answered by `CommandDone`."""
+
+    command_id: str
+    model: str
+    action: str
+
+
+FrontendMessage = AddRequest | AbortRequests | ModelCommand | Shutdown
 
 # ------------------------------------------------------------------------ engine -> front end
 
@@ -56,17 +67,62 @@ class LoadProgress(msgspec.Struct, tag="progress", array_like=True):
 
 
 class ModelInfo(msgspec.Struct, array_like=True):
-    """What the front end needs to know about one loaded model."""
+    """What the front end needs to know about one configured model (known before it loads)."""
 
     name: str
     max_model_len: int
     vocab_size: int
-    num_kv_blocks: int
     block_size: int
-    load_seconds: float
+
+
+class TransitionCounts(msgspec.Struct, array_like=True):
+    """A model's completed transitions and the seconds they took, cumulative since start;
+    ``last_*``: the latest one."""
+
+    loads: int = 0
+    sleeps: int = 0
+    wakes: int = 0
+    load_seconds: float = 0.0
+    sleep_seconds: float = 0.0
+    wake_seconds: float = 0.0
+    last_action: str | None = None
+    last_seconds: float | None = None
+
+
+class ModelStatus(msgspec.Struct, array_like=True):
+    """One configured model's state and memory, sent whenever either changes."""
+
+    model: str
+    state: str  # unloaded, loading, loaded, sleeping, waking, failed
+    pinned: bool = False
+    weight_bytes: int = 0
+    kv_cache_bytes: int = 0
+    num_kv_blocks: int = 0
+    device_bytes: int = 0  # what the engine's budget charges it now
+    host_bytes: int = 0  # pinned host memory holding its weights while it sleeps
+    transitions: TransitionCounts = msgspec.field(default_factory=TransitionCounts)
+    error: str | None = None
+
+
+class ModelStates(msgspec.Struct, tag="states", array_like=True):
+    models: list[ModelStatus]
+
+
+class CommandDone(msgspec.Struct, tag="done", array_like=True):
+    """The answer to a `ModelCommand`: ``status`` is HTTP-shaped (200, 409 wrong state, 503
+    cannot fit or failed), ``seconds`` the time the action took."""
+
+    command_id: str
+    status: int
+    message: str
+    state: str
+    seconds: float
 
 
 class EngineReady(msgspec.Struct, tag="ready", array_like=True):
+    """The models configured to load at start have loaded (or failed); `models` lists every
+    configured model."""
+
     models: list[ModelInfo]
 
 
@@ -77,10 +133,12 @@ class EngineFailed(msgspec.Struct, tag="failed", array_like=True):
 
 
 class RequestRejected(msgspec.Struct, array_like=True):
-    """The engine refused a request (its ValueError); nothing was queued."""
+    """The engine refused a request: invalid for its model (``retry_after_s`` None), or its
+    model could not be made ready in time (a number: worth retrying after that long)."""
 
     request_id: str
     message: str
+    retry_after_s: float | None = None
 
 
 class ModelStats(msgspec.Struct, array_like=True):
@@ -117,7 +175,7 @@ class StepOutputs(msgspec.Struct, tag="outputs", array_like=True):
     gc: EngineGc | None = None
 
 
-EngineMessage = LoadProgress | EngineReady | EngineFailed | StepOutputs
+EngineMessage = LoadProgress | EngineReady | EngineFailed | StepOutputs | ModelStates | CommandDone
 
 # ------------------------------------------------------------------------ sockets
 
@@ -189,13 +247,15 @@ class EngineChannel:
         self._decoder = msgspec.msgpack.Decoder(FrontendMessage)
         self.parent_alive = True
 
-    def receive(self, block: bool) -> list[FrontendMessage]:
-        """Every message waiting now; with `block`, first wait (without a timeout) for one.
+    def receive(self, block: bool, timeout_s: float | None = None) -> list[FrontendMessage]:
+        """Every message waiting now; with `block`, first wait for one (at most ``timeout_s``,
+        None: no limit).
 
         Returns an empty list once the parent has died (and sets `parent_alive` false); a busy
         engine notices too, since each call polls the parent's pipe (one cheap syscall).
         """
-        events = dict(self._poller.poll(None if block else 0))
+        wait_ms = (None if timeout_s is None else max(0, int(timeout_s * 1000))) if block else 0
+        events = dict(self._poller.poll(wait_ms))
         if self._parent_death_fd is not None and self._parent_death_fd in events:
             self.parent_alive = False
             return []

@@ -5,7 +5,6 @@ Nothing here is global, so an engine process can hold several instances side by 
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import random
 import time
@@ -15,8 +14,17 @@ from dataclasses import dataclass
 
 import torch
 
-from ember.config import EngineConfig, ModelConfig
+from ember.config import EngineConfig, MemoryConfig
+from ember.engine.device_arena import ArenaFactory, arena_bytes, carve
+from ember.engine.host_stash import HostStash, Stashed
 from ember.engine.kv_cache_manager import KVCacheManager
+from ember.engine.model_plan import (
+    ModelPlan,
+    new_request,
+    plan_model,
+    standalone_kv_bytes,
+    validate_prompt,
+)
 from ember.engine.request import Request
 from ember.engine.scheduler import Scheduler
 from ember.engine.step_loop import StepLoop
@@ -30,15 +38,10 @@ from ember.models.registry import model_class
 from ember.runner.model_runner import ModelRunner
 from ember.runner.sampler import Sampler
 from ember.sampling_params import SamplingParams
-from ember.tokenizer.tokenizer import Tokenizer
 from ember.weights.checkpoint import Checkpoint
 from ember.weights.parallel_load import load_extents
-from ember.weights.resolve import open_checkpoint
 
 logger = logging.getLogger(__name__)
-
-_CPU_KV_BYTES_DEFAULT = 1 << 30
-_GPU_ACTIVATION_RESERVE = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -64,60 +67,43 @@ class LoadReport:
     # compile_workers), and the threads used (0: none; each kernel compiles at its first launch).
     kernel_compile_seconds: float = 0.0
     compile_workers: int = 0
-
-
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
-
-
-def resolve_dtype(dtype: str, device: torch.device, hf_config: dict) -> torch.dtype:
-    if dtype == "auto":
-        if device.type == "cpu":
-            return torch.float32  # CPU bf16 matmuls are slow and lossy; CPU is the oracle path
-        stored = hf_config.get("torch_dtype") or hf_config.get("dtype")
-        return torch.float16 if stored == "float16" else torch.bfloat16
-    names = {
-        "float32": torch.float32,
-        "float16": torch.float16,
-        "bfloat16": torch.bfloat16,
-        "half": torch.float16,
-        "float": torch.float32,
-        "bf16": torch.bfloat16,
-    }
-    if dtype not in names:
-        raise ValueError(f"unknown dtype {dtype!r}; choose one of auto, {', '.join(names)}")
-    return names[dtype]
+    # Device memory the load took beyond its weights and KV cache (buffers, the CUDA graphs'
+    # pool), measured by the allocator; kept while the model sleeps if its graphs are kept.
+    resident_bytes: int = 0
 
 
 class ModelInstance:
-    """A loaded model with its own KV cache, scheduler and runner."""
+    """A loaded model with its own KV cache, scheduler and runner.
+
+    Its weights and its KV cache each live in one arena (`ember.engine.device_arena`), so it can
+    sleep (weights copied to host memory, both arenas' memory released) and wake again.
+    """
 
     def __init__(
         self,
         config: EngineConfig,
         checkpoint: Checkpoint | None = None,
         on_tensor_loaded: Callable[[int], None] | None = None,
+        *,
+        plan: ModelPlan | None = None,
+        kv_cache_bytes: int | None = None,
+        arenas: ArenaFactory | None = None,
+        memory: MemoryConfig | None = None,
     ) -> None:
         """Load ``config``'s model. ``on_tensor_loaded(n)`` is called, from the loading thread,
-        as the n-th checkpoint tensor lands."""
+        as the n-th checkpoint tensor lands. ``plan``: the model already planned (else planned
+        here); ``kv_cache_bytes``: the KV cache's size decided by the engine's memory budget
+        (else sized as the only model under ``memory``)."""
         start = time.perf_counter()
         self.config = config
-        ckpt = checkpoint or open_checkpoint(config.model)
-        self.name = config.served_model_name or config.model or ckpt.name
-        self.device = resolve_device(config.device)
-        self.dtype = resolve_dtype(config.dtype, self.device, ckpt.hf_config)
-        self.tokenizer = Tokenizer.from_checkpoint(ckpt)
-        self.model_config = _with_generation_eos(
-            ModelConfig.from_hf_dict(ckpt.hf_config), ckpt, self.tokenizer
-        )
-        cfg = self.model_config
-        max_model_len = min(
-            config.limits.max_model_len or cfg.max_position_embeddings,
-            cfg.max_position_embeddings,
-        )
-        self.limits = dataclasses.replace(config.limits, max_model_len=max_model_len)
+        self.plan = plan or plan_model(config, checkpoint)
+        self.name = self.plan.name
+        self.device = self.plan.device
+        self.dtype = self.plan.dtype
+        self.tokenizer = self.plan.tokenizer
+        self.model_config = cfg = self.plan.model_config
+        self.limits = self.plan.limits
+        reserved_before = self._device_reserved()
         # This instance's routing and tile tables, for its GPU (`ember.kernels.tuning`).
         self.tuning = KernelTuning.for_device(self.device)
         self.ops = select_ops(
@@ -143,25 +129,29 @@ class ModelInstance:
                 f"cuda_graph_mode must be 'full' or 'decode', not {config.cuda_graph_mode!r}"
             )
         compile_workers = self._compile_workers()
-        # Zeroed when kernels compile during the load: the compile pass runs the model's torch
-        # ops on whatever the parameters hold, and uninitialised memory may hold NaNs.
-        self.model = self._allocate_model(zeroed=compile_workers > 0)
+        if kv_cache_bytes is None:
+            kv_cache_bytes = standalone_kv_bytes(self.plan, memory or MemoryConfig())
         block_size = config.cache.block_size
-        num_blocks = self._num_kv_blocks()
-        self.kv_cache = torch.zeros(
-            (cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim),
-            dtype=self.dtype,
-            device=self.device,
-        )
+        num_blocks = config.cache.num_blocks or self.plan.kv_blocks_for(kv_cache_bytes)
         if (num_blocks - 1) * block_size < self.max_model_len:
             raise ValueError(
                 f"the KV cache holds {(num_blocks - 1) * block_size} tokens, fewer than "
                 f"max_model_len={self.max_model_len}; give it more memory or lower max_model_len"
             )
+        self._arenas = arenas or ArenaFactory(self.device)
+        # Zeroed when kernels compile during the load: the compile pass runs the model's torch
+        # ops on whatever the parameters hold, and uninitialised memory may hold NaNs.
+        self.model = self._allocate_model(zeroed=compile_workers > 0)
+        kv_shape = (cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.kv_arena = self._arenas.make(arena_bytes([(kv_shape, self.dtype)]))
+        (self.kv_cache,) = carve(self.kv_arena, [(kv_shape, self.dtype)])
+        self.kv_cache.zero_()
         self.kv_manager = KVCacheManager(num_blocks, block_size)
+        self.asleep = False
+        self._stashed: Stashed | None = None
         setup_seconds = time.perf_counter() - start
         with ThreadPoolExecutor(1, thread_name_prefix="weight-load") as loader:
-            loading = loader.submit(self._load_weights, ckpt, on_tensor_loaded)
+            loading = loader.submit(self._load_weights, self.plan.checkpoint, on_tensor_loaded)
             self._build_runner(config, block_size)
             if not config.lazy_cuda_graphs:
                 self.runner.compile_kernels(compile_workers)
@@ -181,13 +171,93 @@ class ModelInstance:
             weight_wait_seconds=weight_wait_seconds,
             setup_seconds=setup_seconds,
             seconds=time.perf_counter() - start,
-            weight_bytes=sum(p.numel() * p.element_size() for p in self.model.parameters()),
-            kv_cache_bytes=self.kv_cache.numel() * self.kv_cache.element_size(),
+            weight_bytes=self.weight_bytes,
+            kv_cache_bytes=self.kv_cache_bytes,
             num_blocks=num_blocks,
+            resident_bytes=max(0, self._device_reserved() - reserved_before),
         )
         logger.info(
             "loaded %s in %.2f s: %s", self.name, self.load_report.seconds, self.load_report
         )
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.weight_arena.nbytes
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return self.kv_arena.nbytes
+
+    def _device_reserved(self) -> int:
+        if self.device.type != "cuda":
+            return 0
+        return torch.cuda.memory_reserved(self.device)
+
+    # -- sleep and wake ---------------------------------------------------------------------------
+
+    def sleep(self, stash: HostStash | None) -> None:
+        """Put the idle model to sleep: its weights go to ``stash`` (None, or a stash without
+        room: they are dropped and read again from the checkpoint on wake), and the memory of
+        its weights and KV cache goes back to the device. The caller has emptied the model
+        (`preempt_all`) first. Where the arenas cannot keep their addresses, the CUDA graphs
+        are dropped too (captured again on wake)."""
+        assert not self.asleep, f"{self.name} is already asleep"
+        assert not self.scheduler.running, "sleep() needs a model with nothing running"
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self._stashed = stash.store(self.weight_arena.buffer) if stash is not None else None
+        self.weight_arena.release()
+        self.kv_arena.release()
+        if not self._arenas.keeps_addresses and self.runner.graphs is not None:
+            self.runner.graphs.clear()
+            torch.cuda.empty_cache()
+        self.asleep = True
+
+    def wake(self, stash: HostStash | None) -> None:
+        """Map the model's memory again and bring its weights back (from ``stash`` where they
+        were kept, else from the checkpoint); graphs dropped by `sleep` are captured again."""
+        assert self.asleep, f"{self.name} is awake"
+        self.weight_arena.restore()
+        self.kv_arena.restore()
+        self.kv_cache.zero_()
+        if self._stashed is not None and stash is not None:
+            stash.load(self._stashed, self.weight_arena.buffer)
+        else:
+            self._load_weights(self.plan.checkpoint, None)
+        self._stashed = None
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        if self.runner.graphs is not None and not self.runner.graphs.captured:
+            self._capture_graphs()
+        self.asleep = False
+
+    @property
+    def weights_stashed(self) -> bool:
+        """Whether a sleeping model's weights are in host memory (else dropped)."""
+        return self._stashed is not None
+
+    def preempt_all(self) -> list[RequestUpdate]:
+        """Collect the step in flight and preempt every running request (they recompute after
+        the model wakes; nothing is lost). Returns the collected step's updates."""
+        updates = self.loop.drain()
+        self.scheduler.preempt_all()
+        return updates
+
+    def close(self, stash: HostStash | None = None) -> None:
+        """Give back every byte of device memory, and its weights' host chunks to ``stash``
+        (the model is unloaded)."""
+        if self._stashed is not None and stash is not None:
+            stash.give_back(self._stashed)
+            self._stashed = None
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        if self.runner.graphs is not None:
+            self.runner.graphs.clear()
+        self.weight_arena.close()
+        self.kv_arena.close()
+        self.plan.close()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     @property
     def max_model_len(self) -> int:
@@ -241,14 +311,18 @@ class ModelInstance:
         return count, time.perf_counter() - start
 
     def _allocate_model(self, zeroed: bool) -> torch.nn.Module:
-        """The model with its parameters allocated on the device, their values not yet read."""
+        """The model with its parameters as views of one arena, their values not yet read."""
         cls = model_class(self.model_config.architecture)
         with torch.device("meta"):
             model = cls(self.model_config, self.ops, self.attention)
-        model = model.to(dtype=self.dtype).to_empty(device=self.device)
+        model = model.to(dtype=self.dtype)
+        params = list(model.parameters())
+        shapes = [(tuple(p.shape), p.dtype) for p in params]
+        self.weight_arena = self._arenas.make(arena_bytes(shapes))
+        views = {id(p): view for p, view in zip(params, carve(self.weight_arena, shapes))}
+        model = model._apply(lambda tensor: views[id(tensor)])  # new Parameters, arena views
         if zeroed:
-            for param in model.parameters():
-                param.data.zero_()
+            self.weight_arena.buffer.zero_()
         return model.eval()
 
     def _load_weights(self, ckpt: Checkpoint, on_tensor: Callable[[int], None] | None) -> float:
@@ -272,34 +346,6 @@ class ModelInstance:
             torch.cuda.current_stream(self.device).synchronize()  # the norm folding, timed too
         return time.perf_counter() - started
 
-    def _num_kv_blocks(self) -> int:
-        cache = self.config.cache
-        cfg = self.model_config
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        block_bytes = 2 * cfg.num_layers * cache.block_size * cfg.num_kv_heads * cfg.head_dim * elem
-        if cache.num_blocks is not None:
-            return cache.num_blocks
-        if cache.kv_cache_memory_bytes is not None:
-            budget = cache.kv_cache_memory_bytes
-        elif self.device.type == "cuda":
-            torch.cuda.empty_cache()  # cached-but-free blocks are not "used"
-            free, total = torch.cuda.mem_get_info(self.device)
-            used = total - free
-            budget = int(total * cache.gpu_memory_utilization) - used - self._activation_bytes()
-        else:
-            budget = _CPU_KV_BYTES_DEFAULT
-        return max(2, budget // block_bytes)
-
-    def _activation_bytes(self) -> int:
-        """Room kept free for the largest step's activations, logits and CUDA graphs."""
-        cfg, sched = self.model_config, self.limits
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        per_token = 2 * cfg.intermediate_size + cfg.q_size + 2 * cfg.kv_size + 3 * cfg.hidden_size
-        # x2: an op's input and output are alive together; logits are fp32, plus a processed copy.
-        step = 2 * sched.max_num_batched_tokens * per_token * elem
-        logits = 2 * sched.max_num_seqs * cfg.vocab_size * 4
-        return _GPU_ACTIVATION_RESERVE + step + logits
-
     # -- requests ---------------------------------------------------------------------------------
 
     def add_request(
@@ -314,33 +360,10 @@ class ModelInstance:
     def make_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> Request:
-        room = self.max_model_len - len(prompt_token_ids)
-        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
-        seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
-        return Request(
-            request_id=request_id,
-            prompt_token_ids=list(prompt_token_ids),
-            params=params,
-            seed=seed,
-            max_tokens=max_tokens,
-            eos_token_ids=self.model_config.eos_token_ids,
-        )
+        return new_request(self.plan, self._rng, request_id, prompt_token_ids, params)
 
     def validate_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        if not prompt_token_ids:
-            raise ValueError("the prompt is empty")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
-        if len(prompt_token_ids) >= self.max_model_len:
-            raise ValueError(
-                f"the prompt has {len(prompt_token_ids)} tokens; this model's context length "
-                f"is {self.max_model_len}, so the prompt must have fewer"
-            )
-        for token_id in list(params.logit_bias or ()) + list(params.stop_token_ids):
-            if not 0 <= int(token_id) < vocab:
-                raise ValueError(f"token id {token_id} is outside the vocabulary [0, {vocab})")
+        validate_prompt(self.plan, prompt_token_ids, params)
 
     def abort(self, request_id: str) -> bool:
         return self.scheduler.abort(request_id)
@@ -351,13 +374,3 @@ class ModelInstance:
     def step(self) -> list[RequestUpdate]:
         """Advance by one step; returns what changed for each request."""
         return self.loop.step()
-
-
-def _with_generation_eos(cfg: ModelConfig, ckpt: Checkpoint, tokenizer: Tokenizer) -> ModelConfig:
-    """EOS ids come from config.json, generation_config.json and the tokenizer, merged."""
-    ids: list[int] = list(cfg.eos_token_ids)
-    gen_eos = ckpt.generation_config.get("eos_token_id")
-    ids += gen_eos if isinstance(gen_eos, list) else ([gen_eos] if gen_eos is not None else [])
-    if tokenizer.eos_token_id is not None:
-        ids.append(tokenizer.eos_token_id)
-    return cfg.with_eos(tuple(dict.fromkeys(int(i) for i in ids)))

@@ -70,6 +70,12 @@ class Scheduler:
         self._finish(request, FinishReason.ABORT)
         return True
 
+    def preempt_all(self) -> None:
+        """Preempt every running request, oldest first in the waiting queue again (the model is
+        going to sleep; each recomputes after it wakes)."""
+        for request in reversed(list(self.running)):
+            self._preempt(request)
+
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 

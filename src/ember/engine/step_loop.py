@@ -42,6 +42,13 @@ class StepLoop:
         self._in_flight = None if scheduled.is_empty else (scheduled, handle)
         return updates
 
+    def drain(self) -> list[RequestUpdate]:
+        """Collect the step in flight, if any (before the model sleeps)."""
+        if self._in_flight is None:
+            return []
+        in_flight, self._in_flight = self._in_flight, None
+        return self._finish(*in_flight)
+
     def _schedule(self) -> SchedulerOutput:
         return self.scheduler.schedule()
 

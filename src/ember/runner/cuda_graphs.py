@@ -188,6 +188,11 @@ class StepGraphs:
         mixed = [GraphKey(False, self.max_batch, t, self.max_seq_len) for t in self.token_buckets]
         return decode + mixed
 
+    def clear(self) -> None:
+        """Drop every graph and their memory pool (captured again when next needed)."""
+        self._graphs.clear()
+        self._pool = None
+
     @property
     def captured(self) -> list[GraphKey]:
         return list(self._graphs)
@@ -258,7 +263,9 @@ class StepGraphs:
         torch.cuda.current_stream().wait_stream(side)
         warmed = time.perf_counter()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        # thread_local: a model loads on the engine's worker thread while the loop thread steps
+        # the other models; their CUDA calls must not invalidate this thread's capture.
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             output = self._forward(key)
         if self._pool is None:
             self._pool = graph.pool()

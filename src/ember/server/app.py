@@ -44,11 +44,18 @@ class EmberApp(FastAPI):
         await super().__call__(scope, receive, send)
 
 
-def build_app(config: ServerConfig, models: list[ServedModel]) -> EmberApp:
-    """A new app serving `models` (the loaded `config.models`); nothing starts until its
-    lifespan runs."""
+def build_app(
+    config: ServerConfig, models: list[ServedModel], failed: dict[str, str] | None = None
+) -> EmberApp:
+    """A new app serving `models` (the loaded `config.models`; ``failed``: the served names of
+    those that could not be opened, with why); nothing starts until its lifespan runs."""
     progress = LoadProgressBar(config.show_progress)
-    client = EngineClient([spec.engine for spec in config.models], on_progress=progress.update)
+    client = EngineClient(
+        [spec.engine for spec in config.models],
+        on_progress=progress.update,
+        memory=config.memory,
+        load_timeout_s=config.model_load_timeout_s,
+    )
     state = ServerState(
         config=config,
         client=client,
@@ -57,6 +64,7 @@ def build_app(config: ServerConfig, models: list[ServedModel]) -> EmberApp:
             [spec.name for spec in config.models],
             lambda: list(client.stats.values()),
             lambda: client.engine_gc,
+            lambda: list(client.model_states.values()),
         ),
         lifecycle=Lifecycle(client, config.shutdown_timeout_s),
     )
@@ -81,6 +89,8 @@ def build_app(config: ServerConfig, models: list[ServedModel]) -> EmberApp:
     )
     for model in models:
         state.models.add(model)
+    for name, reason in (failed or {}).items():
+        state.models.add_failed(name, reason)
     app.state.ember = state
     install_error_handlers(app)
     app.include_router(build_router())
@@ -106,12 +116,15 @@ async def _await_engine(state: ServerState, progress: LoadProgressBar) -> None:
     freeze_startup_heap()
     state.lifecycle.models_ready = True
     for model in state.models.loaded():
-        info = model.info
+        status = state.client.model_states.get(model.name)
+        if status is None or status.state != "loaded":
+            logger.info("ready: %s (%s: loads on its first request)", model.name, status)
+            continue
         logger.info(
             "ready: %s (context %d tokens, %d KV blocks of %d, loaded in %.1f s)",
             model.name,
-            info.max_model_len,
-            info.num_kv_blocks,
-            info.block_size,
-            info.load_seconds,
+            model.info.max_model_len,
+            status.num_kv_blocks,
+            model.info.block_size,
+            status.transitions.load_seconds,
         )

@@ -2,22 +2,26 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from ember.config import EngineConfig
+from ember.config import EngineConfig, MemoryConfig
 
 DEFAULT_MAX_QUEUE = 1024
 DEFAULT_MAX_BODY_BYTES = 16 << 20
 DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
 QUEUE_FULL_RETRY_AFTER_S = 1
+# How long a request may wait for its model to load or wake before a 503 with Retry-After.
+DEFAULT_MODEL_LOAD_TIMEOUT_S = 300.0
 
 
 @dataclass(frozen=True)
 class ServedModelSpec:
-    """One model to serve: its engine settings and the front end's chat template override."""
+    """One model to serve: its engine settings (its policy among several models included), the
+    front end's chat template override, and further names clients may use for it."""
 
     engine: EngineConfig
     chat_template: str | None = None
+    aliases: tuple[str, ...] = ()
 
     @property
     def name(self) -> str:
@@ -28,9 +32,12 @@ class ServedModelSpec:
 
 @dataclass(frozen=True)
 class ServerConfig:
-    """Front-end settings; `models` lists what the engine process loads."""
+    """Front-end settings; `models` lists what the engine process may load, `memory` the one
+    budget they share."""
 
     models: tuple[ServedModelSpec, ...]
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    model_load_timeout_s: float = DEFAULT_MODEL_LOAD_TIMEOUT_S
     host: str = "0.0.0.0"
     port: int = 8000
     api_key: str | None = None

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import itertools
 import logging
 import multiprocessing.process
 from collections.abc import Callable
@@ -22,18 +23,22 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from ember.config import EngineConfig
+from ember.config import EngineConfig, MemoryConfig
 from ember.engine.ipc import (
     AbortRequests,
     AddRequest,
+    CommandDone,
     EngineFailed,
     EngineGc,
     EngineMessage,
     EngineReady,
     IpcAddresses,
     LoadProgress,
+    ModelCommand,
     ModelInfo,
+    ModelStates,
     ModelStats,
+    ModelStatus,
     Shutdown,
     StepOutputs,
     configure_pull,
@@ -59,7 +64,12 @@ class EngineDeadError(Exception):
 
 
 class RequestRejectedError(Exception):
-    """The engine refused the request (invalid for the model); nothing was generated."""
+    """The engine refused the request: invalid for its model (``retry_after_s`` None), or its
+    model could not be made ready in time (worth retrying after ``retry_after_s``)."""
+
+    def __init__(self, message: str, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 # What a handler's inbox receives: (choice index, an update or one of the errors above).
@@ -81,11 +91,18 @@ class EngineClient:
         self,
         configs: list[EngineConfig],
         on_progress: Callable[[LoadProgress], None] | None = None,
+        memory: MemoryConfig | None = None,
+        load_timeout_s: float = 300.0,
     ) -> None:
         self.configs = configs
+        self.memory = memory or MemoryConfig()
+        self.load_timeout_s = load_timeout_s
         self.state = EngineState.LOADING
         self.failure: str | None = None
         self.model_infos: dict[str, ModelInfo] = {}
+        self.model_states: dict[str, ModelStatus] = {}  # the engine's latest, per model
+        self._commands: dict[str, asyncio.Future[CommandDone]] = {}
+        self._command_ids = itertools.count()
         self.stats: dict[str, ModelStats] = {}
         self.engine_gc: EngineGc | None = None  # the engine process's collector passes
         self._on_progress = on_progress
@@ -117,7 +134,9 @@ class EngineClient:
         self._outputs = self._async_context.socket(zmq.PULL)
         configure_pull(self._outputs)
         self._outputs.bind(self._addresses.outputs)
-        self._process = start_engine_process(self.configs, self._addresses)
+        self._process = start_engine_process(
+            self.configs, self._addresses, self.memory, self.load_timeout_s
+        )
         loop = asyncio.get_running_loop()
         loop.add_reader(self._process.sentinel, self._on_process_exit)
         self._reader = asyncio.create_task(self._read_outputs(), name="engine-output-reader")
@@ -182,6 +201,19 @@ class EngineClient:
             with contextlib.suppress(EngineDeadError):  # cleanup paths call this: never raise
                 self._send(AbortRequests(live))
 
+    async def command(self, model: str, action: str) -> CommandDone:
+        """Load, sleep, wake or unload ``model`` in the engine; the answer once it is done."""
+        if self.state != EngineState.READY:
+            raise EngineDeadError(self.unavailable_reason())
+        command_id = str(next(self._command_ids))
+        answer: asyncio.Future[CommandDone] = asyncio.get_running_loop().create_future()
+        self._commands[command_id] = answer
+        try:
+            self._send(ModelCommand(command_id, model, action))
+            return await answer
+        finally:
+            self._commands.pop(command_id, None)
+
     def num_waiting(self, model: str) -> int:
         """Sequences of `model` submitted that have not produced a token yet."""
         return self._num_waiting.get(model, 0)
@@ -197,7 +229,7 @@ class EngineClient:
             return "the server is shutting down"
         return f"the engine process is not running: {self.failure or 'unknown failure'}"
 
-    def _send(self, message: AddRequest | AbortRequests) -> None:
+    def _send(self, message: AddRequest | AbortRequests | ModelCommand) -> None:
         if self._requests is None:
             raise EngineDeadError("the engine connection is closed")
         try:
@@ -233,6 +265,12 @@ class EngineClient:
         elif isinstance(message, LoadProgress):
             if self._on_progress is not None:
                 self._on_progress(message)
+        elif isinstance(message, ModelStates):
+            self.model_states = {status.model: status for status in message.models}
+        elif isinstance(message, CommandDone):
+            answer = self._commands.get(message.command_id)
+            if answer is not None and not answer.done():
+                answer.set_result(message)
         elif isinstance(message, EngineReady):
             self.model_infos = {info.name: info for info in message.models}
             if self.state == EngineState.LOADING:
@@ -252,7 +290,8 @@ class EngineClient:
             route = self._routes.get(rejected.request_id)
             if route is not None:
                 self._forget(rejected.request_id)
-                route.inbox.put_nowait((route.index, RequestRejectedError(rejected.message)))
+                error = RequestRejectedError(rejected.message, rejected.retry_after_s)
+                route.inbox.put_nowait((route.index, error))
         for update in message.updates:
             route = self._routes.get(update.request_id)
             if route is None:
@@ -285,6 +324,9 @@ class EngineClient:
         self._fail_all(self.unavailable_reason())
 
     def _fail_all(self, reason: str) -> None:
+        for answer in self._commands.values():
+            if not answer.done():
+                answer.set_exception(EngineDeadError(reason))
         routes, self._routes = self._routes, {}
         self._num_waiting.clear()
         for route in routes.values():

@@ -58,6 +58,13 @@ class NotFoundError(APIError):
     default_code = "model_not_found"
 
 
+class ConflictError(APIError):
+    """409: the action does not apply to the model's state (e.g. waking a loaded model)."""
+
+    status_code = HTTPStatus.CONFLICT
+    default_code = "invalid_state"
+
+
 class PayloadTooLargeError(APIError):
     status_code = HTTPStatus.REQUEST_ENTITY_TOO_LARGE
     default_code = "request_too_large"

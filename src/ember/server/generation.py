@@ -158,6 +158,11 @@ class Generation:
                 if isinstance(item, EngineDeadError):
                     raise ServiceUnavailableError(str(item), code="engine_unavailable")
                 if isinstance(item, RequestRejectedError):
+                    if item.retry_after_s is not None:  # its model did not come up in time
+                        retry = str(max(1, round(item.retry_after_s)))
+                        raise ServiceUnavailableError(
+                            str(item), code="model_unavailable", headers={"Retry-After": retry}
+                        )
                     raise BadRequestError(str(item))
                 delta = changed.setdefault(index, SequenceDelta(sequence))
                 self._apply(sequence, item, delta)

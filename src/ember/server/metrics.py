@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from ember.engine.ipc import EngineGc, ModelStats
+from ember.engine.ipc import EngineGc, ModelStats, ModelStatus
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -74,6 +74,53 @@ class EngineStatsCollector(Collector):
         return [running, waiting, usage, blocks, preemptions, steps, tokens]
 
 
+MODEL_STATES = ("unloaded", "loading", "loaded", "sleeping", "waking", "failed")
+
+
+class ModelStatesCollector(Collector):
+    """Each configured model's state (one series per state, 1 for the current one), memory and
+    transitions (counts and seconds: load, sleep, wake), as the engine last reported them."""
+
+    def __init__(self, snapshot: Callable[[], Iterable[ModelStatus]]) -> None:
+        self._snapshot = snapshot
+
+    def collect(self) -> Iterable[Metric]:
+        labels = ["model_name"]
+        state = GaugeMetricFamily(
+            "ember:model_state", "1 for the model's current state.", labels=[*labels, "state"]
+        )
+        memory = GaugeMetricFamily(
+            "ember:model_memory_bytes",
+            "Memory a model holds: device (charged to the budget) or host (its weights while "
+            "it sleeps).",
+            labels=[*labels, "kind"],
+        )
+        transitions = CounterMetricFamily(
+            "ember:model_transitions",
+            "Completed model transitions, by action (load, sleep, wake).",
+            labels=[*labels, "action"],
+        )
+        seconds = CounterMetricFamily(
+            "ember:model_transition_seconds",
+            "Seconds spent in model transitions, by action (load, sleep, wake).",
+            labels=[*labels, "action"],
+        )
+        for status in self._snapshot():
+            label = [status.model]
+            for name in MODEL_STATES:
+                state.add_metric([*label, name], 1.0 if status.state == name else 0.0)
+            memory.add_metric([*label, "device"], status.device_bytes)
+            memory.add_metric([*label, "host"], status.host_bytes)
+            for action, count, spent in (
+                ("load", status.transitions.loads, status.transitions.load_seconds),
+                ("sleep", status.transitions.sleeps, status.transitions.sleep_seconds),
+                ("wake", status.transitions.wakes, status.transitions.wake_seconds),
+            ):
+                transitions.add_metric([*label, action], count)
+                seconds.add_metric([*label, action], spent)
+        return [state, memory, transitions, seconds]
+
+
 class EngineGcCollector(Collector):
     """The engine process's collector passes and their pauses, by generation, as
     prometheus_client's `python_gc_collections_total` counts a process's (no model label: a
@@ -109,6 +156,7 @@ class ServerMetrics:
         model_names: Iterable[str],
         engine_stats: Callable[[], Iterable[ModelStats]],
         engine_gc: Callable[[], EngineGc | None] = lambda: None,
+        model_states: Callable[[], Iterable[ModelStatus]] = lambda: (),
     ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         labels = ["model_name"]
@@ -147,6 +195,7 @@ class ServerMetrics:
         )
         self.registry.register(EngineStatsCollector(engine_stats))
         self.registry.register(EngineGcCollector(engine_gc))
+        self.registry.register(ModelStatesCollector(model_states))
         for name in model_names:  # every series exists (at zero) from the first scrape
             for metric in (
                 self.prompt_tokens,

@@ -82,11 +82,21 @@ class ModelRegistry:
     def __init__(self, specs: list[ServedModelSpec]) -> None:
         self._specs = {spec.name: spec for spec in specs}
         self._loaded: dict[str, ServedModel] = {}
+        self._failed: dict[str, str] = {}  # could not be opened, with why
         self._default = specs[0].name if specs else None
+        # Every name a client may use (the served name and its aliases) -> the served name.
+        self._names = {spec.name: spec.name for spec in specs}
+        for spec in specs:
+            for alias in spec.aliases:
+                self._names.setdefault(alias, spec.name)
 
     @property
     def specs(self) -> list[ServedModelSpec]:
         return list(self._specs.values())
+
+    def canonical(self, name: str) -> str | None:
+        """The served name behind ``name`` (itself or an alias), None if none."""
+        return self._names.get(name)
 
     def loaded(self) -> list[ServedModel]:
         return list(self._loaded.values())
@@ -94,16 +104,23 @@ class ModelRegistry:
     def add(self, model: ServedModel) -> None:
         self._loaded[model.name] = model
 
+    def add_failed(self, name: str, reason: str) -> None:
+        self._failed[name] = reason
+
     def get(self, name: str | None) -> ServedModel:
         """The model called `name` (None or "": the default one).
 
         NotFoundError if no such model is served; ServiceUnavailableError while it loads.
         """
-        key = name or self._default
-        if key not in self._specs:
+        key = self._names.get(name or self._default)
+        if key is None:
             raise NotFoundError(
                 f"The model `{name}` does not exist. Served models: {', '.join(self._specs)}",
                 param="model",
+            )
+        if key in self._failed:
+            raise ServiceUnavailableError(
+                f"the model {key} cannot be served: {self._failed[key]}", code="model_unavailable"
             )
         model = self._loaded.get(key)
         if model is None or model.info is None:

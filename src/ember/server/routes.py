@@ -9,6 +9,7 @@ from starlette.responses import Response
 from ember import __version__
 from ember.server.errors import ServiceUnavailableError
 from ember.server.metrics import CONTENT_TYPE
+from ember.server.model_control import list_served_models, run_model_action
 from ember.server.prompts import check_token_ids, encode_chat
 from ember.server.protocol import (
     ChatCompletionRequest,
@@ -35,23 +36,11 @@ def build_router() -> APIRouter:
 
     @router.get("/v1/models")
     async def list_models(request: Request) -> Response:
-        state = server_state(request)
-        loaded = {m.name: m for m in state.models.loaded()}
-        data = []
-        for spec in state.models.specs:
-            model = loaded.get(spec.name)
-            data.append(
-                {
-                    "id": spec.name,
-                    "object": "model",
-                    "created": model.created if model else 0,
-                    "owned_by": "ember",
-                    "root": spec.engine.model or spec.name,
-                    "parent": None,
-                    "max_model_len": model.info.max_model_len if model and model.info else None,
-                }
-            )
-        return JSONResponse({"object": "list", "data": data})
+        return JSONResponse(list_served_models(server_state(request)))
+
+    @router.post("/v1/models/{name}/{action}")
+    async def model_action(name: str, action: str, request: Request) -> Response:
+        return await run_model_action(server_state(request), name, action)
 
     @router.get("/health")
     async def health(request: Request) -> Response:

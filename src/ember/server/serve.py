@@ -72,12 +72,21 @@ def run_server(config: ServerConfig) -> int:
         for spec in config.models:
             if spec.engine.asks_for_triton:
                 require_triton()  # here, before an engine process is started for nothing
-        models = [load_served_model(spec) for spec in config.models]
-    except (OSError, ValueError, MissingDependencyError) as exc:
-        # no such model, unreadable file, bad template, a package the asked-for path needs
+    except MissingDependencyError as exc:
         logger.error("cannot serve: %s", exc)
         return 1
-    app = build_app(config, models)
+    models, failed = [], {}
+    for spec in config.models:
+        try:
+            models.append(load_served_model(spec))
+        except (OSError, ValueError) as exc:
+            # no such model, unreadable file, bad template: with several models, the others
+            # are still served and this one answers with the error
+            logger.error("cannot serve %s: %s", spec.name, exc)
+            failed[spec.name] = str(exc)
+    if not models:
+        return 1
+    app = build_app(config, models, failed)
     uvicorn_config = uvicorn.Config(
         app,
         host=config.host,

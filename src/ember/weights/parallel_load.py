@@ -13,6 +13,7 @@ parameter's dtype.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import queue
 from collections.abc import Callable, Iterable
@@ -135,7 +136,7 @@ def _load_chunk(chunk: _Chunk, files: _OpenFiles, free: queue.Queue[_Staging], c
     nbytes = chunk.count * itemsize
     fd = files.fd(extent.path)
     if not cuda and chunk.target.dtype == extent.dtype:
-        _read_into(fd, chunk.target.view(torch.uint8).numpy(), offset, extent.path)
+        _read_into(fd, _writable_bytes(chunk.target), offset, extent.path)
         return
     staging = free.get()
     try:
@@ -156,6 +157,13 @@ def _load_chunk(chunk: _Chunk, files: _OpenFiles, free: queue.Queue[_Staging], c
             staging.copied.record(staging.stream)
     finally:
         free.put(staging)
+
+
+def _writable_bytes(tensor: torch.Tensor) -> memoryview:
+    """A contiguous CPU tensor's bytes, writable, without numpy: a numpy view would make the
+    tensor's storage unresizable, and a sleeping model's arena shrinks its storage to nothing
+    (`ember.engine.device_arena.TorchArena`)."""
+    return memoryview((ctypes.c_char * tensor.nbytes).from_address(tensor.data_ptr()))
 
 
 def _read_into(fd: int, buffer, offset: int, path: Path) -> None:

@@ -1,0 +1,209 @@
+"""What a model will need, known before a byte of its weights is read: its configuration,
+tokenizer, dtype and device, the limits it serves under, and its memory footprint.
+
+The engine plans every configured model at start (config.json and the tokenizer only), so it
+can validate requests for a model that is not loaded yet and decide what fits in its budget.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import random
+from dataclasses import dataclass
+
+import torch
+
+from ember.config import EngineConfig, MemoryConfig, ModelConfig, StepLimits
+from ember.engine.request import Request
+from ember.sampling_params import SamplingParams
+from ember.tokenizer.tokenizer import Tokenizer
+from ember.weights.checkpoint import Checkpoint
+from ember.weights.resolve import open_checkpoint
+
+CPU_KV_BYTES_DEFAULT = 1 << 30
+GPU_ACTIVATION_RESERVE = 1 << 30
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device, hf_config: dict) -> torch.dtype:
+    if dtype == "auto":
+        if device.type == "cpu":
+            return torch.float32  # CPU bf16 matmuls are slow and lossy; CPU is the oracle path
+        stored = hf_config.get("torch_dtype") or hf_config.get("dtype")
+        return torch.float16 if stored == "float16" else torch.bfloat16
+    names = {
+        "float32": torch.float32,
+        "float16": torch.float16,
+        "bfloat16": torch.bfloat16,
+        "half": torch.float16,
+        "float": torch.float32,
+        "bf16": torch.bfloat16,
+    }
+    if dtype not in names:
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of auto, {', '.join(names)}")
+    return names[dtype]
+
+
+@dataclass
+class ModelPlan:
+    """One configured model before it loads. ``checkpoint`` is open (metadata only)."""
+
+    name: str
+    config: EngineConfig
+    checkpoint: Checkpoint
+    tokenizer: Tokenizer
+    model_config: ModelConfig
+    device: torch.device
+    dtype: torch.dtype
+    limits: StepLimits
+
+    @property
+    def max_model_len(self) -> int:
+        return self.limits.max_model_len
+
+    @property
+    def elem_bytes(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def kv_block_bytes(self) -> int:
+        cfg, block_size = self.model_config, self.config.cache.block_size
+        return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * self.elem_bytes
+
+    @property
+    def min_kv_blocks(self) -> int:
+        """Blocks one sequence of the full context needs, plus the scratch block."""
+        return -(-self.max_model_len // self.config.cache.block_size) + 1
+
+    @functools.cached_property
+    def weight_bytes(self) -> int:
+        """The parameters' bytes, counted on a model built on the meta device."""
+        from ember.models.registry import model_class
+
+        cls = model_class(self.model_config.architecture)
+        with torch.device("meta"):
+            model = cls(self.model_config, _NoOps(), None)
+        return sum(p.numel() for p in model.parameters()) * self.elem_bytes
+
+    @property
+    def reserve_bytes(self) -> int:
+        """Room kept for the largest step's activations and logits, and on a GPU the CUDA
+        graphs' pool: an estimate, charged to the model while it is loaded."""
+        cfg, limits = self.model_config, self.limits
+        per_token = 2 * cfg.intermediate_size + cfg.q_size + 2 * cfg.kv_size + 3 * cfg.hidden_size
+        # x2: an op's input and output are alive together; logits are fp32, plus a processed copy.
+        step = 2 * limits.max_num_batched_tokens * per_token * self.elem_bytes
+        logits = 2 * limits.max_num_seqs * cfg.vocab_size * 4
+        fixed = GPU_ACTIVATION_RESERVE if self.device.type == "cuda" else 0
+        return fixed + step + logits
+
+    def kv_blocks_for(self, kv_bytes: int) -> int:
+        return max(2, kv_bytes // self.kv_block_bytes)
+
+    def close(self) -> None:
+        close = getattr(self.checkpoint, "close", None)
+        if close is not None:
+            close()
+
+
+class _NoOps:
+    """Stands in for `Ops` when a model is built only to count its parameters."""
+
+    def __getattr__(self, name: str):
+        return None
+
+
+def plan_model(config: EngineConfig, checkpoint: Checkpoint | None = None) -> ModelPlan:
+    """Read ``config``'s checkpoint metadata and tokenizer; no weight is read."""
+    ckpt = checkpoint or open_checkpoint(config.model)
+    device = resolve_device(config.device)
+    tokenizer = Tokenizer.from_checkpoint(ckpt)
+    model_config = _with_generation_eos(ModelConfig.from_hf_dict(ckpt.hf_config), ckpt, tokenizer)
+    max_model_len = min(
+        config.limits.max_model_len or model_config.max_position_embeddings,
+        model_config.max_position_embeddings,
+    )
+    return ModelPlan(
+        name=config.served_model_name or config.model or ckpt.name,
+        config=config,
+        checkpoint=ckpt,
+        tokenizer=tokenizer,
+        model_config=model_config,
+        device=device,
+        dtype=resolve_dtype(config.dtype, device, ckpt.hf_config),
+        limits=dataclasses.replace(config.limits, max_model_len=max_model_len),
+    )
+
+
+def standalone_kv_bytes(plan: ModelPlan, memory: MemoryConfig) -> int:
+    """The KV cache of a model that has the budget to itself (`LLM`, the step benchmarks):
+    its configured size, else what the budget leaves after its weights and reserve."""
+    cache = plan.config.cache
+    if cache.num_blocks is not None:
+        return cache.num_blocks * plan.kv_block_bytes
+    if cache.kv_cache_memory_bytes is not None:
+        return cache.kv_cache_memory_bytes
+    if memory.memory_budget_bytes is not None:
+        return memory.memory_budget_bytes - plan.weight_bytes - plan.reserve_bytes
+    if plan.device.type == "cuda":
+        torch.cuda.empty_cache()  # cached-but-free blocks are not "used"
+        free, total = torch.cuda.mem_get_info(plan.device)
+        budget = int(total * memory.gpu_memory_utilization) - (total - free)
+        return budget - plan.weight_bytes - plan.reserve_bytes
+    return CPU_KV_BYTES_DEFAULT
+
+
+def validate_prompt(plan: ModelPlan, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    """ValueError, saying what is wrong, for a prompt or parameters the model cannot take."""
+    if not prompt_token_ids:
+        raise ValueError("the prompt is empty")
+    vocab = plan.model_config.vocab_size
+    bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
+    if bad:
+        raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
+    if len(prompt_token_ids) >= plan.max_model_len:
+        raise ValueError(
+            f"the prompt has {len(prompt_token_ids)} tokens; this model's context length "
+            f"is {plan.max_model_len}, so the prompt must have fewer"
+        )
+    for token_id in list(params.logit_bias or ()) + list(params.stop_token_ids):
+        if not 0 <= int(token_id) < vocab:
+            raise ValueError(f"token id {token_id} is outside the vocabulary [0, {vocab})")
+
+
+def new_request(
+    plan: ModelPlan,
+    rng: random.Random,
+    request_id: str,
+    prompt_token_ids: list[int],
+    params: SamplingParams,
+) -> Request:
+    """The engine's request for a validated prompt: ``max_tokens`` cut to the context, a seed
+    from ``rng`` where the request has none."""
+    room = plan.max_model_len - len(prompt_token_ids)
+    max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+    seed = params.seed if params.seed is not None else rng.getrandbits(63)
+    return Request(
+        request_id=request_id,
+        prompt_token_ids=list(prompt_token_ids),
+        params=params,
+        seed=seed,
+        max_tokens=max_tokens,
+        eos_token_ids=plan.model_config.eos_token_ids,
+    )
+
+
+def _with_generation_eos(cfg: ModelConfig, ckpt: Checkpoint, tokenizer: Tokenizer) -> ModelConfig:
+    """EOS ids come from config.json, generation_config.json and the tokenizer, merged."""
+    ids: list[int] = list(cfg.eos_token_ids)
+    gen_eos = ckpt.generation_config.get("eos_token_id")
+    ids += gen_eos if isinstance(gen_eos, list) else ([gen_eos] if gen_eos is not None else [])
+    if tokenizer.eos_token_id is not None:
+        ids.append(tokenizer.eos_token_id)
+    return cfg.with_eos(tuple(dict.fromkeys(int(i) for i in ids)))
