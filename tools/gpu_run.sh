@@ -4,13 +4,14 @@
 #
 #   tools/gpu_run.sh OUTDIR [STAGE ...]       stages, run in the order given:
 #                                             tests step profile tune parity serve peer
-#                                             multi_wake multi_pair multi_traffic
+#                                             multi_wake multi_pair multi_traffic startup
 #                                             (default: tests step parity serve peer)
 #
 # Needs, carried beside the tree (tools/prepare_gpu_assets.sh makes them here):
 #   .whl/                        wheels the GPU image lacks (fastapi, msgspec, pyzmq, gguf, ...)
 #   .gpu_assets/tokenizer/       SmolLM2's tokenizer files (the 98 MB GGUF does not travel)
 #   .gpu_assets/sharegpt.json    the ShareGPT conversations, trimmed to what the benchmark samples
+#   .s3server/weed.xz            (stage startup) an S3-compatible server (tools/prepare_s3_server.sh)
 #
 # Environment overrides (for a dry run on a CPU: EMBER_GPU_RUN_SKIP_INSTALL=1 PYTHON=python
 # EMBER_BENCH_PRESET=tiny EMBER_SERVE_PROMPTS=8 EMBER_PINNED_PROMPTS=8 EMBER_PEER_PROMPTS=4
@@ -202,10 +203,33 @@ stage_multi_traffic() {  # 3 x 8B + 1B, ShareGPT split 60/25/10/5 at concurrency
     --server-log "$RES/server_multi_traffic.log" --out "$RES/multi_model_traffic.json"
 }
 
+stage_startup() {  # ember serve -> first token: warm, kernels cold, disk cold, from a local S3
+  make_model
+  local bucket=http://127.0.0.1:8333/models
+  if [ -f .s3server/weed.xz ]; then
+    stamp "S3 server (SeaweedFS) with the checkpoint"
+    xz -dc .s3server/weed.xz > /tmp/weed && chmod +x /tmp/weed
+    mkdir -p /tmp/weed-data
+    /tmp/weed server -dir=/tmp/weed-data -s3 -s3.port=8333 -ip=127.0.0.1 -volume.max=0 \
+      > "$RES/weed.log" 2>&1 &
+    for _ in $(seq 60); do curl -s -o /dev/null http://127.0.0.1:8333 && break; sleep 0.5; done
+    curl -s -X PUT "$bucket" > /dev/null
+    export AWS_ENDPOINT_URL=http://127.0.0.1:8333 AWS_ACCESS_KEY_ID=ember AWS_SECRET_ACCESS_KEY=ember
+    S3_ARGS=(--s3-url s3://models/llama --upload)
+  else
+    echo "no .s3server/weed.xz: the store scenario is skipped"
+    S3_ARGS=(--scenarios cold-kernels,warm,cold-disk)
+  fi
+  stamp "bench startup"
+  limited $PY -m ember.cli bench startup "$MODEL" "${S3_ARGS[@]}" --drop-caches all \
+    --server-args "$SERVER_ARGS" --label "$PRESET bf16" --output-json "$RES/startup.json"
+}
+
 # Stages run in the order given.
 for stage in $STAGES; do
   case $stage in
-    tests | step | profile | tune | parity | serve | peer | multi_wake | multi_pair | multi_traffic)
+    tests | step | profile | tune | parity | serve | peer | multi_wake | multi_pair | multi_traffic \
+      | startup)
       "stage_$stage" ;;
     *) echo "unknown stage: $stage" ;;
   esac

@@ -16,7 +16,8 @@ python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --
   -d .whl fastapi==0.165.0 starlette==1.10.0 pydantic==2.14.4 pydantic_core==2.50.5 \
   annotated-types==0.8.0 annotated-doc==0.0.7 typing-inspection==0.4.5 uvicorn==0.54.0 \
   httptools==0.9.0 msgspec==0.23.0 pyzmq==27.3.0 gguf==0.19.0 openai==3.57.0 jiter==0.19.0 \
-  distro==1.9.0 sniffio==1.3.1 opentelemetry-api==1.45.2 typing-extensions==4.16.0
+  distro==1.9.0 sniffio==1.3.1 opentelemetry-api==1.45.2 typing-extensions==4.16.0 \
+  obstore==0.12.1 filelock==4.3.2 platformdirs==4.14.9
 python - <<'PY'
 import json, shutil, sys
 from pathlib import Path

@@ -91,6 +91,13 @@ BENCH_COMMANDS: dict[str, BenchCommand] = {
         "host cost of one engine step (schedule, launch, collect, update) on a stand-in model, "
         "no GPU",
     ),
+    "startup": BenchCommand(
+        "ember.bench.startup",
+        "add_arguments",
+        "run",
+        "from `ember serve` to the first token, phase by phase, warm and cold, from disk or an "
+        "object store, beside the floors (import torch, disk, H2D, download)",
+    ),
     "multi-model": BenchCommand(
         "ember.bench.multi_model",
         "add_arguments",
@@ -108,9 +115,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "models",
         nargs="*",
         metavar="[NAME=]SOURCE",
-        help="the models to serve, each a .gguf file, a model directory, or a Hugging Face model "
-        "id in the local cache, served as NAME (default: SOURCE as given); the first answers "
-        "requests that name no model (default: the embedded SmolLM2-135M-Instruct)",
+        help="the models to serve, each a .gguf file, a model directory, a Hugging Face model "
+        "id in the local cache, or s3://BUCKET/PREFIX (an S3-compatible store, configured by "
+        "the AWS_* variables or ~/.aws), served as NAME (default: SOURCE as given); the first "
+        "answers requests that name no model (default: the embedded SmolLM2-135M-Instruct)",
     )
     parser.add_argument(
         "--config",
@@ -132,6 +140,19 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "float16, bfloat16",
     )
     parser.add_argument("--device", help="auto (the default), cuda, cuda:N or cpu")
+    parser.add_argument(
+        "--download-dir",
+        metavar="DIR",
+        help="where models from an object store are cached (default: ember's directory in the "
+        "user's cache directory)",
+    )
+    parser.add_argument(
+        "--kernel-cache-dir",
+        metavar="DIR",
+        help="where compiled kernels are kept between starts, one directory per GPU model and "
+        "versions (default: ember's directory in the user's cache directory; a TRITON_CACHE_DIR "
+        "you set wins)",
+    )
     parser.add_argument("--max-model-len", type=int, help="context length (default: the model's)")
     parser.add_argument(
         "--gpu-memory-utilization",
@@ -406,6 +427,31 @@ def run_bench(args: argparse.Namespace) -> int:
     return int(getattr(module, command.run)(parser.parse_args(args.bench_args)) or 0)
 
 
+def run_kernels(args: argparse.Namespace) -> int:
+    """`ember kernels path|publish`: this GPU's compiled-kernel cache."""
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    import torch
+
+    from ember.kernels import kernel_cache
+    from ember.weights.object_store import ObjectStoreError
+
+    device = torch.device(args.device)
+    if args.action == "path":
+        key = kernel_cache.cache_key(device)
+        root = kernel_cache.cache_root(args.kernel_cache_dir)
+        print(kernel_cache.managed_dir(key, root) or os.environ.get("TRITON_CACHE_DIR"))
+        return 0
+    if not args.url:
+        log.error("ember kernels publish: give the model's s3://BUCKET/PREFIX")
+        return 2
+    try:
+        print(kernel_cache.publish(args.url, device, args.kernel_cache_dir))
+    except (ObjectStoreError, ValueError) as error:
+        log.error("ember kernels publish: %s", error)
+        return 1
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ember", description="An LLM inference server.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -420,6 +466,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_serve_arguments(serve)
     serve.set_defaults(run=run_serve, usage_error=serve.error)
+    kernels = commands.add_parser(
+        "kernels",
+        help="this GPU's compiled-kernel cache: where it is, or publish it beside a model",
+        description="`path`: the directory of compiled kernels for this GPU and these versions. "
+        "`publish s3://BUCKET/PREFIX`: put it beside the model there, so that nodes starting "
+        "the model from the store fetch the kernels instead of compiling them.",
+    )
+    kernels.add_argument("action", choices=("path", "publish"))
+    kernels.add_argument("url", nargs="?", help="the model's s3://BUCKET/PREFIX (publish)")
+    kernels.add_argument("--device", default="cuda", help="the GPU (default: cuda)")
+    kernels.add_argument("--kernel-cache-dir", metavar="DIR", help="as `ember serve`'s")
+    kernels.set_defaults(run=run_kernels)
     bench = commands.add_parser("bench", help="benchmarks")
     benchmarks = bench.add_subparsers(dest="benchmark", required=True, metavar="BENCHMARK")
     for name, command in BENCH_COMMANDS.items():

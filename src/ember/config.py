@@ -194,6 +194,10 @@ def memory_config(**options: Any) -> MemoryConfig:
 @dataclass(frozen=True)
 class EngineConfig:
     model: str | None = None
+    # Where models from an object store (s3://) are cached, and where compiled kernels are
+    # kept (`ember.kernels.kernel_cache`); None: under the user's cache directory.
+    download_dir: str | None = None
+    kernel_cache_dir: str | None = None
     dtype: str = "auto"
     device: str = "auto"
     served_model_name: str | None = None

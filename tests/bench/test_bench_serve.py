@@ -440,7 +440,7 @@ def _stand_in_spec(**overrides) -> launch.LaunchSpec:
 
 def test_launched_server_is_healthy_inside_the_block_and_gone_after():
     with launch.LaunchedServer(_stand_in_spec(model="tiny")) as server:
-        assert launch._health_ok(server.base_url)
+        assert launch._health_status(server.base_url) == 200
         assert server.command[-5:] == ["tiny", "--host", "127.0.0.1", "--port", str(server.port)]
         process = server._process
     assert process.poll() is not None

@@ -20,6 +20,7 @@ from ember.engine.ipc import (
     Shutdown,
     StepOutputs,
 )
+from ember.engine.model_instance import LoadReport
 from ember.engine.model_pool import ModelState, UnknownModelError
 from ember.engine.scheduler import StepCounts
 from ember.engine.step_types import RequestUpdate
@@ -36,6 +37,7 @@ class FakeInstance:
             running=[], waiting=[], num_preemptions=0, step_counts=StepCounts()
         )
         self.kv_manager = SimpleNamespace(pool=SimpleNamespace(capacity=10), num_free_blocks=10)
+        self.load_report = LoadReport(seconds=0.1, weight_bytes=0, kv_cache_bytes=0, num_blocks=10)
 
     def add_request(self, request_id, prompt_token_ids, params):
         if any(t >= self.vocab_size for t in prompt_token_ids):
@@ -76,7 +78,7 @@ class FakePool:
         self.instances = instances
         self.slots = {
             name: SimpleNamespace(
-                name=name, state=ModelState.LOADED, error=None, instance=inst, queued=[]
+                name=name, state=ModelState.LOADED, error=None, instance=inst, queued=[], plan=None
             )
             for name, inst in instances.items()
         }

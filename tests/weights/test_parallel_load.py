@@ -218,3 +218,24 @@ def test_load_progress_counts_every_tensor(tmp_path):
     total = HFDirCheckpoint(path).num_tensors
     assert done[-1] == total and len(done) == total
     assert done == sorted(done)
+
+
+def test_prefetch_finds_a_local_models_weight_files_and_reads_them_ahead(tmp_path):
+    from ember.weights.prefetch import local_weight_files, prefetch
+
+    (tmp_path / "config.json").write_text("{}")
+    for name in ("model-00002-of-00002.safetensors", "model-00001-of-00002.safetensors"):
+        (tmp_path / name).write_bytes(b"\0" * 4096)
+    files = local_weight_files(str(tmp_path))
+    assert [p.name for p in files] == [
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+    ]
+    assert local_weight_files("s3://bucket/model") == []
+    assert local_weight_files(str(tmp_path / "missing")) == []
+    assert local_weight_files(None) == []
+    thread = prefetch(files)
+    assert thread is not None
+    thread.join(10)
+    assert not thread.is_alive()
+    assert prefetch([]) is None

@@ -47,6 +47,7 @@ class LaunchSpec:
     startup_timeout_s: float = 600.0
     log_path: str | None = None
     program: tuple[str, ...] = field(default_factory=ember_serve_program)
+    health_poll_s: float = 0.25  # how often /health is asked while the server starts
 
 
 def free_port() -> int:
@@ -73,6 +74,8 @@ class LaunchedServer:
 
     `base_url`, `pid` and `command` are set once the block is entered; `pid` is the server's
     own process (taskset replaces itself with it), the root of the tree the costs sample.
+    `started_at`, `first_answer_at` (the first /health answer, 503 while loading) and
+    `healthy_at` are the start's moments (time.time()).
     """
 
     def __init__(self, spec: LaunchSpec):
@@ -83,6 +86,7 @@ class LaunchedServer:
         self._process: subprocess.Popen | None = None
         self._log_is_temporary = spec.log_path is None
         self._log_path = Path(spec.log_path or _temporary_log_path())
+        self.started_at = self.first_answer_at = self.healthy_at = 0.0
 
     @property
     def pid(self) -> int:
@@ -91,6 +95,7 @@ class LaunchedServer:
 
     def __enter__(self) -> Self:
         with open(self._log_path, "wb") as log:
+            self.started_at = time.time()
             self._process = subprocess.Popen(
                 self.command,
                 stdout=log,
@@ -118,9 +123,13 @@ class LaunchedServer:
                 raise ServerStartError(
                     f"server exited with code {self._process.returncode}\n{self.log_tail()}"
                 )
-            if _health_ok(self.base_url):
+            status = _health_status(self.base_url)
+            if status is not None and not self.first_answer_at:
+                self.first_answer_at = time.time()
+            if status == 200:
+                self.healthy_at = time.time()
                 return
-            time.sleep(0.25)
+            time.sleep(self.spec.health_poll_s)
         raise ServerStartError(
             f"server not healthy after {self.spec.startup_timeout_s:.0f}s\n{self.log_tail()}"
         )
@@ -163,9 +172,12 @@ def _temporary_log_path() -> str:
     return path
 
 
-def _health_ok(base_url: str) -> bool:
+def _health_status(base_url: str) -> int | None:
+    """The HTTP status /health answers with; None if nothing answers."""
     try:
         with urllib.request.urlopen(base_url + "/health", timeout=2) as resp:
-            return resp.status == 200
+            return resp.status
+    except urllib.error.HTTPError as error:
+        return error.code
     except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
-        return False
+        return None

@@ -22,6 +22,8 @@ of this module so the front end never imports torch), or by hand with
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import multiprocessing
 import signal
@@ -100,9 +102,16 @@ class EngineCore:
     """The model pool and the loop that steps it."""
 
     def __init__(
-        self, pool: ModelPool, channel: EngineChannel, progress: LoadProgressBoard | None = None
+        self,
+        pool: ModelPool,
+        channel: EngineChannel,
+        progress: LoadProgressBoard | None = None,
+        timeline: dict[str, float] | None = None,
     ) -> None:
         self.pool = pool
+        # Wall-clock moments of this process's start (`ember bench startup` reads them from the
+        # log line written when the engine is ready).
+        self.timeline = dict(timeline or {})
         self.channel = channel
         self.progress = progress
         self._stats_sent_at = 0.0
@@ -172,7 +181,29 @@ class EngineCore:
         logger.info("froze %d start-up objects out of the collector's passes", frozen)
         self.channel.send(EngineReady(self.pool.infos()))
         self._ready_sent = True
+        self._log_timeline()
         return True
+
+    def _log_timeline(self) -> None:
+        """One log line: the start's moments and each loaded model's load report."""
+        loads = {
+            name: dataclasses.asdict(slot.instance.load_report)
+            for name, slot in self.pool.slots.items()
+            if slot.instance is not None
+        }
+        downloads = {
+            name: dataclasses.asdict(download.stats)
+            for name, slot in self.pool.slots.items()
+            if slot.plan is not None
+            and (download := getattr(slot.plan.checkpoint, "weight_files", None)) is not None
+        }
+        timeline = {
+            **self.timeline,
+            "engine_ready": time.time(),
+            "loads": loads,
+            "downloads": downloads,
+        }
+        logger.info("%s %s", STARTUP_TIMELINE_TAG, json.dumps(timeline))
 
     def _send_progress_and_states(self, force: bool = False) -> None:
         if self.progress is not None:
@@ -273,25 +304,34 @@ def _tensor_count(checkpoint: object) -> int | None:
 
 # ------------------------------------------------------------------------ process entry point
 
+# Starts the log line that holds the start-up timeline (JSON), for `ember bench startup`.
+STARTUP_TIMELINE_TAG = "startup timeline:"
+
 
 def run_engine(
     configs: list[EngineConfig],
     addresses: IpcAddresses,
     memory: MemoryConfig | None = None,
     load_timeout_s: float = 300.0,
+    timeline: dict[str, float] | None = None,
 ) -> None:
     """Body of the engine process: plan every model, start the configured loads, serve; report
-    a failure before exiting."""
+    a failure before exiting. ``timeline``: the moments of the process's start so far."""
     # Ctrl+C reaches the whole process group; the front end decides when the engine stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s engine %(levelname)s %(message)s")
     parent = multiprocessing.parent_process()
     channel = EngineChannel(addresses, parent.sentinel if parent is not None else None)
     try:
+        timeline = dict(timeline or {})
+        cuda_init = _start_cuda_init(configs, timeline)
         with ThreadPoolExecutor(1, thread_name_prefix="model-transition") as worker:
             pool = ModelPool([], memory or MemoryConfig(), worker, load_timeout_s)
             for config in configs:
                 pool.add_model(config, isolate_failure=len(configs) > 1)
+            timeline["models_planned"] = time.time()
+            if cuda_init is not None:
+                cuda_init.join()
             totals = {
                 name: _tensor_count(slot.plan.checkpoint)
                 for name, slot in pool.slots.items()
@@ -302,7 +342,7 @@ def run_engine(
             for name, total in totals.items():
                 channel.send(LoadProgress(name, 0, total))
             pool.preload()
-            core = EngineCore(pool, channel, board)
+            core = EngineCore(pool, channel, board, timeline)
             core.run()
     except MissingDependencyError as exc:  # a setup problem, said in one line: no traceback
         logger.error("%s", exc)
@@ -316,6 +356,24 @@ def run_engine(
         channel.close()
     if core.failed:
         raise SystemExit(1)
+
+
+def _start_cuda_init(configs: list[EngineConfig], timeline: dict[str, float]):
+    """Initialise CUDA (~0.5 s and more) on a thread while the models are planned (and their
+    object-store downloads start); None on a machine without a GPU or a CPU-only config."""
+    import torch
+
+    if all(config.device == "cpu" for config in configs) or not torch.cuda.is_available():
+        return None
+
+    def init() -> None:
+        timeline["cuda_init_started"] = time.time()
+        torch.cuda.init()
+        timeline["cuda_initialised"] = time.time()
+
+    thread = threading.Thread(target=init, name="cuda-init", daemon=True)
+    thread.start()
+    return thread
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -29,6 +29,7 @@ from ember.engine.request import Request
 from ember.engine.scheduler import Scheduler
 from ember.engine.step_loop import StepLoop
 from ember.engine.step_types import RequestUpdate
+from ember.kernels import kernel_cache
 from ember.kernels.compile_ahead import default_compile_workers
 from ember.kernels.tuning import KernelTuning
 from ember.layers.attention import select_attention
@@ -70,6 +71,8 @@ class LoadReport:
     # Device memory the load took beyond its weights and KV cache (buffers, the CUDA graphs'
     # pool), measured by the allocator; kept while the model sleeps if its graphs are kept.
     resident_bytes: int = 0
+    # When the load began (time.time(): comparable across processes, for start-up timelines).
+    started_at: float = 0.0
 
 
 class ModelInstance:
@@ -95,6 +98,7 @@ class ModelInstance:
         here); ``kv_cache_bytes``: the KV cache's size decided by the engine's memory budget
         (else sized as the only model under ``memory``)."""
         start = time.perf_counter()
+        started_at = time.time()
         self.config = config
         self.plan = plan or plan_model(config, checkpoint)
         self.name = self.plan.name
@@ -104,6 +108,10 @@ class ModelInstance:
         self.model_config = cfg = self.plan.model_config
         self.limits = self.plan.limits
         reserved_before = self._device_reserved()
+        if self.device.type == "cuda":
+            # Before any kernel compiles: kernels compiled by an earlier start, or published
+            # beside the weights, are found there (`ember.kernels.kernel_cache`).
+            kernel_cache.prepare(self.device, self.plan.checkpoint, config.kernel_cache_dir)
         # This instance's routing and tile tables, for its GPU (`ember.kernels.tuning`).
         self.tuning = KernelTuning.for_device(self.device)
         self.ops = select_ops(
@@ -175,6 +183,7 @@ class ModelInstance:
             kv_cache_bytes=self.kv_cache_bytes,
             num_blocks=num_blocks,
             resident_bytes=max(0, self._device_reserved() - reserved_before),
+            started_at=started_at,
         )
         logger.info(
             "loaded %s in %.2f s: %s", self.name, self.load_report.seconds, self.load_report
@@ -340,6 +349,7 @@ class ModelInstance:
                 lambda extent: placer.target(extent.name, extent.shape),
                 self.device,
                 on_tensor=on_tensor,
+                files=getattr(ckpt, "weight_files", None),
             )
             placer.finish()
         if self.device.type == "cuda":

@@ -121,7 +121,7 @@ class _NoOps:
 
 def plan_model(config: EngineConfig, checkpoint: Checkpoint | None = None) -> ModelPlan:
     """Read ``config``'s checkpoint metadata and tokenizer; no weight is read."""
-    ckpt = checkpoint or open_checkpoint(config.model)
+    ckpt = checkpoint or open_checkpoint(config.model, download_dir=config.download_dir)
     device = resolve_device(config.device)
     tokenizer = Tokenizer.from_checkpoint(ckpt)
     model_config = _with_generation_eos(ModelConfig.from_hf_dict(ckpt.hf_config), ckpt, tokenizer)

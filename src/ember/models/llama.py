@@ -32,6 +32,30 @@ from ember.layers.residual import (
     sub_block_input,
 )
 
+
+class Projection(nn.Module):
+    """A linear layer's parameters (``weight`` [out, in], ``bias``), which the ops compute with.
+    Not `nn.Linear`: its initialiser, run on the meta device where models are built, imports
+    torch._dynamo (about a second of every start) to fill values that are never used."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.register_parameter("bias", nn.Parameter(torch.empty(out_features)) if bias else None)
+
+
+class Embedding(nn.Module):
+    """The token embedding table (``weight`` [vocab, hidden]); `Projection` says why not
+    `nn.Embedding`."""
+
+    def __init__(self, num_embeddings: int, dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_embeddings, dim))
+
+    def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return nn.functional.embedding(token_ids, self.weight)
+
+
 # Rows of a projection folded with its norm weight at once (`_fold_norm_weights`).
 _FOLD_ROWS = 2048
 
@@ -49,8 +73,10 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, ops: Ops, backend: AttentionBackend) -> None:
         super().__init__()
         self.cfg, self.ops, self.backend = cfg, ops, backend
-        self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, cfg.attention_bias)
-        self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=False)
+        self.qkv_proj = Projection(
+            cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, cfg.attention_bias
+        )
+        self.o_proj = Projection(cfg.q_size, cfg.hidden_size, bias=False)
         if cfg.qk_norm:
             self.q_norm = nn.Parameter(torch.ones(cfg.head_dim))
             self.k_norm = nn.Parameter(torch.ones(cfg.head_dim))
@@ -89,8 +115,8 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, ops: Ops) -> None:
         super().__init__()
         self.ops = ops
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = Projection(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = Projection(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, stream: ResidualStream, norm_weight: torch.Tensor) -> ResidualStream:
         x, row_norm, stream = sub_block_input(self.ops, stream, norm_weight)
@@ -124,7 +150,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, ops: Ops, attention: AttentionBackend) -> None:
         super().__init__()
         self.cfg, self.ops = cfg, ops
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, ops, attention) for _ in range(cfg.num_layers)
         )

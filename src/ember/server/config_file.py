@@ -10,7 +10,9 @@ The format (every key is optional but a model's ``source``)::
                                             # or wake (then 503 with Retry-After)
 
     [[models]]                              # one table per model, in the order served
-    source = "/models/llama-3.1-8b"         # required: HF directory, HF cache id or GGUF file
+    source = "/models/llama-3.1-8b"         # required: HF directory, HF cache id, GGUF file,
+                                            # or s3://bucket/prefix (an S3-compatible store)
+    download_dir = "/var/cache/ember"       # where an s3:// model is cached
     name = "llama"                          # the served name (default: source as written)
     aliases = ["llama-8b"]                  # further names clients may use for it
     chat_template = "llama.jinja"           # a template file, or the template itself

@@ -62,7 +62,9 @@ def load_served_model(spec: ServedModelSpec) -> ServedModel:
     """Open the checkpoint's metadata and build the tokenizer (no weights are read)."""
     from ember.weights.resolve import open_checkpoint
 
-    checkpoint = open_checkpoint(spec.engine.model)
+    checkpoint = open_checkpoint(
+        spec.engine.model, download_dir=spec.engine.download_dir, weights=False
+    )
     try:
         tokenizer = Tokenizer.from_checkpoint(checkpoint, spec.chat_template)
     finally:

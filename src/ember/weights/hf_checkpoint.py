@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     import torch
 
     from ember.weights.safetensors_layout import TensorExtent
+    from ember.weights.weight_files import WeightFiles
 
 CONFIG_FILE = "config.json"
 SINGLE_WEIGHTS_FILE = "model.safetensors"
@@ -42,19 +43,58 @@ class HFDirCheckpoint:
     """config.json + safetensors weights + tokenizer files in one local directory.
 
     `shard_files` lists the weight files in load order and `total_bytes` their total size, for
-    loaders that read the files themselves (in parallel, into pinned buffers).
+    loaders that read the files themselves (in parallel, into pinned buffers) through
+    `weight_files`.
+
+    ``weight_files`` given (a download still under way, `ember.weights.object_download`), the
+    weight files named by ``arriving`` may not be on disk yet: their headers are read as they
+    arrive. ``weights=False`` opens the metadata only (config, tokenizer): no weight file is
+    looked for, for a process that never loads the tensors.
     """
 
-    def __init__(self, path: str | os.PathLike[str], name: str | None = None) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        name: str | None = None,
+        *,
+        weights: bool = True,
+        weight_files: WeightFiles | None = None,
+        arriving: Collection[str] = (),
+    ) -> None:
         self.path = Path(path)
         if not self.path.is_dir():
             raise ValueError(f"{self.path}: not a model directory")
         self._name = name or self.path.name
         self._config = read_json(self.path / CONFIG_FILE)
-        self.shard_files, self._index = _find_weight_files(self.path)
+        self.weight_files = weight_files
+        self.shard_files: list[Path] = []
+        self._index: dict[str, set[str]] = {}
+        self.total_bytes = 0
+        if not weights:
+            return
+        self.shard_files, self._index = _find_weight_files(self.path, frozenset(arriving))
         for shard in self.shard_files:
-            _check_shard(shard, self._index.get(shard.name, set()))
-        self.total_bytes = sum(shard.stat().st_size for shard in self.shard_files)
+            expected = self._index.get(shard.name, set())
+            if weight_files is None:
+                _check_shard(shard, expected)
+            else:
+                _check_arriving_shard(shard, expected, weight_files)
+        self.total_bytes = sum(self._file_size(shard) for shard in self.shard_files)
+
+    def _file_size(self, shard: Path) -> int:
+        if self.weight_files is None:
+            return shard.stat().st_size
+        fd = self.weight_files.open(shard)
+        try:
+            return os.fstat(fd).st_size
+        finally:
+            os.close(fd)
+
+    def close(self) -> None:
+        """Let go of the weight files (stops a download that is still running)."""
+        close = getattr(self.weight_files, "close", None)
+        if close is not None:
+            close()
 
     @property
     def name(self) -> str:
@@ -94,6 +134,8 @@ class HFDirCheckpoint:
     @functools.cached_property
     def num_tensors(self) -> int:
         """How many tensors `iter_tensors` yields (headers only; for progress bars)."""
+        if self.weight_files is not None:  # the files may be arriving still
+            return len(self.tensor_extents())
         count = 0
         for shard in self.shard_files:
             with safe_open(str(shard), framework=_HEADER_FRAMEWORK, device="cpu") as reader:
@@ -105,11 +147,17 @@ class HFDirCheckpoint:
         `ember.weights.parallel_load`)."""
         from ember.weights.safetensors_layout import read_extents
 
-        return [extent for shard in self.shard_files for extent in read_extents(shard)]
+        return [
+            extent
+            for shard in self.shard_files
+            for extent in read_extents(shard, self.weight_files)
+        ]
 
     def iter_tensors(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield every tensor of every shard; floating tensors are cast to `dtype`."""
         for shard in self.shard_files:
+            if self.weight_files is not None:
+                self.weight_files.wait(shard, 0, self._file_size(shard))
             try:
                 with safe_open(str(shard), framework="pt", device="cpu") as reader:
                     tensor_names = reader.keys()  # the reader itself is not iterable
@@ -146,8 +194,15 @@ def _read_optional_json(path: Path) -> dict[str, Any]:
     return read_json(path) if path.exists() else {}
 
 
-def _find_weight_files(model_dir: Path) -> tuple[list[Path], dict[str, set[str]]]:
-    """The safetensors files to load, and for an indexed checkpoint which tensors each holds."""
+def _find_weight_files(
+    model_dir: Path, arriving: frozenset[str] = frozenset()
+) -> tuple[list[Path], dict[str, set[str]]]:
+    """The safetensors files to load, and for an indexed checkpoint which tensors each holds;
+    the files named in ``arriving`` count as present though they may not be on disk yet."""
+
+    def present(name: str) -> bool:
+        return name in arriving or (model_dir / name).is_file()
+
     index_path = model_dir / WEIGHTS_INDEX_FILE
     if index_path.exists():
         weight_map = read_json(index_path).get("weight_map")
@@ -158,16 +213,16 @@ def _find_weight_files(model_dir: Path) -> tuple[list[Path], dict[str, set[str]]
             expected.setdefault(shard_name, set()).add(tensor_name)
         shards = [model_dir / shard_name for shard_name in sorted(expected)]
         for shard in shards:
-            if not shard.is_file():
+            if not present(shard.name):
                 raise ValueError(f"{shard}: missing (listed in {index_path.name})")
         return shards, expected
-    single = model_dir / SINGLE_WEIGHTS_FILE
-    if single.is_file():
-        return [single], {}
+    if present(SINGLE_WEIGHTS_FILE):
+        return [model_dir / SINGLE_WEIGHTS_FILE], {}
     # Shards saved without their index still load: each tensor is named inside its file.
-    unindexed = sorted(model_dir.glob("model-*.safetensors"))
-    if unindexed:
-        return unindexed, {}
+    names = {p.name for p in model_dir.glob("model-*.safetensors")}
+    names |= {n for n in arriving if n.startswith("model-") and n.endswith(".safetensors")}
+    if names:
+        return [model_dir / name for name in sorted(names)], {}
     if any(p.suffix in PICKLED_WEIGHT_SUFFIXES for p in model_dir.iterdir()):
         raise ValueError(
             f"{model_dir}: only pickled weights (*.bin / *.pt) found; ember loads only "
@@ -183,6 +238,17 @@ def _check_shard(shard: Path, expected_names: Collection[str]) -> None:
             names = set(reader.keys())
     except (OSError, RuntimeError, SafetensorError) as exc:
         raise ValueError(f"{shard}: truncated or corrupt safetensors file: {exc}") from exc
+    _check_names(shard, names, expected_names)
+
+
+def _check_arriving_shard(shard: Path, expected_names: Collection[str], files: WeightFiles) -> None:
+    """`_check_shard` for a file that may still be arriving: its header, read once it is here."""
+    from ember.weights.safetensors_layout import read_extents
+
+    _check_names(shard, {extent.name for extent in read_extents(shard, files)}, expected_names)
+
+
+def _check_names(shard: Path, names: set[str], expected_names: Collection[str]) -> None:
     missing = set(expected_names) - names
     if missing:
         raise ValueError(

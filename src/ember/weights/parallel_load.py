@@ -25,6 +25,7 @@ import torch
 
 from ember.host_cpus import usable_cpus
 from ember.weights.safetensors_layout import TensorExtent
+from ember.weights.weight_files import LocalFiles, WeightFiles
 
 # Chunk size: large enough that a read and a copy each amortise their fixed cost, small enough
 # that a few buffers per thread stay cheap to pin (pinning runs at ~10 GB/s). A load's report
@@ -76,12 +77,16 @@ def load_extents(
     copy_streams: int = DEFAULT_COPY_STREAMS,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     on_tensor: Callable[[int], None] | None = None,
+    files: WeightFiles | None = None,
 ) -> int:
     """Fill every tensor's target from its file; returns the bytes read.
 
     ``on_tensor(n)`` is called on this thread as the n-th tensor lands (or is skipped). A read
     error is a ValueError naming the file. Every copy has finished when this returns or raises.
+    ``files`` reaches the files (default: on local disk); through a download, each chunk is read
+    as soon as its bytes have arrived.
     """
+    files = files or LocalFiles()
     threads = read_threads or default_read_threads()
     chunks_per_tensor: list[tuple[TensorExtent, list[_Chunk]]] = []
     for extent in extents:
@@ -96,12 +101,14 @@ def load_extents(
     free: queue.Queue[_Staging] = queue.Queue()
     for i in range(2 * threads if cuda else threads):
         free.put(_Staging(chunk_bytes, streams[i % len(streams)] if cuda else None))
-    files = _OpenFiles(chunks[0].extent.path for _, chunks in chunks_per_tensor if chunks)
+    open_files = _OpenFiles(
+        (chunks[0].extent.path for _, chunks in chunks_per_tensor if chunks), files
+    )
     total = 0
     try:
         with ThreadPoolExecutor(threads, thread_name_prefix="weight-read") as pool:
             futures = [
-                [pool.submit(_load_chunk, chunk, files, free, cuda) for chunk in chunks]
+                [pool.submit(_load_chunk, chunk, open_files, free, cuda) for chunk in chunks]
                 for _, chunks in chunks_per_tensor
             ]
             for done, (extent, tensor_futures) in enumerate(
@@ -114,7 +121,7 @@ def load_extents(
     finally:
         for stream in streams:
             stream.synchronize()  # no copy may outlive its buffer
-        files.close()
+        open_files.close()
     return total
 
 
@@ -134,6 +141,7 @@ def _load_chunk(chunk: _Chunk, files: _OpenFiles, free: queue.Queue[_Staging], c
     itemsize = extent.dtype.itemsize
     offset = extent.offset + chunk.first * itemsize
     nbytes = chunk.count * itemsize
+    files.wait(extent.path, offset, offset + nbytes)
     fd = files.fd(extent.path)
     if not cuda and chunk.target.dtype == extent.dtype:
         _read_into(fd, _writable_bytes(chunk.target), offset, extent.path)
@@ -195,17 +203,18 @@ class _OpenFiles:
     """One read-only descriptor per weight file, opened before the threads start and shared by
     them (`preadv` takes its own offset, so they do not race)."""
 
-    def __init__(self, paths: Iterable[Path]) -> None:
+    def __init__(self, paths: Iterable[Path], files: WeightFiles) -> None:
+        self._files = files
         self._fds: dict[Path, int] = {}
         try:
             for path in dict.fromkeys(paths):
-                try:
-                    self._fds[path] = os.open(path, os.O_RDONLY)
-                except OSError as exc:
-                    raise ValueError(f"{path}: cannot open weights: {exc}") from exc
-        except ValueError:
+                self._fds[path] = files.open(path)
+        except BaseException:
             self.close()
             raise
+
+    def wait(self, path: Path, start: int, end: int) -> None:
+        self._files.wait(path, start, end)
 
     def fd(self, path: Path) -> int:
         return self._fds[path]

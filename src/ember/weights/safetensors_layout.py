@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from ember.weights.weight_files import LocalFiles, WeightFiles
 
 # The format's dtype names. Only dtypes torch can hold are listed: a file with another one is
 # refused by name rather than read as the wrong type.
@@ -53,21 +56,28 @@ class TensorExtent:
         return math.prod(self.shape)
 
 
-def read_extents(path: Path) -> list[TensorExtent]:
+def read_extents(path: Path, files: WeightFiles | None = None) -> list[TensorExtent]:
     """The tensors of one safetensors file in file order; ValueError naming the file if its
-    header is malformed or points past the file's end."""
-    size = path.stat().st_size
-    with path.open("rb") as file:
-        prefix = file.read(8)
+    header is malformed or points past the file's end. ``files`` reaches the file (default: on
+    local disk); a file still downloading is read once its header has arrived."""
+    files = files or LocalFiles()
+    fd = files.open(path)
+    try:
+        size = os.fstat(fd).st_size
+        files.wait(path, 0, min(8, size))
+        prefix = os.pread(fd, 8, 0)
         if len(prefix) != 8:
             raise ValueError(f"{path}: too short for a safetensors header")
         (header_len,) = struct.unpack("<Q", prefix)
         if header_len > min(MAX_HEADER_BYTES, size - 8):
             raise ValueError(f"{path}: safetensors header of {header_len} bytes does not fit")
+        files.wait(path, 8, 8 + header_len)
         try:
-            header = json.loads(file.read(header_len))
+            header = json.loads(_pread_all(fd, header_len, 8))
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise ValueError(f"{path}: unreadable safetensors header: {exc}") from exc
+    finally:
+        os.close(fd)
     if isinstance(header, dict):
         data_start = 8 + header_len
         extents = [
@@ -77,6 +87,18 @@ def read_extents(path: Path) -> list[TensorExtent]:
         ]
         return sorted(extents, key=lambda extent: extent.offset)
     raise ValueError(f"{path}: the safetensors header is not a JSON object")
+
+
+def _pread_all(fd: int, nbytes: int, offset: int) -> bytes:
+    parts = []
+    while nbytes > 0:
+        part = os.pread(fd, nbytes, offset)
+        if not part:
+            break
+        parts.append(part)
+        nbytes -= len(part)
+        offset += len(part)
+    return b"".join(parts)
 
 
 def _extent(path: Path, name: str, entry: object, data_start: int, size: int) -> TensorExtent:
