@@ -5,6 +5,7 @@
 #   tools/gpu_run.sh OUTDIR [STAGE ...]       stages, run in the order given:
 #                                             tests step profile tune parity serve peer
 #                                             multi_wake multi_pair multi_traffic startup
+#                                             resilience
 #                                             (default: tests step parity serve peer)
 #
 # Needs, carried beside the tree (tools/prepare_gpu_assets.sh makes them here):
@@ -225,11 +226,19 @@ stage_startup() {  # ember serve -> first token: warm, kernels cold, disk cold, 
     --server-args "$SERVER_ARGS" --label "$PRESET bf16" --output-json "$RES/startup.json"
 }
 
+stage_resilience() {  # hang-ups, KV leaks, throughput after, an engine killed under load
+  make_model
+  stamp "bench resilience"
+  limited $PY -m ember.cli bench resilience --launch "$MODEL" --server-args "$SERVER_ARGS" \
+    "${DATASET[@]}" --num-prompts 1000 --max-concurrency 200 --disconnect-streams 2000 \
+    --kill-after 10 --server-log "$RES/server_resilience.log" --output-json "$RES/resilience.json"
+}
+
 # Stages run in the order given.
 for stage in $STAGES; do
   case $stage in
     tests | step | profile | tune | parity | serve | peer | multi_wake | multi_pair | multi_traffic \
-      | startup)
+      | startup | resilience)
       "stage_$stage" ;;
     *) echo "unknown stage: $stage" ;;
   esac

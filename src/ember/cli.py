@@ -29,6 +29,7 @@ from ember.server.config import (
     DEFAULT_MAX_QUEUE,
     DEFAULT_MODEL_LOAD_TIMEOUT_S,
     DEFAULT_SHUTDOWN_TIMEOUT_S,
+    RestartPolicy,
 )
 from ember.server.config_file import CUDA_GRAPH_MODES, ModelEntry
 
@@ -97,6 +98,13 @@ BENCH_COMMANDS: dict[str, BenchCommand] = {
         "run",
         "from `ember serve` to the first token, phase by phase, warm and cold, from disk or an "
         "object store, beside the floors (import torch, disk, H2D, download)",
+    ),
+    "resilience": BenchCommand(
+        "ember.bench.resilience",
+        "add_arguments",
+        "run",
+        "clients that hang up mid-stream (KV blocks left held, throughput after) and an engine "
+        "killed under load (failed requests, seconds to serve again)",
     ),
     "multi-model": BenchCommand(
         "ember.bench.multi_model",
@@ -265,7 +273,17 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--shutdown-timeout",
         type=float,
         default=DEFAULT_SHUTDOWN_TIMEOUT_S,
-        help="seconds running requests may take to finish after SIGTERM",
+        help="seconds running requests may take to finish after SIGTERM; then they are aborted",
+    )
+    restart = RestartPolicy()
+    parser.add_argument(
+        "--max-engine-restarts",
+        type=int,
+        default=restart.max_losses,
+        metavar="N",
+        help=f"start a new engine process when one is lost, up to N times within "
+        f"{restart.window_s:.0f} s; one more loss ends the server with exit code 1 (0: never "
+        f"restart; default: {restart.max_losses})",
     )
     parser.add_argument("--uvicorn-log-level", default="info")
     parser.add_argument("--disable-uvicorn-access-log", action="store_true")
@@ -401,6 +419,7 @@ def server_config(args: argparse.Namespace):
         show_progress=not args.disable_progress_bar,
         uvicorn_log_level=args.uvicorn_log_level,
         access_log=not args.disable_uvicorn_access_log,
+        engine_restart=RestartPolicy(max_losses=args.max_engine_restarts),
     )
 
 

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass, field
+
+# What the engine's per-row tensors hold: token ids, counts and top_k as int32, the seed as int64.
+INT32_MAX = 2**31 - 1
+SEED_MAX = 2**63 - 1
 
 
 @dataclass
@@ -43,19 +49,22 @@ class SamplingParams:
         self.validate()
 
     def validate(self) -> None:
-        """Raise ValueError naming the first invalid field."""
-        if self.n < 1:
-            raise ValueError(f"n must be at least 1, got {self.n}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be non-negative, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
+        """Raise ValueError naming the first invalid field (the message starts with its name).
+
+        Besides the meaning of each field, the bounds are what the engine can hold: integers
+        fit its int32 columns (the seed its int64 one), and floats are finite.
+        """
+        _check_int("n", self.n, 1, INT32_MAX)
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"temperature must be finite and non-negative, got {self.temperature}")
+        if not 0 < self.top_p <= 1:  # False for NaN too
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        _check_int("top_k", self.top_k, 0, INT32_MAX)
         if not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if self.min_tokens < 0:
-            raise ValueError(f"min_tokens must be non-negative, got {self.min_tokens}")
+        if self.max_tokens is not None:
+            _check_int("max_tokens", self.max_tokens, 1, INT32_MAX)
+        _check_int("min_tokens", self.min_tokens, 0, INT32_MAX)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(
                 f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"
@@ -64,12 +73,23 @@ class SamplingParams:
             value = getattr(self, name)
             if not -2 <= value <= 2:
                 raise ValueError(f"{name} must be in [-2, 2], got {value}")
-        if self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be positive, got {self.repetition_penalty}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
-        if self.seed is not None and self.seed < 0:
-            raise ValueError(f"seed must be non-negative, got {self.seed}")
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
+            raise ValueError(
+                f"repetition_penalty must be finite and positive, got {self.repetition_penalty}"
+            )
+        for token_id in self.stop_token_ids:
+            _check_int("stop_token_ids", token_id, 0, INT32_MAX, "entries")
+        for token_id, bias in (self.logit_bias or {}).items():
+            _check_int("logit_bias", token_id, 0, INT32_MAX, "keys")
+            if not math.isfinite(bias):
+                raise ValueError(f"logit_bias values must be finite, got {bias}")
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, 0, 20)
+        if self.seed is not None:
+            _check_int("seed", self.seed, 0, SEED_MAX)
+        # Stop strings cross to the engine process as UTF-8, which has no lone surrogates.
+        if not all(isinstance(text, str) and _is_utf8(text) for text in self.stop):
+            raise ValueError("stop strings must be valid Unicode text (no lone surrogates)")
 
     @property
     def greedy(self) -> bool:
@@ -82,3 +102,20 @@ class SamplingParams:
             or self.frequency_penalty != 0
             or self.repetition_penalty != 1
         )
+
+
+def _check_int(name: str, value: int, low: int, high: int, part: str = "") -> None:
+    """ValueError unless `value` is an integer (not a bool) in [low, high]; `part`: which
+    part of `name` it is ("entries", "keys"), when not `name` itself."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool) and low <= value <= high:
+        return
+    what = f"{name} {part} must be integers" if part else f"{name} must be an integer"
+    raise ValueError(f"{what} in [{low}, {high}], got {value!r}")
+
+
+def _is_utf8(text: str) -> bool:
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True

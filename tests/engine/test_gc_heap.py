@@ -101,6 +101,8 @@ def test_front_end_freezes_once_the_engine_has_loaded(monkeypatch):
     from types import SimpleNamespace
 
     from ember.server import app
+    from ember.server.config import RestartPolicy
+    from ember.server.engine_supervisor import EngineSupervisor
 
     calls = []
     monkeypatch.setattr(app, "freeze_startup_heap", lambda: calls.append("freeze") or 0)
@@ -118,9 +120,16 @@ def test_front_end_freezes_once_the_engine_has_loaded(monkeypatch):
 
     progress = SimpleNamespace(close=lambda: None)
     ready = state_after(True)
-    asyncio.run(app._await_engine(ready, progress))
+    app._on_engine_ready(ready, progress)
     assert calls == ["freeze"] and ready.lifecycle.models_ready
     calls.clear()
     failed = state_after(False)
-    asyncio.run(app._await_engine(failed, progress))
+    supervisor = EngineSupervisor(
+        failed.client,
+        on_first_ready=lambda: app._on_engine_ready(failed, progress),
+        request_exit=failed.lifecycle.request_exit,
+        stopping=lambda: False,
+        policy=RestartPolicy(),
+    )
+    asyncio.run(supervisor.run())
     assert calls == [1] and not failed.lifecycle.models_ready

@@ -273,3 +273,37 @@ def test_models_step_in_turn_while_another_loads_on_the_worker(models, alone):
         for name in ("llama", "qwen"):
             assert by_model(got, name, len(PROMPTS)) == alone[name]
         assert steps_while_loading > 0
+
+
+def test_a_step_that_raises_ends_its_models_requests_and_the_others_keep_serving(models, alone):
+    engine = Engine()
+    for name in ("llama", "qwen"):
+        engine.add_model(name, models[name], **options())
+        engine.load(name)
+
+    def broken_step():
+        raise OverflowError("Python int too large to convert to C long")
+
+    engine.pool.instance("llama").step = broken_step
+    got = submit(engine.pool, ["llama", "qwen"], PROMPTS, GREEDY)
+    drive(engine.pool, got, loading="qwen")
+    rejections = engine.pool.take_rejections()
+    assert {r.request_id for r in rejections} == {f"llama-{i}" for i in range(len(PROMPTS))}
+    assert all("OverflowError" in r.message and r.retry_after_s for r in rejections)
+    assert by_model(got, "qwen", len(PROMPTS)) == alone["qwen"]
+    assert engine.state("llama") == "unloaded"
+    assert engine.pool.budget.held_by("llama") == 0
+    assert tokens(engine, "llama") == alone["llama"]  # loaded afresh by its next request
+    check_blocks(engine)
+
+
+def test_a_gguf_model_unloaded_then_asked_for_loads_again():
+    from helpers.tiny_models import smollm2_gguf_path
+
+    engine = Engine()
+    engine.add_model("smol", str(smollm2_gguf_path()), **options(kv_cache_memory_bytes=16 << 20))
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    first = engine.generate("The capital of France is", params, model="smol")[0].outputs[0]
+    engine.unload("smol")
+    again = engine.generate("The capital of France is", params, model="smol")[0].outputs[0]
+    assert again.token_ids == first.token_ids and engine.state("smol") == "loaded"

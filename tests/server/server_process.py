@@ -136,3 +136,13 @@ class ServerProcess:
     def metric(self, name: str) -> float:
         """The sum of a metric's samples over all label sets."""
         return sum(v for k, v in self.metrics().items() if k.split("{")[0] == name)
+
+    def wait_for_metric(self, name: str, value: float, timeout: float = 20.0) -> float:
+        """The metric once it equals `value`, or its last value after `timeout` seconds (the
+        engine's stats come every ~0.5 s)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            current = self.metric(name)
+            if current == value or time.monotonic() > deadline:
+                return current
+            time.sleep(0.1)

@@ -4,7 +4,6 @@ KV blocks at once."""
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
 
@@ -49,15 +48,6 @@ def test_64_concurrent_greedy_streams_match_lone_requests(server, client, model_
         assert text == alone[PROMPTS[i % len(PROMPTS)]], i
 
 
-def wait_for_metric(server, name: str, value: float, timeout: float = 20.0) -> float:
-    deadline = time.monotonic() + timeout
-    while True:
-        current = server.metric(name)
-        if current == value or time.monotonic() > deadline:
-            return current
-        time.sleep(0.1)
-
-
 def test_cancelled_streams_free_every_kv_block(server, client, model_name):
     async def start_and_cancel(aclient, prompt: str) -> int:
         stream = await aclient.completions.create(
@@ -82,8 +72,8 @@ def test_cancelled_streams_free_every_kv_block(server, client, model_name):
             return await asyncio.gather(*jobs)
 
     assert asyncio.run(run_all()) == [3] * 50
-    assert wait_for_metric(server, "ember:kv_cache_blocks_used", 0) == 0
-    assert wait_for_metric(server, "ember:num_requests_running", 0) == 0
+    assert server.wait_for_metric("ember:kv_cache_blocks_used", 0) == 0
+    assert server.wait_for_metric("ember:num_requests_running", 0) == 0
     assert server.metric("ember:kv_cache_usage_perc") == 0
     # The engine did not generate the 200 tokens of each cancelled stream.
     out = client.completions.create(model=model_name, prompt="Hi", max_tokens=3, temperature=0)
@@ -105,5 +95,5 @@ def test_non_streamed_request_is_aborted_when_the_client_leaves(server, model_na
             http.post("/v1/completions", json=body, timeout=1.5)
         except httpx.TimeoutException:
             pass  # we hung up after 1.5 s, long before 500 tokens
-    assert wait_for_metric(server, "ember:kv_cache_blocks_used", 0) == 0
-    assert wait_for_metric(server, "ember:num_requests_running", 0) == 0
+    assert server.wait_for_metric("ember:kv_cache_blocks_used", 0) == 0
+    assert server.wait_for_metric("ember:num_requests_running", 0) == 0

@@ -19,6 +19,7 @@ from ember.engine.ipc import (
     IpcAddresses,
     Shutdown,
     StepOutputs,
+    UnreadableRequest,
 )
 from ember.engine.model_instance import LoadReport
 from ember.engine.model_pool import ModelState, UnknownModelError
@@ -196,6 +197,13 @@ def test_invalid_request_and_unknown_model_are_rejected_not_fatal():
     assert "vocabulary" in rejected[0].message and "nope" in rejected[1].message
 
 
+def test_a_request_the_channel_could_not_read_is_refused_by_its_id():
+    channel = ScriptedChannel([[UnreadableRequest("r9", "invalid request: seed too large")]])
+    run_core({"a": FakeInstance()}, channel)
+    (rejected,) = [r for m in step_outputs(channel) for r in m.rejected]
+    assert rejected.request_id == "r9" and "seed" in rejected.message
+
+
 def test_abort_stops_a_request_between_steps():
     instance = FakeInstance()
     channel = ScriptedChannel([[add("r1", "a", 100)], [AbortRequests(["r1", "unknown"])]])
@@ -217,6 +225,12 @@ def test_channel_round_trip_and_parent_death():
         requests.send(msgspec.msgpack.encode(add("r1", "a", 4)))
         (message,) = channel.receive(block=True)
         assert message == add("r1", "a", 4)
+        # Parameters that fail their checks on the engine's side refuse that request only.
+        bad = add("r2", "a", 4)
+        bad.params.temperature = -1.0  # set after the checks, as a buggy front end might
+        requests.send(msgspec.msgpack.encode(bad))
+        (message,) = channel.receive(block=True)
+        assert message.request_id == "r2" and "temperature" in message.message
         channel.send(StepOutputs([RequestUpdate("r1", [5], [None], None, 3)]))
         decoded = msgspec.msgpack.decode(outputs.recv(), type=StepOutputs)
         assert decoded.updates[0].new_token_ids == [5]

@@ -7,6 +7,7 @@ tokenizer.
 
 from __future__ import annotations
 
+import inspect
 import json
 import random
 import shutil
@@ -18,7 +19,12 @@ from helpers.tiny_models import smollm2_tokenizer_dir
 from tokenizers import decoders, pre_tokenizers
 from tokenizers.models import BPE
 
-from ember.tokenizer.chat_template import ChatTemplate, NoChatTemplateError, load_chat_template
+from ember.tokenizer.chat_template import (
+    RENDER_ARGUMENTS,
+    ChatTemplate,
+    NoChatTemplateError,
+    load_chat_template,
+)
 from ember.tokenizer.detokenizer import IncrementalDetokenizer
 from ember.tokenizer.stop_strings import StopStringMatcher
 from ember.tokenizer.tokenizer import Tokenizer
@@ -248,6 +254,29 @@ def test_template_globals():
         ChatTemplate("{{ messages[0]['content'] + 1 }}").render([{"content": "x"}])
     with pytest.raises(ValueError, match="does not compile"):
         ChatTemplate("{% for %}").render([])
+
+
+def test_render_arguments_are_the_names_the_renderer_sets_itself(smol):
+    """A template variable under one of them collides with the renderer's own argument (so the
+    server refuses them in chat_template_kwargs); any other name is a variable."""
+    conversation = [{"role": "user", "content": "Hi"}]
+
+    def encode(**variables):  # as the server calls it
+        return smol.encode_chat(conversation, add_generation_prompt=True, tools=None, **variables)
+
+    for name in sorted(RENDER_ARGUMENTS):
+        with pytest.raises((TypeError, ValueError), match=name):
+            encode(**{name: []})
+    assert encode(some_flag=True) == encode()
+    # A parameter added to the renderer must join them.
+    functions = (Tokenizer.encode_chat, Tokenizer.apply_chat_template, ChatTemplate.render)
+    named = {
+        parameter.name
+        for function in functions
+        for parameter in inspect.signature(function).parameters.values()
+        if parameter.kind is not inspect.Parameter.VAR_KEYWORD
+    }
+    assert named <= RENDER_ARGUMENTS
 
 
 def test_template_sandbox_forbids_mutation():

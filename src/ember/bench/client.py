@@ -16,6 +16,8 @@ from ember.bench.datasets import SampledRequest
 
 ENDPOINT_PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 
+# `RequestResult.error` of a request the client hung up on by design.
+DROPPED = "dropped by the client"
 # A benchmark request may legitimately stream for many minutes under heavy load.
 _REQUEST_TIMEOUT = aiohttp.ClientTimeout(total=6 * 3600)
 
@@ -79,8 +81,15 @@ class OpenAIStreamClient:
             body["prompt"] = request.prompt
         return body
 
-    async def send(self, request: SampledRequest, max_tokens: int | None = None) -> RequestResult:
-        """Send one request and time its stream; errors are recorded, never raised."""
+    async def send(
+        self,
+        request: SampledRequest,
+        max_tokens: int | None = None,
+        drop_after_chunks: int | None = None,
+    ) -> RequestResult:
+        """Send one request and time its stream; errors are recorded, never raised. With
+        ``drop_after_chunks``, hang up once that many text chunks have come (a client that goes
+        away mid-stream: `error` says so)."""
         result = RequestResult(False, request.prompt_len, start_s=time.perf_counter())
         usage_tokens = None
         try:
@@ -104,6 +113,12 @@ class OpenAIStreamClient:
                         result.prompt_len = chunk["usage"].get("prompt_tokens") or result.prompt_len
                     if _chunk_text(chunk):
                         result.chunk_times_s.append(now)
+                        if drop_after_chunks is not None and (
+                            len(result.chunk_times_s) >= drop_after_chunks
+                        ):
+                            resp.close()  # the connection goes, unread
+                            result.error = DROPPED
+                            return result
         except (TimeoutError, aiohttp.ClientError, json.JSONDecodeError) as exc:
             result.error = f"{type(exc).__name__}: {exc}"[:300]
             return result

@@ -53,6 +53,7 @@ from ember.engine.ipc import (
     RequestRejected,
     Shutdown,
     StepOutputs,
+    UnreadableRequest,
 )
 from ember.engine.model_pool import (
     CommandResult,
@@ -213,7 +214,7 @@ class EngineCore:
             self.pool.states_changed = False
             self.channel.send(ModelStates(self.pool.statuses()))
 
-    def _handle(self, messages: list[FrontendMessage]) -> list[RequestRejected]:
+    def _handle(self, messages: list[FrontendMessage | UnreadableRequest]) -> list[RequestRejected]:
         rejected = []
         for message in messages:
             if isinstance(message, AddRequest):
@@ -227,6 +228,8 @@ class EngineCore:
                 self._command(message)
             elif isinstance(message, Shutdown):
                 self._running = False
+            elif isinstance(message, UnreadableRequest):
+                rejected.append(RequestRejected(message.request_id, message.message))
         return rejected
 
     def _add(self, message: AddRequest) -> RequestRejected | None:

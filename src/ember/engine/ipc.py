@@ -55,6 +55,17 @@ class ModelCommand(msgspec.Struct, tag="command", array_like=True):
 
 FrontendMessage = AddRequest | AbortRequests | ModelCommand | Shutdown
 
+
+@dataclass(frozen=True)
+class UnreadableRequest:
+    """Made by the engine's channel, never sent: an `AddRequest` whose fields did not decode
+    (say, sampling parameters that fail their checks), to be refused by its id rather than
+    taking the engine loop down."""
+
+    request_id: str
+    message: str
+
+
 # ------------------------------------------------------------------------ engine -> front end
 
 
@@ -247,7 +258,9 @@ class EngineChannel:
         self._decoder = msgspec.msgpack.Decoder(FrontendMessage)
         self.parent_alive = True
 
-    def receive(self, block: bool, timeout_s: float | None = None) -> list[FrontendMessage]:
+    def receive(
+        self, block: bool, timeout_s: float | None = None
+    ) -> list[FrontendMessage | UnreadableRequest]:
         """Every message waiting now; with `block`, first wait for one (at most ``timeout_s``,
         None: no limit).
 
@@ -265,7 +278,21 @@ class EngineChannel:
                 frame = self._inbox.recv(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return messages
-            messages.append(self._decoder.decode(frame.buffer))
+            messages.append(self._decode(frame.buffer))
+
+    def _decode(self, buffer) -> FrontendMessage | UnreadableRequest:
+        try:
+            return self._decoder.decode(buffer)
+        except msgspec.MsgspecError as exc:
+            raw = msgspec.msgpack.decode(buffer)  # the front end sent it: it is msgpack
+            if (
+                isinstance(raw, list)
+                and len(raw) > 1
+                and raw[0] == "add"
+                and isinstance(raw[1], str)
+            ):
+                return UnreadableRequest(raw[1], f"invalid request: {exc}")
+            raise
 
     def send(self, message: EngineMessage) -> None:
         self._outbox.send(self._encoder.encode(message), copy=False)

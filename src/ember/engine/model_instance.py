@@ -100,6 +100,9 @@ class ModelInstance:
         start = time.perf_counter()
         started_at = time.time()
         self.config = config
+        # A plan given is its owner's (a pool slot keeps it across unloads and reloads, its
+        # checkpoint open); one made here is this instance's, closed with it.
+        self._owns_plan = plan is None
         self.plan = plan or plan_model(config, checkpoint)
         self.name = self.plan.name
         self.device = self.plan.device
@@ -146,6 +149,7 @@ class ModelInstance:
                 f"the KV cache holds {(num_blocks - 1) * block_size} tokens, fewer than "
                 f"max_model_len={self.max_model_len}; give it more memory or lower max_model_len"
             )
+        self.plan.check_complete()  # a missing tensor fails here, before anything is allocated
         self._arenas = arenas or ArenaFactory(self.device)
         # Zeroed when kernels compile during the load: the compile pass runs the model's torch
         # ops on whatever the parameters hold, and uninitialised memory may hold NaNs.
@@ -264,7 +268,8 @@ class ModelInstance:
             self.runner.graphs.clear()
         self.weight_arena.close()
         self.kv_arena.close()
-        self.plan.close()
+        if self._owns_plan:
+            self.plan.close()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -337,13 +342,15 @@ class ModelInstance:
     def _load_weights(self, ckpt: Checkpoint, on_tensor: Callable[[int], None] | None) -> float:
         """Fill the parameters from ``ckpt``; returns the seconds it took. Safetensors files are
         read on several threads through pinned buffers (`ember.weights.parallel_load`); other
-        formats tensor by tensor through `Checkpoint.iter_tensors`."""
+        formats tensor by tensor through `Checkpoint.iter_tensors`. ValueError naming the
+        tensor and its file if a loaded tensor holds a NaN or an infinity."""
         started = time.perf_counter()
         extents = getattr(ckpt, "tensor_extents", None)
+        headers = self.plan.tensor_headers  # to name a bad tensor's file
         if extents is None:
-            self.model.load_weights(ckpt.iter_tensors(self.dtype), on_tensor)
+            self.model.load_weights(ckpt.iter_tensors(self.dtype), on_tensor, headers)
         else:
-            placer = self.model.weight_placer()
+            placer = self.model.weight_placer(headers)
             load_extents(
                 extents(),
                 lambda extent: placer.target(extent.name, extent.shape),

@@ -1,8 +1,10 @@
 """What a model will need, known before a byte of its weights is read: its configuration,
 tokenizer, dtype and device, the limits it serves under, and its memory footprint.
 
-The engine plans every configured model at start (config.json and the tokenizer only), so it
-can validate requests for a model that is not loaded yet and decide what fits in its budget.
+The engine plans every configured model at start (config.json, the tokenizer and the weight
+files' headers only), so it can validate requests for a model that is not loaded yet and decide
+what fits in its budget. A config whose sizes disagree with its checkpoint's tensors fails
+here, before anything is sized from it (`ember.models.checkpoint_layout`).
 """
 
 from __future__ import annotations
@@ -16,9 +18,10 @@ import torch
 
 from ember.config import EngineConfig, MemoryConfig, ModelConfig, StepLimits
 from ember.engine.request import Request
+from ember.models.checkpoint_layout import CheckpointLayout, check_complete, check_fits
 from ember.sampling_params import SamplingParams
 from ember.tokenizer.tokenizer import Tokenizer
-from ember.weights.checkpoint import Checkpoint
+from ember.weights.checkpoint import Checkpoint, TensorHeader
 from ember.weights.resolve import open_checkpoint
 
 CPU_KV_BYTES_DEFAULT = 1 << 30
@@ -52,7 +55,9 @@ def resolve_dtype(dtype: str, device: torch.device, hf_config: dict) -> torch.dt
 
 @dataclass
 class ModelPlan:
-    """One configured model before it loads. ``checkpoint`` is open (metadata only)."""
+    """One configured model before it loads. ``checkpoint`` is open (metadata only);
+    ``tensor_headers``: its tensors by HF name, which fit ``layout``, the tensors the model
+    reads."""
 
     name: str
     config: EngineConfig
@@ -62,6 +67,8 @@ class ModelPlan:
     device: torch.device
     dtype: torch.dtype
     limits: StepLimits
+    tensor_headers: dict[str, TensorHeader]
+    layout: CheckpointLayout
 
     @property
     def max_model_len(self) -> int:
@@ -103,6 +110,11 @@ class ModelPlan:
         fixed = GPU_ACTIVATION_RESERVE if self.device.type == "cuda" else 0
         return fixed + step + logits
 
+    def check_complete(self) -> None:
+        """ValueError naming the file and the tensor if the checkpoint lacks one the model
+        reads (headers only: for the load to call before it allocates anything)."""
+        check_complete(self.layout, list(self.tensor_headers.values()))
+
     def kv_blocks_for(self, kv_bytes: int) -> int:
         return max(2, kv_bytes // self.kv_block_bytes)
 
@@ -120,11 +132,19 @@ class _NoOps:
 
 
 def plan_model(config: EngineConfig, checkpoint: Checkpoint | None = None) -> ModelPlan:
-    """Read ``config``'s checkpoint metadata and tokenizer; no weight is read."""
+    """Read ``config``'s checkpoint metadata, tensor headers and tokenizer; no weight is read.
+    ValueError naming the tensor and its file where the config's sizes disagree with the
+    tensors (`check_fits`)."""
+    from ember.models.registry import model_class
+
     ckpt = checkpoint or open_checkpoint(config.model, download_dir=config.download_dir)
     device = resolve_device(config.device)
+    model_config = ModelConfig.from_hf_dict(ckpt.hf_config)
+    headers = ckpt.tensor_headers()
+    layout = model_class(model_config.architecture).checkpoint_layout(model_config)
+    check_fits(layout, headers)
     tokenizer = Tokenizer.from_checkpoint(ckpt)
-    model_config = _with_generation_eos(ModelConfig.from_hf_dict(ckpt.hf_config), ckpt, tokenizer)
+    model_config = _with_generation_eos(model_config, ckpt, tokenizer)
     max_model_len = min(
         config.limits.max_model_len or model_config.max_position_embeddings,
         model_config.max_position_embeddings,
@@ -138,6 +158,8 @@ def plan_model(config: EngineConfig, checkpoint: Checkpoint | None = None) -> Mo
         device=device,
         dtype=resolve_dtype(config.dtype, device, ckpt.hf_config),
         limits=dataclasses.replace(config.limits, max_model_len=max_model_len),
+        tensor_headers={header.name: header for header in headers},
+        layout=layout,
     )
 
 

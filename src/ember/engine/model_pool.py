@@ -140,6 +140,13 @@ class InlineExecutor(Executor):
         return future
 
 
+def device_is_broken(exc: BaseException) -> bool:
+    """Whether ``exc`` leaves the GPU context unusable (an illegal address, a device-side
+    assert: every later CUDA call fails), so only a new process recovers."""
+    text = f"{type(exc).__name__}: {exc}"
+    return "AcceleratorError" in text or "CUDA error" in text or "CUBLAS_STATUS" in text
+
+
 class ModelPool:
     """The configured models of one engine, by served name."""
 
@@ -292,7 +299,12 @@ class ModelPool:
             instance = slot.instance
             if slot.state is ModelState.LOADED and instance is not None and instance.has_work():
                 slot.last_used = now
-                updates.extend(instance.step())
+                try:
+                    updates.extend(instance.step())
+                except Exception as exc:
+                    if device_is_broken(exc):
+                        raise  # the whole process must go: the front end starts a new one
+                    self._step_failed(slot, exc)
         for update in updates:
             if update.finish_reason is not None:
                 self._owner.pop(update.request_id, None)
@@ -593,7 +605,7 @@ class ModelPool:
                     result.scheduler.add_request(request)
                 slot.queued.clear()
                 self.budget.hold(slot.name, self._footprint(slot))
-                slot.state = ModelState.LOADED
+                slot.state, slot.error = ModelState.LOADED, None
                 counters.loads += 1
                 counters.load_seconds += seconds
                 action = "load"
@@ -616,6 +628,25 @@ class ModelPool:
         waiters, slot.waiters = slot.waiters, []
         for waiter in waiters:
             waiter()
+
+    def _step_failed(self, slot: _Slot, exc: Exception) -> None:
+        """A step of ``slot``'s model raised: end its requests with the error, and unload it
+        (its scheduler and buffers may be half-updated); its next request loads it afresh.
+        The other models go on serving."""
+        logger.error("%s: a step failed; unloading it", slot.name, exc_info=exc)
+        message = (
+            f"the model {slot.name} failed in a step ({type(exc).__name__}: {exc}); "
+            "it is loaded again on its next request"
+        )
+        self._reject_waiting(slot, message, retry_after_s=1.0)
+        instance, slot.instance = slot.instance, None
+        slot.state = ModelState.UNLOADED
+        slot.error = message
+        self.budget.hold(slot.name, 0)
+        self.states_changed = True
+        if instance is not None:
+            slot.transition = self._executor.submit(self._timed, instance.close, self.stash)
+            self._finish_if_inline(slot)
 
     def _fail(self, slot: _Slot, message: str) -> None:
         instance, slot.instance = slot.instance, None

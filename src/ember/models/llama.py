@@ -15,7 +15,8 @@ then ones), faster where cuBLAS takes the products (bench/results/README.md, "De
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import functools
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 from torch import nn
@@ -31,6 +32,9 @@ from ember.layers.residual import (
     start_stream,
     sub_block_input,
 )
+from ember.models.checkpoint_layout import CheckpointLayout
+from ember.weights.checkpoint import TensorHeader
+from ember.weights.finite_check import first_non_finite
 
 
 class Projection(nn.Module):
@@ -67,6 +71,12 @@ _FUSED_SHARDS = {
     ".gate_proj.": (".gate_up_proj.", 0),
     ".up_proj.": (".gate_up_proj.", 1),
 }
+
+
+def _ignored(cfg: ModelConfig, hf_name: str) -> bool:
+    """A checkpoint tensor the model does not read: RoPE's inv_freq (some checkpoints store it;
+    we compute our own), and the head of a model tied to its embeddings."""
+    return "rotary_emb" in hf_name or (cfg.tie_word_embeddings and hf_name == "lm_head.weight")
 
 
 class Attention(nn.Module):
@@ -189,14 +199,48 @@ class LlamaForCausalLM(nn.Module):
 
     # -- weights ---------------------------------------------------------------------------------
 
+    @staticmethod
+    def checkpoint_layout(cfg: ModelConfig) -> CheckpointLayout:
+        """The checkpoint tensors (HF names) a model of ``cfg`` reads, and their shapes."""
+        hidden, inter = cfg.hidden_size, cfg.intermediate_size
+        shared = {
+            "model.embed_tokens.weight": (cfg.vocab_size, hidden),
+            "model.norm.weight": (hidden,),
+        }
+        if not cfg.tie_word_embeddings:
+            shared["lm_head.weight"] = (cfg.vocab_size, hidden)
+        per_layer = {
+            "input_layernorm.weight": (hidden,),
+            "post_attention_layernorm.weight": (hidden,),
+            "self_attn.q_proj.weight": (cfg.q_size, hidden),
+            "self_attn.k_proj.weight": (cfg.kv_size, hidden),
+            "self_attn.v_proj.weight": (cfg.kv_size, hidden),
+            "self_attn.o_proj.weight": (hidden, cfg.q_size),
+            "mlp.gate_proj.weight": (inter, hidden),
+            "mlp.up_proj.weight": (inter, hidden),
+            "mlp.down_proj.weight": (hidden, inter),
+        }
+        if cfg.attention_bias:
+            per_layer["self_attn.q_proj.bias"] = (cfg.q_size,)
+            per_layer["self_attn.k_proj.bias"] = (cfg.kv_size,)
+            per_layer["self_attn.v_proj.bias"] = (cfg.kv_size,)
+        if cfg.qk_norm:
+            per_layer["self_attn.q_norm.weight"] = (cfg.head_dim,)
+            per_layer["self_attn.k_norm.weight"] = (cfg.head_dim,)
+        return CheckpointLayout(
+            cfg.architecture, cfg.num_layers, shared, per_layer, functools.partial(_ignored, cfg)
+        )
+
     def load_weights(
         self,
         tensors: Iterable[tuple[str, torch.Tensor]],
         on_tensor: Callable[[int], None] | None = None,
+        headers: Mapping[str, TensorHeader] | None = None,
     ) -> None:
-        """Copy checkpoint tensors (HF names) into the fused parameters; every one must land.
-        ``on_tensor(n)`` is called as the n-th tensor lands (or is skipped)."""
-        placer = self.weight_placer()
+        """Copy checkpoint tensors (HF names) into the fused parameters; every one must land,
+        and hold finite values. ``on_tensor(n)`` is called as the n-th tensor lands (or is
+        skipped); ``headers`` (by HF name) name each tensor's file in errors."""
+        placer = self.weight_placer(headers)
         for count, (hf_name, tensor) in enumerate(tensors, start=1):
             target = placer.target(hf_name, tuple(tensor.shape))
             if target is not None:
@@ -205,10 +249,11 @@ class LlamaForCausalLM(nn.Module):
                 on_tensor(count)
         placer.finish()
 
-    def weight_placer(self) -> WeightPlacer:
+    def weight_placer(self, headers: Mapping[str, TensorHeader] | None = None) -> WeightPlacer:
         """Where each checkpoint tensor goes, for loaders that copy the bytes themselves
-        (`ember.weights.parallel_load`); call its ``finish`` once every tensor has landed."""
-        return WeightPlacer(self)
+        (`ember.weights.parallel_load`); call its ``finish`` once every tensor has landed.
+        ``headers`` (by HF name) name each tensor's file in errors."""
+        return WeightPlacer(self, headers or {})
 
     @torch.no_grad()
     def _fold_norm_weights(self) -> None:
@@ -227,11 +272,11 @@ class LlamaForCausalLM(nn.Module):
                 norm.fill_(1.0)
 
     def _param_name(self, hf_name: str) -> tuple[str | None, int | None]:
-        if "rotary_emb" in hf_name:
-            return None, None  # some checkpoints store inv_freq; we compute our own
+        if _ignored(self.cfg, hf_name):
+            return None, None
         name = hf_name.removeprefix("model.")
         if name == "lm_head.weight":
-            return (None, None) if self.cfg.tie_word_embeddings else ("lm_head", None)
+            return "lm_head", None
         for suffix in ("input_layernorm", "post_attention_layernorm", "q_norm", "k_norm"):
             name = name.replace(f".{suffix}.weight", f".{suffix}")
         if name == "norm.weight":
@@ -267,12 +312,15 @@ class LlamaForCausalLM(nn.Module):
 
 class WeightPlacer:
     """Maps checkpoint tensors (HF names) onto a model's fused parameters and checks, once all
-    have been copied, that every parameter got its tensors."""
+    have been copied, that every parameter got its tensors and that they hold finite values.
+    ``headers`` (by HF name) name each tensor's file in errors."""
 
-    def __init__(self, model: LlamaForCausalLM) -> None:
+    def __init__(self, model: LlamaForCausalLM, headers: Mapping[str, TensorHeader]) -> None:
         self._model = model
+        self._headers = headers
         self._params = dict(model.named_parameters())
         self._placed: set[str] = set()
+        self._targets: list[tuple[str, torch.Tensor]] = []  # (HF name, what it fills), in order
 
     def target(self, hf_name: str, shape: tuple[int, ...]) -> torch.Tensor | None:
         """The parameter (or the shard of a fused one) ``hf_name`` fills, or None for a tensor
@@ -282,21 +330,32 @@ class WeightPlacer:
         if name is None:
             return None
         if name not in self._params:
-            raise ValueError(
-                f"checkpoint tensor {hf_name!r} has no place in {model.cfg.architecture}"
-            )
+            raise ValueError(f"{self._describe(hf_name)} has no place in {model.cfg.architecture}")
         param = self._params[name]
         target = param.data if shard is None else model._shard_view(param.data, name, shard)
         if tuple(target.shape) != tuple(shape):
             raise ValueError(
-                f"checkpoint tensor {hf_name!r} has shape {tuple(shape)}, "
+                f"{self._describe(hf_name)} has shape {tuple(shape)}, "
                 f"expected {tuple(target.shape)}"
             )
         self._placed.add(name if shard is None else f"{name}#{shard}")
+        self._targets.append((hf_name, target))
         return target
 
     def finish(self) -> None:
-        """Raise if a parameter was not filled; then fold the norms if the model defers them."""
+        """Raise if a parameter was not filled or holds a NaN or an infinity; then fold the
+        norms if the model defers them (after the check: folding would hide a bad norm)."""
         self._model._check_all_loaded(self._params, self._placed)
+        bad = first_non_finite(self._targets)
+        if bad is not None:
+            dtype = str(self._targets[0][1].dtype).removeprefix("torch.")
+            raise ValueError(
+                f"{self._describe(bad)} holds NaN or infinite values (as {dtype}), which would "
+                "make the logits NaN: the file is damaged, or its values do not fit that dtype"
+            )
         if self._model.defers_norms:
             self._model._fold_norm_weights()
+
+    def _describe(self, hf_name: str) -> str:
+        header = self._headers.get(hf_name)
+        return header.describe() if header is not None else f"checkpoint tensor {hf_name!r}"

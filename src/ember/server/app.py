@@ -21,6 +21,7 @@ from ember.server.auth import APIKeyMiddleware
 from ember.server.body_limit import BodyLimitMiddleware
 from ember.server.config import ServerConfig
 from ember.server.engine_client import EngineClient
+from ember.server.engine_supervisor import EngineSupervisor
 from ember.server.errors import install_error_handlers
 from ember.server.lifecycle import Lifecycle
 from ember.server.metrics import ServerMetrics
@@ -72,7 +73,14 @@ def build_app(
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await client.start()
-        watcher = asyncio.create_task(_await_engine(state, progress))
+        supervisor = EngineSupervisor(
+            client,
+            on_first_ready=lambda: _on_engine_ready(state, progress),
+            request_exit=lambda code: _exit(state, progress, code),
+            stopping=lambda: state.lifecycle.draining,
+            policy=config.engine_restart,
+        )
+        watcher = asyncio.create_task(supervisor.run(), name="engine-supervisor")
         try:
             yield
         finally:
@@ -101,14 +109,14 @@ def build_app(
     return app
 
 
-async def _await_engine(state: ServerState, progress: LoadProgressBar) -> None:
-    """Mark the server ready when the engine has loaded; end it if loading failed."""
-    loaded = await state.client.wait_loaded()
+def _exit(state: ServerState, progress: LoadProgressBar, code: int) -> None:
     progress.close()
-    if not loaded:
-        logger.error("the engine failed to load: %s", state.client.failure)
-        state.lifecycle.request_exit(1)
-        return
+    state.lifecycle.request_exit(code)
+
+
+def _on_engine_ready(state: ServerState, progress: LoadProgressBar) -> None:
+    """The first engine has loaded: attach what it says of each model, and serve."""
+    progress.close()
     for model in state.models.loaded():
         model.info = state.client.model_infos.get(model.name)
     # The front end's start-up heap (routes, tokenizers, templates) out of the collector's

@@ -31,6 +31,17 @@ class ServedModelSpec:
 
 
 @dataclass(frozen=True)
+class RestartPolicy:
+    """How the front end replaces a lost engine (`ember.server.engine_supervisor`): after
+    ``backoff_s[k]`` seconds for the k-th loss in a row, and not more than ``max_losses`` times
+    within ``window_s`` seconds (then the server exits non-zero)."""
+
+    backoff_s: tuple[float, ...] = (1.0, 2.0, 4.0, 8.0, 16.0, 30.0)
+    window_s: float = 300.0
+    max_losses: int = 5
+
+
+@dataclass(frozen=True)
 class ServerConfig:
     """Front-end settings; `models` lists what the engine process may load, `memory` the one
     budget they share."""
@@ -47,3 +58,4 @@ class ServerConfig:
     show_progress: bool = True
     uvicorn_log_level: str = "info"
     access_log: bool = True
+    engine_restart: RestartPolicy = field(default_factory=RestartPolicy)

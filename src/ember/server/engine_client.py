@@ -110,6 +110,8 @@ class EngineClient:
         self._num_waiting: dict[str, int] = {}
         self._loaded = asyncio.Event()  # set once ready or dead
         self._exited = asyncio.Event()
+        self._died = asyncio.Event()  # set when the engine is lost (not when told to stop)
+        self.restarts = 0
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(EngineMessage)
         # Created in start(), on the event loop that will read them.
@@ -141,6 +143,25 @@ class EngineClient:
         loop.add_reader(self._process.sentinel, self._on_process_exit)
         self._reader = asyncio.create_task(self._read_outputs(), name="engine-output-reader")
 
+    async def restart(self) -> None:
+        """Start a new engine process after the last one was lost (`wait_dead`); its requests
+        have failed already. The client is LOADING again until the new one is ready."""
+        if self.state != EngineState.DEAD:
+            raise RuntimeError(f"restart of an engine that is {self.state.value}")
+        if self._process is not None and self._process.is_alive():
+            self._process.kill()  # it broke its pipe or said it failed: it must not linger
+            await asyncio.to_thread(self._process.join, 5)
+        self._close_transport()
+        self.state, self.failure = EngineState.LOADING, None
+        self._loaded, self._exited, self._died = asyncio.Event(), asyncio.Event(), asyncio.Event()
+        self.model_states, self.stats = {}, {}
+        self.restarts += 1
+        await self.start()
+
+    async def wait_dead(self) -> None:
+        """Wait until the engine is lost: its process died or it reported a failure."""
+        await self._died.wait()
+
     async def wait_loaded(self) -> bool:
         """Wait until the engine has loaded every model (True) or failed (False)."""
         await self._loaded.wait()
@@ -166,8 +187,16 @@ class EngineClient:
                 logger.warning("the engine did not exit in %.0f s; killing it", timeout_s)
                 self._process.kill()
                 await asyncio.to_thread(self._process.join, 5)
+        self._close_transport()
+
+    def _close_transport(self) -> None:
+        """Stop reading and release the sockets and their ipc paths."""
+        if self._process is not None:
+            with contextlib.suppress(ValueError, OSError):  # already removed, or closed
+                asyncio.get_running_loop().remove_reader(self._process.sentinel)
         if self._reader is not None:
             self._reader.cancel()
+            self._reader = None
         if self._requests is not None:
             self._requests.close(linger=0)
             self._outputs.close(linger=0)
@@ -187,12 +216,24 @@ class EngineClient:
         inbox: Inbox[QueueItem],
         index: int,
     ) -> None:
-        """Queue a sequence in the engine; its updates go to `inbox` tagged with `index`."""
+        """Queue a sequence in the engine; its updates go to `inbox` tagged with `index`.
+        All or nothing: if it raises, nothing of the sequence is left behind (a ValueError: its
+        parameters cannot be sent)."""
         if self.state != EngineState.READY:
             raise EngineDeadError(self.unavailable_reason())
+        try:
+            payload = self._encoder.encode(AddRequest(request_id, model, prompt_token_ids, params))
+        except (OverflowError, TypeError, msgspec.EncodeError) as exc:
+            raise ValueError(
+                f"the request's parameters cannot be sent to the engine: {exc}"
+            ) from exc
         self._routes[request_id] = _Route(inbox, index, model)
         self._num_waiting[model] = self._num_waiting.get(model, 0) + 1
-        self._send(AddRequest(request_id, model, prompt_token_ids, params))
+        try:
+            self._send_encoded(payload)
+        except BaseException:
+            self._forget(request_id)
+            raise
 
     def abort(self, request_ids: list[str]) -> None:
         """Stop these sequences now; their KV blocks are freed and later updates dropped."""
@@ -229,11 +270,24 @@ class EngineClient:
             return "the server is shutting down"
         return f"the engine process is not running: {self.failure or 'unknown failure'}"
 
+    def abort_all(self, reason: str) -> int:
+        """End every sequence in flight: the engine stops them and their handlers get
+        ``reason`` as an `EngineDeadError` (a stream's error event); returns how many."""
+        live = list(self._routes)
+        if live and self._requests is not None and self.state != EngineState.DEAD:
+            with contextlib.suppress(EngineDeadError):
+                self._send(AbortRequests(live))
+        self._fail_routes(reason)
+        return len(live)
+
     def _send(self, message: AddRequest | AbortRequests | ModelCommand) -> None:
+        self._send_encoded(self._encoder.encode(message))
+
+    def _send_encoded(self, payload: bytes) -> None:
         if self._requests is None:
             raise EngineDeadError("the engine connection is closed")
         try:
-            self._requests.send(self._encoder.encode(message), zmq.NOBLOCK)
+            self._requests.send(payload, zmq.NOBLOCK)
         except zmq.ZMQError as exc:
             self._mark_dead(f"cannot reach the engine: {exc}")
             raise EngineDeadError(self.unavailable_reason()) from exc
@@ -249,15 +303,18 @@ class EngineClient:
     # -- outputs ---------------------------------------------------------------------------------
 
     async def _read_outputs(self) -> None:
-        try:
-            while True:
-                frame = await self._outputs.recv(copy=False)
-                self._dispatch(self._decoder.decode(frame.buffer))
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # a message we cannot read: the two sides disagree
-            logger.exception("reading engine outputs failed")
-            self._mark_dead(f"bad message from the engine: {exc}")
+        while True:
+            frame = await self._outputs.recv(copy=False)
+            try:
+                message = self._decoder.decode(frame.buffer)
+            except msgspec.MsgspecError as exc:  # the two sides disagree: nothing is reliable
+                logger.exception("reading engine outputs failed")
+                self._mark_dead(f"bad message from the engine: {exc}")
+                return
+            try:
+                self._dispatch(message)
+            except Exception:  # a bug on this side: that message is lost, the engine is fine
+                logger.exception("handling %s from the engine failed", type(message).__name__)
 
     def _dispatch(self, message: EngineMessage) -> None:
         if isinstance(message, StepOutputs):
@@ -320,6 +377,7 @@ class EngineClient:
             logger.error("engine unavailable: %s", reason)
             self.failure = reason
             self.state = EngineState.DEAD
+            self._died.set()
         self._loaded.set()
         self._fail_all(self.unavailable_reason())
 
@@ -327,6 +385,9 @@ class EngineClient:
         for answer in self._commands.values():
             if not answer.done():
                 answer.set_exception(EngineDeadError(reason))
+        self._fail_routes(reason)
+
+    def _fail_routes(self, reason: str) -> None:
         routes, self._routes = self._routes, {}
         self._num_waiting.clear()
         for route in routes.values():

@@ -122,10 +122,12 @@ def validation_error(exc: RequestValidationError) -> BadRequestError:
             f"the request body is not valid JSON: {first.get('msg', '')}", code="invalid_json"
         )
     location = [str(part) for part in first.get("loc", ()) if part != "body"]
-    param = ".".join(location) or None
     message = first.get("msg", "invalid request")
-    if param:
+    if location:
+        param = ".".join(location)
         message = f"{param}: {message}"
+    else:  # a check of the whole body names the parameter it found in its context
+        param = (first.get("ctx") or {}).get("param")
     return BadRequestError(message, param=param, code="invalid_value")
 
 

@@ -134,6 +134,12 @@ class Generation:
         except EngineDeadError as exc:
             self.abort()
             raise ServiceUnavailableError(str(exc), code="engine_unavailable") from exc
+        except ValueError as exc:  # parameters the engine's messages cannot carry
+            self.abort()
+            raise BadRequestError(str(exc)) from exc
+        except BaseException:
+            self.abort()  # all or nothing: no sequence of a failed request stays queued
+            raise
 
     def abort(self) -> None:
         """Stop every unfinished sequence in the engine now (safe to call more than once)."""

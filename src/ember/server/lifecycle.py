@@ -2,8 +2,10 @@
 
 Starting: the engine process loads while the HTTP server already answers (/health 503
 "loading"). Serving: requests are accepted. Draining (first SIGTERM or Ctrl+C): new requests
-get 503, running ones may finish for up to the shutdown timeout, then the engine is told to exit
-and the process ends. If the engine dies, /health says so and requests fail at once with 503.
+get 503, running ones may finish for up to the shutdown timeout, then they are aborted (a stream
+ends with an error event and `[DONE]`), the engine is told to exit and the process ends. If the
+engine dies, /health says so, its requests fail at once, and new ones get 503 with Retry-After
+while a new engine starts (`ember.server.engine_supervisor`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,10 @@ from ember.server.errors import ServiceUnavailableError
 logger = logging.getLogger(__name__)
 
 DRAIN_POLL_S = 0.05
+# After the drain timeout, how long aborted requests may take to write their error.
+ABORTED_WRITE_S = 2.0
+# What a 503 asks a client to wait while the engine loads (or a new one starts).
+LOADING_RETRY_AFTER_S = 5
 
 
 class Lifecycle:
@@ -50,12 +56,13 @@ class Lifecycle:
         if healthy:
             return
         if self.draining:
-            code = "shutting_down"
-        elif self.client.state == EngineState.LOADING or not self.models_ready:
+            raise ServiceUnavailableError(reason, code="shutting_down")
+        if self.client.state == EngineState.LOADING or not self.models_ready:
             code = "loading"
         else:
-            code = "engine_unavailable"
-        raise ServiceUnavailableError(reason, code=code)
+            code = "engine_unavailable"  # lost: a new one is started (engine_supervisor)
+        retry = {"Retry-After": str(LOADING_RETRY_AFTER_S)}
+        raise ServiceUnavailableError(reason, code=code, headers=retry)
 
     @contextlib.contextmanager
     def handling(self) -> Iterator[None]:
@@ -83,6 +90,10 @@ class Lifecycle:
         while not self.idle and time.monotonic() < deadline:
             await asyncio.sleep(DRAIN_POLL_S)
         if not self.idle:
-            logger.warning(
-                "drain timeout: aborting %d unfinished requests", self.client.num_in_flight
-            )
+            aborted = self.client.abort_all("the server is shutting down")
+            logger.warning("drain timeout: aborted %d unfinished requests", aborted)
+            # Their handlers now write the error (a stream: its error event and [DONE]); give
+            # them a moment to, then the server closes what is left.
+            deadline = time.monotonic() + ABORTED_WRITE_S
+            while self._num_handling and time.monotonic() < deadline:
+                await asyncio.sleep(DRAIN_POLL_S)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ember.sampling_params import SamplingParams
+from ember.sampling_params import SEED_MAX, SamplingParams
 from ember.server.errors import BadRequestError
 from ember.server.protocol import SamplingFields
 
@@ -48,11 +48,12 @@ def build_sampling_params(
 
 
 def choice_params(params: SamplingParams, index: int) -> SamplingParams:
-    """Choice `index` of n: a seeded request's choices use seed, seed + 1, ... so they differ
-    from each other yet each is reproducible."""
+    """Choice `index` of n: a seeded request's choices use seed, seed + 1, ... (back to 0 past
+    the largest seed the engine holds) so they differ from each other yet each is
+    reproducible."""
     if params.seed is None or index == 0:
         return params
-    return dataclasses.replace(params, seed=params.seed + index)
+    return dataclasses.replace(params, seed=(params.seed + index) % (SEED_MAX + 1))
 
 
 def check_context_length(

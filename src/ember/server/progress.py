@@ -18,7 +18,7 @@ class LoadProgressBar:
     def update(self, progress: LoadProgress) -> None:
         if not self.enabled:
             return
-        if progress.model != self._model:
+        if progress.model != self._model or self._bar is None:
             self.close()
             self._model = progress.model
             self._bar = tqdm(
@@ -31,6 +31,8 @@ class LoadProgressBar:
         self._bar.update(progress.done - self._bar.n)
 
     def close(self) -> None:
+        """End the bar; a later load (another model, a reload, a new engine) starts a new one."""
         if self._bar is not None:
             self._bar.close()
             self._bar = None
+        self._model = None

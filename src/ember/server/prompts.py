@@ -11,6 +11,7 @@ from typing import Any, TypeVar
 from ember.server.errors import BadRequestError
 from ember.server.models import ServedModel
 from ember.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
+from ember.tokenizer.chat_template import RENDER_ARGUMENTS
 
 # Texts longer than this are tokenized on a worker thread (HF tokenizers releases the GIL), so
 # one huge prompt does not stall every other stream; short ones are cheaper inline.
@@ -77,6 +78,12 @@ async def encode_chat(
 ) -> list[int]:
     if not messages:
         raise BadRequestError("messages must not be empty", param="messages")
+    taken = sorted(RENDER_ARGUMENTS.intersection(extra or ()))
+    if taken:
+        raise BadRequestError(
+            f"chat_template_kwargs must not set {taken[0]!r}: the server sets it itself",
+            param="chat_template_kwargs",
+        )
     conversation = [_message_dict(m, i) for i, m in enumerate(messages)]
     size = sum(len(m.get("content") or "") for m in conversation)
 

@@ -3,14 +3,30 @@
 Responses are plain dicts encoded with msgspec (see `serving_*`): building a pydantic model per
 streamed token would cost more than the rest of the token's path. Fields OpenAI or vLLM accept
 that ember does not use are ignored with a log line, never rejected, so existing clients work.
+A body holding a value JSON has no room for (NaN, a lone surrogate), wherever it is, is refused
+before any field is read (`ember.server.json_values`). These models are also the request bodies
+of the OpenAPI schema the server publishes.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictInt,
+    ValidationError,
+    ValidatorFunctionWrapHandler,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
+
+from ember.server.json_values import find_non_json_value
+from ember.server.log_text import log_texts
 
 logger = logging.getLogger(__name__)
 
@@ -18,16 +34,35 @@ logger = logging.getLogger(__name__)
 _QUIETLY_IGNORED = frozenset({"user", "stream_options", "parallel_tool_calls", "store", "metadata"})
 
 
+# A token id: an integer, never a boolean, string or float that could pass for one.
+TokenId = StrictInt
+
+# The roles OpenAI documents for chat messages.
+ChatRole = Literal["system", "developer", "user", "assistant", "tool"]
+
+
 class OpenAIRequest(BaseModel):
     """Base of every request body: unknown fields are kept aside and logged."""
 
     model_config = ConfigDict(extra="allow")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_non_json_values(cls, body: Any) -> Any:
+        found = find_non_json_value(body)
+        if found is not None:
+            param, reason = found
+            # A model-level error has no field: errors.validation_error reads ctx["param"].
+            message = f"{param}: {reason}" if param else f"the request body: {reason}"
+            context = {"message": message, "param": param or None}
+            raise PydanticCustomError("invalid_json_value", "{message}", context)
+        return body
+
     @model_validator(mode="after")
     def _log_unknown_fields(self) -> OpenAIRequest:
         unknown = sorted(set(self.model_extra or ()) - _QUIETLY_IGNORED)
-        if unknown:
-            logger.info("%s: ignoring unknown fields %s", type(self).__name__, ", ".join(unknown))
+        if unknown:  # the client's names: escaped and bounded (ember.server.log_text)
+            logger.info("%s: ignoring unknown fields %s", type(self).__name__, log_texts(unknown))
         return self
 
 
@@ -49,7 +84,7 @@ class SamplingFields(OpenAIRequest):
     min_p: float | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     presence_penalty: float | None = 0.0
     frequency_penalty: float | None = 0.0
     repetition_penalty: float | None = None
@@ -68,7 +103,7 @@ class SamplingFields(OpenAIRequest):
 
 
 # A completions prompt: text, texts, token ids, or lists of token ids.
-PromptInput = str | list[str] | list[int] | list[list[int]]
+PromptInput = str | list[str] | list[TokenId] | list[list[TokenId]]
 
 
 class CompletionRequest(SamplingFields):
@@ -80,11 +115,24 @@ class CompletionRequest(SamplingFields):
     best_of: int | None = None
     add_special_tokens: bool = True
 
+    @field_validator("prompt", mode="wrap")
+    @classmethod
+    def _one_prompt_shape(cls, value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        # One message for the four shapes, instead of the first shape's complaint.
+        try:
+            return handler(value)
+        except ValidationError:
+            raise PydanticCustomError(
+                "prompt_shape",
+                "must be a string, a list of strings, a list of token ids (integers) or a "
+                "list of lists of token ids",
+            ) from None
+
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
-    role: str
+    role: ChatRole
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
 
@@ -119,4 +167,4 @@ class TokenizeRequest(OpenAIRequest):
 
 class DetokenizeRequest(OpenAIRequest):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[TokenId]

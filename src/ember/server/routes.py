@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from fastapi import APIRouter
+from fastapi.openapi.utils import get_openapi
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -56,6 +57,13 @@ def build_router() -> APIRouter:
     @router.get("/version")
     async def version() -> Response:
         return JSONResponse({"version": __version__})
+
+    # The app is built with openapi_url=None; this serves the schema of its routes and request
+    # bodies (the pydantic models of `protocol`) behind the API key, for clients and fuzzers.
+    @router.get("/openapi.json", include_in_schema=False)
+    async def openapi(request: Request) -> Response:
+        app = request.app
+        return JSONResponse(get_openapi(title=app.title, version=__version__, routes=app.routes))
 
     @router.post("/tokenize")
     async def tokenize(body: TokenizeRequest, request: Request) -> Response:

@@ -23,6 +23,12 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 DEFAULT_TEMPLATE_NAME = "default"
 TOOL_USE_TEMPLATE_NAME = "tool_use"
 
+# The arguments that the renderer (`ChatTemplate.render`, `Tokenizer.encode_chat`) and Jinja's
+# `Template.render` name themselves: extra template variables must not reuse them.
+RENDER_ARGUMENTS = frozenset(
+    {"self", "messages", "add_generation_prompt", "tools", "documents", "special_tokens"}
+)
+
 
 class NoChatTemplateError(ValueError):
     """The model has no chat template and none was given with --chat-template."""

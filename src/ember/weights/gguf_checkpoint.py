@@ -12,6 +12,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from ember.tokenizer.gguf_tokenizer import tokenizer_config_from_gguf, tokenizer_from_gguf
+from ember.weights.checkpoint import TensorHeader
 from ember.weights.gguf_config import (
     generation_config_from_gguf,
     gguf_architecture,
@@ -87,6 +88,14 @@ class GGUFCheckpoint:
     def num_tensors(self) -> int:
         """How many tensors `iter_tensors` yields (for progress bars)."""
         return len(self._hf_names)
+
+    def tensor_headers(self) -> list[TensorHeader]:
+        """Every tensor `iter_tensors` yields, with its HF name and shape, from the tensor table
+        (a quantized tensor's shape is that of its decoded values)."""
+        return [
+            TensorHeader(hf_name, self._file.tensors[gguf_name].shape, self.path, gguf_name)
+            for gguf_name, hf_name in self._hf_names.items()
+        ]
 
     def iter_tensors(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield (HF name, tensor) in HF layout, dequantized to `dtype` (None: float32), one

@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Any
 import tokenizers
 from safetensors import SafetensorError, safe_open
 
+from ember.weights.checkpoint import TensorHeader
+
 if TYPE_CHECKING:
     import torch
 
@@ -69,6 +71,7 @@ class HFDirCheckpoint:
         self.weight_files = weight_files
         self.shard_files: list[Path] = []
         self._index: dict[str, set[str]] = {}
+        self._extents: list[TensorExtent] | None = None
         self.total_bytes = 0
         if not weights:
             return
@@ -144,13 +147,22 @@ class HFDirCheckpoint:
 
     def tensor_extents(self) -> list[TensorExtent]:
         """Every tensor's bytes in the weight files, shard by shard in file order (for
-        `ember.weights.parallel_load`)."""
+        `ember.weights.parallel_load`); the headers are read once, at the first call."""
         from ember.weights.safetensors_layout import read_extents
 
+        if self._extents is None:
+            self._extents = [
+                extent
+                for shard in self.shard_files
+                for extent in read_extents(shard, self.weight_files)
+            ]
+        return list(self._extents)
+
+    def tensor_headers(self) -> list[TensorHeader]:
+        """Every tensor's name, shape and file, from the safetensors headers."""
         return [
-            extent
-            for shard in self.shard_files
-            for extent in read_extents(shard, self.weight_files)
+            TensorHeader(extent.name, extent.shape, extent.path, extent.name)
+            for extent in self.tensor_extents()
         ]
 
     def iter_tensors(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:

@@ -1,0 +1,109 @@
+"""The tensors a model of one config reads from its checkpoint, and the checks of a checkpoint's
+headers against them: names and shapes alone, so a bad checkpoint fails before a byte of the
+model is allocated or read, naming the tensor and its file.
+
+Everything a load builds (the model, its weight arena, its KV cache) is sized from the config,
+so `check_fits` runs while the model is planned: without it a config claiming far more layers
+than its file holds builds and allocates all of them before the loader notices. `check_complete`
+(every tensor the model reads is there) runs when the model loads, before it is allocated: a
+tensor missing from a layer the file holds sizes nothing wrongly, and a server still accepts
+the model and reports the failure as its load's.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+
+from ember.weights.checkpoint import TensorHeader
+
+LAYER_PREFIX = "model.layers."
+_LAYER_NAME = re.compile(re.escape(LAYER_PREFIX) + r"(\d+)\.(.+)")
+
+
+@dataclass(frozen=True)
+class CheckpointLayout:
+    """The checkpoint tensors (Hugging Face names) a model reads, with their shapes: ``shared``
+    by full name, ``per_layer`` by the name after ``model.layers.{i}.`` for each of
+    ``num_layers`` layers. ``ignores(name)``: a tensor a checkpoint may hold that the model does
+    not read (RoPE's ``inv_freq``, a tied model's head)."""
+
+    architecture: str
+    num_layers: int
+    shared: Mapping[str, tuple[int, ...]]
+    per_layer: Mapping[str, tuple[int, ...]]
+    ignores: Callable[[str], bool]
+
+    def names(self) -> Iterator[str]:
+        """Every tensor the model reads, layer by layer; lazy, so that a reader stopping at the
+        first one absent pays for the layers the checkpoint holds, not those the config claims."""
+        yield from self.shared
+        for layer in range(self.num_layers):
+            for suffix in self.per_layer:
+                yield f"{LAYER_PREFIX}{layer}.{suffix}"
+
+    def problem_with(self, name: str, shape: tuple[int, ...]) -> str | None:
+        """Why the checkpoint tensor ``name`` of ``shape`` has no place here, or None."""
+        if match := _LAYER_NAME.fullmatch(name):
+            layer, suffix = int(match[1]), match[2]
+            if layer >= self.num_layers:
+                return (
+                    f"belongs to layer {layer}, but the config has num_hidden_layers="
+                    f"{self.num_layers}"
+                )
+            expected = self.per_layer.get(suffix)
+        else:
+            expected = self.shared.get(name)
+        if expected is None:
+            return f"is not a tensor that {self.architecture} reads"
+        if tuple(shape) != expected:
+            return f"has shape {tuple(shape)}, but the config gives it {expected}"
+        return None
+
+
+def check_fits(layout: CheckpointLayout, headers: Sequence[TensorHeader]) -> None:
+    """ValueError naming the tensor and its file unless every tensor of ``headers`` has a place
+    of its shape in ``layout`` (none extra, none twice) and the checkpoint holds every layer
+    the layout counts: the sizes a plan takes from the config agree with the tensors. Reads
+    names and shapes only, and stops at the first layer absent, so a config claiming far more
+    layers than the file holds costs what the file holds."""
+    present: set[str] = set()
+    for header in headers:
+        if layout.ignores(header.name):
+            continue
+        if header.name in present:
+            raise ValueError(f"{header.describe()} appears in the checkpoint twice")
+        problem = layout.problem_with(header.name, header.shape)
+        if problem is not None:
+            raise ValueError(f"{header.describe()} {problem}")
+        present.add(header.name)
+    held = {int(match[1]) for match in map(_LAYER_NAME.fullmatch, present) if match is not None}
+    absent = next((layer for layer in range(layout.num_layers) if layer not in held), None)
+    if absent is not None:
+        name = f"{LAYER_PREFIX}{absent}.{next(iter(layout.per_layer))}"
+        raise ValueError(
+            f"{_files(headers)}: no tensor {name!r}: the config has num_hidden_layers="
+            f"{layout.num_layers}, the checkpoint holds tensors of {len(held)} layers"
+        )
+
+
+def check_complete(layout: CheckpointLayout, headers: Sequence[TensorHeader]) -> None:
+    """ValueError naming the file and the tensor if ``headers`` lack one that ``layout`` reads.
+    Reads names only."""
+    present = {header.name for header in headers}
+    for name in layout.names():
+        if name not in present:
+            raise ValueError(
+                f"{_files(headers)}: no tensor {name!r}, which {layout.architecture} reads"
+            )
+
+
+def _files(headers: Sequence[TensorHeader]) -> str:
+    """The checkpoint's weight file, or its folder and how many files it holds."""
+    paths = sorted({header.path for header in headers})
+    if len(paths) == 1:
+        return str(paths[0])
+    if not paths:
+        return "the checkpoint"
+    return f"{paths[0].parent} ({len(paths)} weight files)"
