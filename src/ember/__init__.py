@@ -5,10 +5,20 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "CompletionOutput", "Engine", "RequestOutput", "SamplingParams", "__version__"]
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "Engine",
+    "RequestOutput",
+    "SamplingParams",
+    "TextPrompt",
+    "TokensPrompt",
+    "__version__",
+]
 
 if TYPE_CHECKING:
     from ember.api import LLM, CompletionOutput, Engine, RequestOutput
+    from ember.inputs import TextPrompt, TokensPrompt
     from ember.sampling_params import SamplingParams
 
 
@@ -18,6 +28,10 @@ def __getattr__(name: str):
         from ember import api
 
         return getattr(api, name)
+    if name in ("TextPrompt", "TokensPrompt"):
+        from ember import inputs
+
+        return getattr(inputs, name)
     if name == "SamplingParams":
         from ember.sampling_params import SamplingParams
 

@@ -9,15 +9,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ember.chat_prompt import chat_prompt_ids
 from ember.config import MEMORY_OPTIONS, engine_config, memory_config
 from ember.engine.model_instance import ModelInstance
 from ember.engine.model_plan import validate_prompt
 from ember.engine.model_pool import ModelPool
 from ember.engine.step_types import TokenLogprobs
+from ember.inputs import PROMPT_KEYS, PromptType
+from ember.logprobs import Logprob, prompt_logprob_dicts
+from ember.progress_bar import UseTqdm, prompt_progress
 from ember.sampling_params import SamplingParams
 from ember.tokenizer.detokenizer import IncrementalDetokenizer
-
-PromptType = str | list[int] | dict[str, Any]
 
 
 @dataclass
@@ -38,6 +40,9 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
+    # With `SamplingParams.prompt_logprobs`: None for the first prompt token, then per token
+    # {token id: Logprob} of it and its top alternatives (vLLM's shape).
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 class Engine:
@@ -107,15 +112,17 @@ class Engine:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         model: str,
+        use_tqdm: UseTqdm = False,
     ) -> list[RequestOutput]:
-        """Generate completions on ``model`` for every prompt, in the order of the prompts."""
+        """Generate completions on ``model`` for every prompt, in the order of the prompts;
+        ``use_tqdm``: a progress bar over the prompts (off by default)."""
         plan = self.pool.slots[model].plan
         prompt_list = _as_prompt_list(prompts)
         params_list = _as_params_list(sampling_params, len(prompt_list))
         encoded = [_encode(plan.tokenizer, p) for p in prompt_list]
         for (_, ids), params in zip(encoded, params_list):
             validate_prompt(plan, ids, params)  # all checked before any is queued
-        return self._run(model, encoded, params_list)
+        return self._run(model, encoded, params_list, prompt_progress(use_tqdm, len(encoded)))
 
     def chat(
         self,
@@ -123,37 +130,49 @@ class Engine:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         model: str,
-        add_generation_prompt: bool = True,
+        use_tqdm: UseTqdm = False,
+        chat_template: str | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
-        """Apply ``model``'s chat template to each conversation, then generate."""
+        """Apply ``model``'s chat template (or ``chat_template``, a file or the template text)
+        to each conversation, with ``tools`` and ``chat_template_kwargs`` as template
+        variables, then generate. Tool calls in the replies are left as text."""
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
         tokenizer = self.get_tokenizer(model)
         prompts = [
             {
-                "prompt_token_ids": tokenizer.encode_chat(
+                "prompt_token_ids": chat_prompt_ids(
+                    tokenizer,
                     conv,
                     add_generation_prompt=add_generation_prompt,
-                    **(chat_template_kwargs or {}),
+                    tools=tools,
+                    chat_template=chat_template,
+                    chat_template_kwargs=chat_template_kwargs,
                 )
             }
             for conv in conversations
         ]
-        return self.generate(prompts, sampling_params, model=model)
+        return self.generate(prompts, sampling_params, model=model, use_tqdm=use_tqdm)
 
     def _run(
         self,
         model: str,
         encoded: list[tuple[str | None, list[int]]],
         params_list: list[SamplingParams],
+        progress: Any | None = None,
     ) -> list[RequestOutput]:
         pool, tokenizer = self.pool, self.get_tokenizer(model)
+        choices_left: dict[str, int] = {}  # prompt's request id -> its unfinished choices
         results: list[RequestOutput] = []
         tracked: dict[str, _Tracked] = {}
+        owners: dict[str, RequestOutput] = {}  # request id -> its prompt's output
         for (text, ids), params in zip(encoded, params_list):
             base = str(next(self._ids))
             out = RequestOutput(request_id=base, prompt=text, prompt_token_ids=ids)
             results.append(out)
+            choices_left[base] = params.n
             for index in range(params.n):
                 # Each of the n choices is its own sequence; a seeded request's choices differ.
                 choice_params = params
@@ -172,6 +191,7 @@ class Engine:
                     include_stop_str_in_output=params.include_stop_str_in_output,
                 )
                 tracked[request_id] = _Tracked(completion, detok)
+                owners[request_id] = out
                 pool.add_request(model, request_id, ids, choice_params)
         unfinished = set(tracked)
         while unfinished:
@@ -184,11 +204,23 @@ class Engine:
             for update in pool.step():
                 entry = tracked[update.request_id]
                 entry.add(update)
+                owner = owners[update.request_id] if update.prompt_logprobs else None
+                if owner is not None and owner.prompt_logprobs is None:  # one choice's suffice
+                    owner.prompt_logprobs = prompt_logprob_dicts(
+                        update.prompt_logprobs,
+                        lambda t: tokenizer.decode([t], skip_special_tokens=False),
+                    )
                 if entry.detok.finished and update.finish_reason is None:
                     pool.abort(update.request_id)  # a stop string ended it
                 if entry.done:
                     entry.finalize()
                     unfinished.discard(update.request_id)
+                    prompt_id = owners[update.request_id].request_id
+                    choices_left[prompt_id] -= 1
+                    if progress is not None and choices_left[prompt_id] == 0:
+                        progress.update(1)
+        if progress is not None:
+            progress.close()
         for out in results:
             out.finished = True
         return results
@@ -222,25 +254,38 @@ class LLM:
         self,
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: UseTqdm = False,
     ) -> list[RequestOutput]:
-        """Generate completions for every prompt; outputs come back in the order of the prompts."""
-        return self.engine.generate(prompts, sampling_params, model=self.model_name)
+        """Generate completions for every prompt (a string, token ids, a `TextPrompt` or a
+        `TokensPrompt`); outputs come back in the order of the prompts. ``use_tqdm``: a
+        progress bar over the prompts, True or a tqdm-like factory (off by default)."""
+        return self.engine.generate(
+            prompts, sampling_params, model=self.model_name, use_tqdm=use_tqdm
+        )
 
     def chat(
         self,
         messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: UseTqdm = False,
         *,
-        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to each conversation, then generate."""
+        """vLLM's `LLM.chat`: apply the model's chat template (or ``chat_template``) to each
+        conversation, ``tools`` and ``chat_template_kwargs`` rendered into it, then generate.
+        Tool calls in the replies come back as text (the server parses them, not this)."""
         return self.engine.chat(
             messages,
             sampling_params,
             model=self.model_name,
-            add_generation_prompt=add_generation_prompt,
+            use_tqdm=use_tqdm,
+            chat_template=chat_template,
             chat_template_kwargs=chat_template_kwargs,
+            add_generation_prompt=add_generation_prompt,
+            tools=tools,
         )
 
 
@@ -248,6 +293,11 @@ def _encode(tokenizer, prompt: PromptType) -> tuple[str | None, list[int]]:
     if isinstance(prompt, str):
         return prompt, tokenizer.encode(prompt)
     if isinstance(prompt, dict):
+        unknown = sorted(set(prompt) - PROMPT_KEYS)
+        if unknown:
+            raise ValueError(
+                f"a prompt dict may hold only 'prompt' and 'prompt_token_ids', not {unknown}"
+            )
         if "prompt_token_ids" in prompt:
             return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
         if "prompt" in prompt:

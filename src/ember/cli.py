@@ -9,6 +9,7 @@ script. Heavy modules (torch, the server) are imported only by the subcommand th
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import logging
 import os
@@ -32,6 +33,7 @@ from ember.server.config import (
     RestartPolicy,
 )
 from ember.server.config_file import CUDA_GRAPH_MODES, ModelEntry
+from ember.vllm_flags import add_vllm_arguments, check_vllm_flags, http_options
 
 log = logging.getLogger("ember.cli")
 
@@ -289,13 +291,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--disable-uvicorn-access-log", action="store_true")
     parser.add_argument(
         "--disable-log-stats",
-        "--disable-log-requests",
         action="store_true",
-        help="accepted for vLLM compatibility; no effect",
+        help="accepted for vLLM compatibility; ember logs no periodic stats",
     )
     parser.add_argument(
         "--disable-progress-bar", action="store_true", help="no progress bar while loading"
     )
+    add_vllm_arguments(parser)
 
 
 def add_fast_path_arguments(parser: argparse.ArgumentParser) -> None:
@@ -397,6 +399,12 @@ def server_config(args: argparse.Namespace):
     defaults = engine_options(args)
     defaults.pop("served_model_name", None)  # each model's own
     models = build_specs(entries, defaults, args.chat_template)
+    for note in check_vllm_flags(args, [spec.engine.model for spec in models]):
+        log.warning("ember serve: %s", note)
+    if getattr(args, "tool_call_parser", None):  # every model's
+        models = tuple(
+            dataclasses.replace(m, tool_call_parser=args.tool_call_parser) for m in models
+        )
     memory = dict(file.memory)  # a flag given wins over the file
     memory.update(
         (name, getattr(args, name)) for name in MEMORY_OPTIONS if getattr(args, name) is not None
@@ -420,6 +428,7 @@ def server_config(args: argparse.Namespace):
         uvicorn_log_level=args.uvicorn_log_level,
         access_log=not args.disable_uvicorn_access_log,
         engine_restart=RestartPolicy(max_losses=args.max_engine_restarts),
+        **http_options(args),
     )
 
 

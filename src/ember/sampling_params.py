@@ -35,6 +35,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
     logprobs: int | None = None
+    # Per prompt token after the first: its logprob given the tokens before it, and this many
+    # alternatives (vLLM's meaning); None: off.
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
 
@@ -63,7 +66,9 @@ class SamplingParams:
         if not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.max_tokens is not None:
-            _check_int("max_tokens", self.max_tokens, 1, INT32_MAX)
+            # 0 only to score a prompt without generating (its prompt logprobs).
+            low = 0 if self.prompt_logprobs is not None else 1
+            _check_int("max_tokens", self.max_tokens, low, INT32_MAX)
         _check_int("min_tokens", self.min_tokens, 0, INT32_MAX)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(
@@ -85,6 +90,8 @@ class SamplingParams:
                 raise ValueError(f"logit_bias values must be finite, got {bias}")
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, 0, 20)
+        if self.prompt_logprobs is not None:
+            _check_int("prompt_logprobs", self.prompt_logprobs, 0, 20)
         if self.seed is not None:
             _check_int("seed", self.seed, 0, SEED_MAX)
         # Stop strings cross to the engine process as UTF-8, which has no lone surrogates.

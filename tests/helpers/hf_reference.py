@@ -18,3 +18,14 @@ def hf_greedy_tokens(hf_model, prompt: list[int], num_tokens: int) -> list[int]:
             pad_token_id=0,
         )
     return out[0, len(prompt) :].tolist()
+
+
+def prompt_log_softmax(model_dir, prompt: list[int]) -> torch.Tensor:
+    """transformers' float32 log_softmax of the logits at every position of ``prompt``
+    ([len(prompt), vocab]): the reference for prompt logprobs."""
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        logits = hf(torch.tensor([prompt])).logits[0]
+    return torch.log_softmax(logits.float(), dim=-1)

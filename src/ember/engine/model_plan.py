@@ -210,6 +210,9 @@ def new_request(
     from ``rng`` where the request has none."""
     room = plan.max_model_len - len(prompt_token_ids)
     max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+    # A prompt-only request (max_tokens 0) samples after its prefill as any request does; the
+    # scheduler drops that token from its one update (`Scheduler.update`).
+    max_tokens = max(max_tokens, 1)
     seed = params.seed if params.seed is not None else rng.getrandbits(63)
     return Request(
         request_id=request_id,

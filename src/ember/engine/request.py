@@ -5,8 +5,12 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from ember.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from ember.engine.step_types import TokenLogprobs
 
 
 class RequestStatus(enum.Enum):
@@ -41,6 +45,9 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
+    # Prompt tokens 1.. scored so far, where `params.prompt_logprobs` asks (the runner fills it
+    # as it collects steps; kept across a preemption, so no position is scored twice).
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
     def record_sample(self, token_id: int) -> None:
         """A launched step's sample has come back: it becomes an output token."""

@@ -246,6 +246,8 @@ class Scheduler:
                     num_prompt_tokens=len(request.prompt_token_ids),
                 )
             )
+        if result.prompts_scored:
+            _attach_prompt_logprobs(updates, result.prompts_scored)
         return updates
 
     def _finish(self, request: Request, reason: FinishReason) -> None:
@@ -269,3 +271,15 @@ class Scheduler:
         self.kv_cache.check_invariants(set(self.requests))
         if not self.requests:
             assert self.kv_cache.num_free_blocks == self.kv_cache.pool.capacity
+
+
+def _attach_prompt_logprobs(updates: list[RequestUpdate], scored: dict[str, Request]) -> None:
+    """Give the first update of each request in ``scored`` its prompt logprobs; a prompt-only
+    request (max_tokens 0) reports no token: the one its prefill sampled is dropped."""
+    for update in updates:
+        request = scored.get(update.request_id)
+        if request is None:
+            continue
+        update.prompt_logprobs = [None, *request.prompt_logprobs]
+        if request.params.max_tokens == 0:
+            update.new_token_ids, update.new_logprobs = [], []

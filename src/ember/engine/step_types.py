@@ -50,11 +50,13 @@ class SchedulerOutput:
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True):
-    """Logprob of the sampled token and of the top alternatives at one position."""
+    """Logprob of the sampled (or, for prompt logprobs, the prompt's) token and of the top
+    alternatives at one position; ``rank``: the token's (1: the most likely), where known."""
 
     token_id: int
     logprob: float
     top: list[tuple[int, float]]
+    rank: int | None = None
 
 
 @dataclass
@@ -63,6 +65,9 @@ class RunnerOutput:
     request_ids: list[str] = field(default_factory=list)
     sampled_token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    # Requests whose prompt logprobs are complete, in `Request.prompt_logprobs`, with this
+    # step's sample, their first (None: none this step).
+    prompts_scored: dict[str, Request] | None = None
 
 
 # A Struct encoded as an array, not a dataclass (a map with its field names): the front end
@@ -75,3 +80,6 @@ class RequestUpdate(msgspec.Struct, array_like=True):
     new_logprobs: list[TokenLogprobs | None]
     finish_reason: str | None = None
     num_prompt_tokens: int = 0
+    # With a request's first update, if it asked: None for the first prompt token, then one
+    # entry per prompt token (`SamplingParams.prompt_logprobs`).
+    prompt_logprobs: list[TokenLogprobs | None] | None = None

@@ -29,6 +29,7 @@ from ember.layers.attention import AttentionBackend, StagedAttention
 from ember.layers.forward_context import ForwardContext
 from ember.runner.cuda_graphs import GraphKey, StepGraphs
 from ember.runner.input_buffers import InputBlock, InputBuffers
+from ember.runner.prompt_scoring import PromptScoring, StepScores, plan_scores
 from ember.runner.sampler import Sampler
 
 logger = logging.getLogger(__name__)
@@ -96,6 +97,7 @@ class StepHandle:
     done: torch.cuda.Event | None
     logprobs: list[TokenLogprobs | None] | None
     result: RunnerOutput | None = None
+    scores: StepScores | None = None  # prompt logprobs this step computed
 
 
 class ModelRunner:
@@ -126,6 +128,8 @@ class ModelRunner:
         self.stop_ids_until_min_tokens = stop_ids_until_min_tokens
         self.limits = limits
         self.states: dict[str, RunningRequest] = {}
+        # Requests whose prompt logprobs are still being computed (empty unless one asks).
+        self._scoring: dict[str, PromptScoring] = {}
         self.buffers = InputBuffers(limits, block_size, self.device, attention)
         self.graphs = None
         if use_cuda_graphs and self.device.type == "cuda":
@@ -242,6 +246,8 @@ class ModelRunner:
             tokens.append(token_list[i])
             logprobs.append(handle.logprobs[i] if handle.logprobs else None)
         handle.result = RunnerOutput(ids, tokens, logprobs if handle.logprobs else [])
+        if handle.scores is not None:
+            self._record_scores(handle.scores, handle.result)
         if self._in_flight is handle:
             self._in_flight = None
         return handle.result
@@ -272,9 +278,11 @@ class ModelRunner:
                     self.cos_sin_cache,
                     self.kv_cache,
                 )
+                if plan.scores is not None:  # prompt logprobs, from every row they need
+                    plan.scores.compute(self.model, hidden, self.limits.max_num_seqs)
                 rows_hidden = hidden.index_select(0, buf["sample_indices"][:num_samples])
             if not num_samples:
-                return StepHandle([], None, None, None, None, result=RunnerOutput())
+                return self._unsampled_step(plan.scores)
             logits = self.model.compute_logits(rows_hidden[:num_samples])
         tokens, logprobs = self.sampler(logits, rows)
         host_tokens, done = self._copy_to_host(tokens, staging)
@@ -284,10 +292,43 @@ class ModelRunner:
             host_tokens,
             done,
             logprobs,
+            scores=plan.scores,
         )
         for i, state in enumerate(plan.sampling_states):
             state.pending_step, state.pending_row = handle, i
         return handle
+
+    def _unsampled_step(self, scores: StepScores | None) -> StepHandle:
+        """A step of prompt chunks that sample nothing: done at once, unless it computed
+        prompt logprobs, which come back when it is collected."""
+        if scores is None:
+            return StepHandle([], None, None, None, None, result=RunnerOutput())
+        done = None
+        if self.device.type == "cuda":
+            done = torch.cuda.Event(blocking=True)
+            done.record()
+        return StepHandle([], None, torch.empty(0, dtype=torch.long), done, None, scores=scores)
+
+    def _record_scores(self, scores: StepScores, result: RunnerOutput) -> None:
+        """Record a collected step's prompt logprobs into their requests, and hand over those
+        whose prompt is now scored with their first sample. Rows of a request that ended or
+        was handed over again while the step ran are dropped with its sample."""
+
+        def current(state: RunningRequest) -> bool:
+            request = state.request
+            return (
+                self.states.get(request.request_id) is state
+                and request.status is RequestStatus.RUNNING
+            )
+
+        if scores.segments:
+            for (state, _, _), entries in zip(scores.segments, scores.entries()):
+                if current(state):
+                    state.request.prompt_logprobs.extend(entries)
+        for state in scores.completing:
+            if current(state):
+                result.prompts_scored = result.prompts_scored or {}
+                result.prompts_scored[state.request.request_id] = state.request
 
     def input_block(self, scheduled: SchedulerOutput) -> InputBlock:
         """Where the step's inputs go: the decode block when every sequence feeds one token."""
@@ -323,12 +364,27 @@ class ModelRunner:
         states = self.states
         for request_id in scheduled.finished_request_ids:
             states.pop(request_id, None)
+        if self._scoring:
+            for request_id in scheduled.finished_request_ids:
+                self._scoring.pop(request_id, None)
         for new in scheduled.new_requests:
             state = RunningRequest(new.request, new.block_ids, self.stop_ids_until_min_tokens)
             states[new.request.request_id] = state
+            if new.request.params.prompt_logprobs is not None:
+                self._start_scoring(state)
         for cached in scheduled.cached_requests:
             if cached.new_block_ids:
                 states[cached.request_id].add_blocks(cached.new_block_ids)
+
+    def _start_scoring(self, state: RunningRequest) -> None:
+        """Compute the prompt logprobs of a request that asks, from where an earlier run of it
+        stopped (a preemption), unless its first sample, which carried them, is in."""
+        request = state.request
+        if request.output_token_ids:
+            return
+        if request.prompt_logprobs is None:
+            request.prompt_logprobs = []
+        self._scoring[request.request_id] = PromptScoring(state, len(request.prompt_logprobs))
 
     def _stage_inputs(self, scheduled: SchedulerOutput, st) -> _StepPlan:
         """Write the step's inputs into the staging set ``st``. The loop runs once per request
@@ -394,13 +450,16 @@ class ModelRunner:
         plan.max_query_len = max(max_query_len, 1) if decode_rows else max_query_len
         plan.max_seq_len = max(seq_ends, default=0)
         plan.num_tokens, plan.num_seqs = t, num_seqs
+        if self._scoring:  # rare: which rows give which prompt logprobs
+            plan.scores = plan_scores(self._scoring, scheduled, token_ends, seq_ends)
         plan.attention = self.attention.stage(st, num_seqs, max_query_len)
         return plan
 
     def _graph_bucket(self, plan: _StepPlan, buf: InputBlock) -> GraphKey | None:
         """The graph that runs the step, or None (eager); a graph reads the block its kind
-        stages in, so a one-token step that does not sample everywhere runs eagerly."""
-        if self.graphs is None:
+        stages in, so a one-token step that does not sample everywhere runs eagerly, and so
+        does a step that computes prompt logprobs (they need hidden states a graph drops)."""
+        if self.graphs is None or (plan.scores is not None and plan.scores.rows):
             return None
         if plan.max_query_len == 1 and len(plan.sampling_states) == plan.num_seqs:
             key = self.graphs.bucket_for(plan.num_seqs, plan.max_seq_len)
@@ -481,6 +540,7 @@ class _StepPlan:
     sampling_states: list[RunningRequest] = field(default_factory=list)
     num_sample_rows: int = 0  # sample_indices rows to upload beyond the sampled ones (padding)
     attention: StagedAttention = field(default_factory=StagedAttention)
+    scores: StepScores | None = None  # prompt logprobs to compute (eagerly)
 
     @property
     def upload_counts(self) -> dict[str, int]:

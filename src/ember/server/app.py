@@ -14,6 +14,7 @@ import logging
 from collections.abc import AsyncIterator
 
 from fastapi import FastAPI
+from starlette.middleware.cors import CORSMiddleware
 from starlette.types import Receive, Scope, Send
 
 from ember.engine.gc_heap import freeze_startup_heap
@@ -27,6 +28,7 @@ from ember.server.lifecycle import Lifecycle
 from ember.server.metrics import ServerMetrics
 from ember.server.models import ModelRegistry, ServedModel
 from ember.server.progress import LoadProgressBar
+from ember.server.request_log import RequestLogMiddleware
 from ember.server.routes import build_router
 from ember.server.sse import SERVER_SEND
 from ember.server.state import ServerState
@@ -102,10 +104,20 @@ def build_app(
     app.state.ember = state
     install_error_handlers(app)
     app.include_router(build_router())
+    if config.log_requests:  # innermost: logs only bodies that passed the key and the limit
+        app.add_middleware(RequestLogMiddleware)
     # Added last = runs first: the key is checked before a byte of the body is read.
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes)
     if config.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
+    if config.cors is not None:  # outermost: a preflight carries no key, a 401 needs the headers
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(config.cors.allowed_origins),
+            allow_methods=list(config.cors.allowed_methods),
+            allow_headers=list(config.cors.allowed_headers),
+            allow_credentials=config.cors.allow_credentials,
+        )
     return app
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ember.config import EngineConfig, MemoryConfig
+from ember.server.tool_calls.registry import PARSER_NAMES
 
 DEFAULT_MAX_QUEUE = 1024
 DEFAULT_MAX_BODY_BYTES = 16 << 20
@@ -22,6 +23,16 @@ class ServedModelSpec:
     engine: EngineConfig
     chat_template: str | None = None
     aliases: tuple[str, ...] = ()
+    # How the model writes tool calls (`ember.server.tool_calls.registry.PARSERS`); None: the
+    # format its chat template shows, if any.
+    tool_call_parser: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.tool_call_parser is not None and self.tool_call_parser not in PARSER_NAMES:
+            raise ValueError(
+                f"unknown tool call parser {self.tool_call_parser!r}; choose from "
+                + ", ".join(PARSER_NAMES)
+            )
 
     @property
     def name(self) -> str:
@@ -42,6 +53,17 @@ class RestartPolicy:
 
 
 @dataclass(frozen=True)
+class CorsConfig:
+    """Cross-origin requests (Starlette's CORSMiddleware), on only when configured; each list as
+    vLLM's --allowed-* flags, ``("*",)`` meaning any."""
+
+    allowed_origins: tuple[str, ...] = ("*",)
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
+
+
+@dataclass(frozen=True)
 class ServerConfig:
     """Front-end settings; `models` lists what the engine process may load, `memory` the one
     budget they share."""
@@ -59,3 +81,8 @@ class ServerConfig:
     uvicorn_log_level: str = "info"
     access_log: bool = True
     engine_restart: RestartPolicy = field(default_factory=RestartPolicy)
+    cors: CorsConfig | None = None  # None: no CORS headers, no preflight answers
+    root_path: str = ""  # the prefix a proxy serves the app under (uvicorn's root_path)
+    ssl_keyfile: str | None = None
+    ssl_certfile: str | None = None
+    log_requests: bool = False  # one log line per API request, with its body cut short

@@ -42,6 +42,8 @@ class Sequence:
     detokenizer: IncrementalDetokenizer
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # The engine's prompt logprobs (None first), where asked; they come with the first update.
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
     text: str = ""
     finish_reason: str | None = None
     stop_reason: str | int | None = None
@@ -180,6 +182,8 @@ class Generation:
         if sequence.first_token_at is None:
             sequence.first_token_at = now
         sequence.last_token_at = now
+        if update.prompt_logprobs is not None:
+            sequence.prompt_logprobs = update.prompt_logprobs
         sequence.token_ids.extend(update.new_token_ids)
         delta.token_ids.extend(update.new_token_ids)
         if sequence.params.logprobs is not None:

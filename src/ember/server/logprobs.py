@@ -2,8 +2,9 @@
 
 Chat: `{"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob",
 "bytes"}]}]}`. Completions: `{"tokens", "token_logprobs", "top_logprobs", "text_offset"}` with
-`top_logprobs` a list of {token text: logprob} holding the sampled token too (as vLLM does).
-Token texts are each token decoded on its own (special tokens kept).
+`top_logprobs` a list of {token text: logprob} holding the sampled token too (as vLLM does); an
+echoed prompt's first token has null in both. Token texts are each token decoded on its own
+(special tokens kept).
 """
 
 from __future__ import annotations
@@ -34,31 +35,41 @@ class CompletionLogprobs:
         self.model = model
         self.offset = start_offset
 
-    def prompt(self, token_ids: list[int]) -> dict:
-        """Echoed prompt tokens: their texts and offsets; the engine gives no prompt logprobs."""
-        return self._build([(t, None, None) for t in token_ids])
+    def prompt(
+        self,
+        token_ids: list[int],
+        scores: list[TokenLogprobs | None] | None = None,
+        top_k: int = 0,
+    ) -> dict:
+        """Echoed prompt tokens: their texts and offsets, and with the engine's prompt
+        logprobs (``scores``, None first) their logprobs and ``top_k`` alternatives."""
+        if scores is None:
+            return self._build([(t, None, None) for t in token_ids])
+        items = [(token_ids[0], None, None)]
+        items += [(lp.token_id, lp.logprob, lp.top[:top_k]) for lp in scores[1:]]
+        return self._build(items)
 
     def generated(self, logprobs: list[TokenLogprobs]) -> dict:
-        return self._build([(lp.token_id, lp.logprob, lp) for lp in logprobs])
+        return self._build([(lp.token_id, lp.logprob, lp.top) for lp in logprobs])
 
-    def _build(self, items: list[tuple[int, float | None, TokenLogprobs | None]]) -> dict:
+    def _build(self, items: list[tuple[int, float | None, list[tuple[int, float]] | None]]) -> dict:
         result: dict[str, list] = {
             "tokens": [],
             "token_logprobs": [],
             "top_logprobs": [],
             "text_offset": [],
         }
-        for token_id, logprob, lp in items:
+        for token_id, logprob, alternatives in items:
             text = self.model.token_text(token_id)
             result["tokens"].append(text)
             result["token_logprobs"].append(logprob)
             result["text_offset"].append(self.offset)
             self.offset += len(text)
-            if lp is None:
+            if alternatives is None:
                 result["top_logprobs"].append(None)
                 continue
-            top = {self.model.token_text(t): v for t, v in lp.top}
-            top.setdefault(text, lp.logprob)
+            top = {self.model.token_text(t): v for t, v in alternatives}
+            top.setdefault(text, logprob)
             result["top_logprobs"].append(top)
         return result
 

@@ -2,7 +2,8 @@
 
 `GET /v1/models` lists every configured model as OpenAI does, plus an ``ember`` object with its
 state in the engine (``unloaded``, ``loading``, ``loaded``, ``sleeping``, ``waking``,
-``failed``), its memory and its transition counts. `POST /v1/models/{name}/{action}` (``load``,
+``failed``), its memory and its transition counts; `GET /v1/models/{id}` answers the same
+object for one of them, by its name or an alias. `POST /v1/models/{name}/{action}` (``load``,
 ``sleep``, ``wake``, ``unload``) runs one transition and answers when it is done, with the
 seconds it took. Like every route but /health and /metrics, they need the API key when the
 server has one; a name must be a configured model's, so no request can make the server open a
@@ -16,6 +17,7 @@ from typing import Any
 from starlette.responses import Response
 
 from ember.engine.ipc import MODEL_ACTIONS, ModelStatus
+from ember.server.config import ServedModelSpec
 from ember.server.engine_client import EngineDeadError
 from ember.server.errors import (
     APIError,
@@ -29,25 +31,41 @@ from ember.server.state import ServerState
 
 
 def list_served_models(state: ServerState) -> dict[str, Any]:
-    loaded = {m.name: m for m in state.models.loaded()}
-    statuses = state.client.model_states
-    data = []
-    for spec in state.models.specs:
-        model = loaded.get(spec.name)
-        for name in (spec.name, *spec.aliases):
-            data.append(
-                {
-                    "id": name,
-                    "object": "model",
-                    "created": model.created if model else 0,
-                    "owned_by": "ember",
-                    "root": spec.engine.model or spec.name,
-                    "parent": None if name == spec.name else spec.name,
-                    "max_model_len": model.info.max_model_len if model and model.info else None,
-                    "ember": _ember_fields(statuses.get(spec.name), spec.engine.policy.pinned),
-                }
-            )
+    data = [
+        _model_object(state, spec, name)
+        for spec in state.models.specs
+        for name in (spec.name, *spec.aliases)
+    ]
     return {"object": "list", "data": data}
+
+
+def retrieve_served_model(state: ServerState, name: str) -> dict[str, Any]:
+    """OpenAI's retrieve model: the list's object for ``name`` (a served name or an alias);
+    NotFoundError for any other."""
+    served = state.models.canonical(name)
+    if served is None:
+        raise NotFoundError(
+            f"The model `{name}` does not exist. Served models: "
+            f"{', '.join(s.name for s in state.models.specs)}",
+            param="model",
+        )
+    spec = next(s for s in state.models.specs if s.name == served)
+    return _model_object(state, spec, name)
+
+
+def _model_object(state: ServerState, spec: ServedModelSpec, name: str) -> dict[str, Any]:
+    """One entry of `GET /v1/models` for ``name``, the served name of ``spec`` or an alias."""
+    model = next((m for m in state.models.loaded() if m.name == spec.name), None)
+    return {
+        "id": name,
+        "object": "model",
+        "created": model.created if model else 0,
+        "owned_by": "ember",
+        "root": spec.engine.model or spec.name,
+        "parent": None if name == spec.name else spec.name,
+        "max_model_len": model.info.max_model_len if model and model.info else None,
+        "ember": _ember_fields(state.client.model_states.get(spec.name), spec.engine.policy.pinned),
+    }
 
 
 def _ember_fields(status: ModelStatus | None, pinned: bool) -> dict[str, Any]:

@@ -15,7 +15,12 @@ _PARAM_NAMES = {f.name for f in dataclasses.fields(SamplingParams)}
 
 
 def build_sampling_params(
-    request: SamplingFields, *, max_tokens: int | None, logprobs: int | None, vocab_size: int
+    request: SamplingFields,
+    *,
+    max_tokens: int | None,
+    logprobs: int | None,
+    vocab_size: int,
+    prompt_logprobs: int | None = None,
 ) -> SamplingParams:
     """The engine parameters of one choice (n is handled by the caller, one sequence each)."""
     if not 1 <= request.n <= MAX_N:
@@ -38,6 +43,7 @@ def build_sampling_params(
             repetition_penalty=_default(request.repetition_penalty, 1.0),
             logit_bias=_logit_bias(request.logit_bias, vocab_size),
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             skip_special_tokens=request.skip_special_tokens,
             include_stop_str_in_output=request.include_stop_str_in_output,
         )

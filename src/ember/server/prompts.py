@@ -11,6 +11,7 @@ from typing import Any, TypeVar
 from ember.server.errors import BadRequestError
 from ember.server.models import ServedModel
 from ember.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
+from ember.server.tool_calls.request import template_tool_calls
 from ember.tokenizer.chat_template import RENDER_ARGUMENTS
 
 # Texts longer than this are tokenized on a worker thread (HF tokenizers releases the GIL), so
@@ -55,13 +56,15 @@ async def completion_prompts(request: CompletionRequest, model: ServedModel) -> 
     return prompts
 
 
-async def chat_prompt(request: ChatCompletionRequest, model: ServedModel) -> Prompt:
-    """Render the conversation with the chat template and encode it."""
+async def chat_prompt(
+    request: ChatCompletionRequest, model: ServedModel, tools: list[dict[str, Any]] | None
+) -> Prompt:
+    """Render the conversation and `tools` (as the template gets them) and encode it."""
     ids = await encode_chat(
         model,
         request.messages,
         add_generation_prompt=request.add_generation_prompt,
-        tools=request.tools,
+        tools=tools,
         extra=request.chat_template_kwargs or {},
     )
     check_token_ids(ids, model.vocab_size, "messages")
@@ -126,6 +129,10 @@ def _message_dict(message: ChatMessage, index: int) -> dict[str, Any]:
     result["content"] = content if content is not None else ""
     if message.name is not None:
         result["name"] = message.name
+    if message.tool_calls:  # an empty list would make Llama 3.x templates render a call
+        result["tool_calls"] = template_tool_calls(message.tool_calls)
+    if message.tool_call_id is not None:
+        result["tool_call_id"] = message.tool_call_id
     return result
 
 

@@ -27,11 +27,12 @@ from pydantic_core import PydanticCustomError
 
 from ember.server.json_values import find_non_json_value
 from ember.server.log_text import log_texts
+from ember.server.tool_calls.schema import ChatTool, MessageToolCall, ToolChoice
 
 logger = logging.getLogger(__name__)
 
 # Accepted for compatibility, with no effect on the result: not worth a log line each time.
-_QUIETLY_IGNORED = frozenset({"user", "stream_options", "parallel_tool_calls", "store", "metadata"})
+_QUIETLY_IGNORED = frozenset({"user", "stream_options", "store", "metadata"})
 
 
 # A token id: an integer, never a boolean, string or float that could pass for one.
@@ -111,6 +112,8 @@ class CompletionRequest(SamplingFields):
     max_tokens: int | None = 16  # OpenAI's default for completions
     echo: bool = False
     logprobs: Annotated[int | None, Field(ge=0, le=20)] = None
+    # vLLM's: the prompt tokens' logprobs with this many alternatives, in vLLM's shape.
+    prompt_logprobs: Annotated[int | None, Field(ge=0, le=20)] = None
     suffix: str | None = None
     best_of: int | None = None
     add_special_tokens: bool = True
@@ -135,6 +138,8 @@ class ChatMessage(BaseModel):
     role: ChatRole
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool result's call
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -145,7 +150,9 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: Annotated[int | None, Field(ge=0, le=20)] = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: ToolChoice | None = None  # None: "auto" with tools, else "none"
+    parallel_tool_calls: bool | None = None
 
     @property
     def output_limit(self) -> int | None:

@@ -8,9 +8,13 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from ember import __version__
-from ember.server.errors import ServiceUnavailableError
+from ember.server.errors import NotFoundError, ServiceUnavailableError
 from ember.server.metrics import CONTENT_TYPE
-from ember.server.model_control import list_served_models, run_model_action
+from ember.server.model_control import (
+    list_served_models,
+    retrieve_served_model,
+    run_model_action,
+)
 from ember.server.prompts import check_token_ids, encode_chat
 from ember.server.protocol import (
     ChatCompletionRequest,
@@ -39,9 +43,24 @@ def build_router() -> APIRouter:
     async def list_models(request: Request) -> Response:
         return JSONResponse(list_served_models(server_state(request)))
 
-    @router.post("/v1/models/{name}/{action}")
+    # A path parameter: served names may hold '/' ("org/model"), as OpenAI's ids may not.
+    @router.get("/v1/models/{name:path}")
+    async def retrieve_model(name: str, request: Request) -> Response:
+        return JSONResponse(retrieve_served_model(server_state(request), name))
+
+    # The name as a path too ("org/model"): the last segment is the action.
+    @router.post("/v1/models/{name:path}/{action}")
     async def model_action(name: str, action: str, request: Request) -> Response:
         return await run_model_action(server_state(request), name, action)
+
+    # Said outright, so a client switching from another server learns why instead of a bare 404.
+    @router.post("/v1/embeddings")
+    async def embeddings() -> Response:
+        raise NotFoundError(
+            "ember does not serve embeddings: /v1/embeddings is not available (ember serves "
+            "generation models through /v1/chat/completions and /v1/completions)",
+            code="embeddings_not_supported",
+        )
 
     @router.get("/health")
     async def health(request: Request) -> Response:

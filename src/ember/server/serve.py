@@ -66,6 +66,25 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
+def uvicorn_config(config: ServerConfig, app) -> uvicorn.Config:
+    """How uvicorn serves ``app``: where, with TLS when given a key and certificate, under the
+    proxy's root path."""
+    return uvicorn.Config(
+        app,
+        host=config.host,
+        port=config.port,
+        loop="uvloop",
+        http="httptools",
+        log_level=config.uvicorn_log_level,
+        access_log=config.access_log,
+        timeout_graceful_shutdown=CLOSE_CONNECTIONS_TIMEOUT_S,
+        timeout_keep_alive=5,
+        root_path=config.root_path,
+        ssl_keyfile=config.ssl_keyfile,
+        ssl_certfile=config.ssl_certfile,
+    )
+
+
 def run_server(config: ServerConfig) -> int:
     """Serve until drained; the process exit code."""
     try:
@@ -87,18 +106,7 @@ def run_server(config: ServerConfig) -> int:
     if not models:
         return 1
     app = build_app(config, models, failed)
-    uvicorn_config = uvicorn.Config(
-        app,
-        host=config.host,
-        port=config.port,
-        loop="uvloop",
-        http="httptools",
-        log_level=config.uvicorn_log_level,
-        access_log=config.access_log,
-        timeout_graceful_shutdown=CLOSE_CONNECTIONS_TIMEOUT_S,
-        timeout_keep_alive=5,
-    )
-    server = DrainingServer(uvicorn_config, app.state.ember.lifecycle)
+    server = DrainingServer(uvicorn_config(config, app), app.state.ember.lifecycle)
     server.run()
     if not server.started and server.exit_code == 0:
         return 1  # startup failed (bad model, port in use): uvicorn logged why

@@ -1,0 +1,104 @@
+"""The real chat route and `serving_chat` over a scripted engine: no engine process, a
+tokenizer of one token per character, and a model whose reply is fixed by the test."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Iterator
+from types import SimpleNamespace
+
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+
+from ember.config import EngineConfig
+from ember.engine.step_types import RequestUpdate
+from ember.server.config import ServedModelSpec
+from ember.server.errors import install_error_handlers
+from ember.server.models import ServedModel
+from ember.server.routes import build_router
+from ember.tokenizer.chat_template import ChatTemplate
+
+MODEL = "tiny"
+
+
+class CharTokenizer:
+    """One token per character (its code point), so the text out is exactly the script."""
+
+    def __init__(self, template: str) -> None:
+        self.chat_template = template
+        self._template = ChatTemplate(template)
+        self.rendered: list[str] = []  # every prompt rendered, for the test to read
+
+    def encode_chat(self, messages, add_generation_prompt=True, tools=None, **kwargs) -> list[int]:
+        text = self._template.render(
+            messages, add_generation_prompt=add_generation_prompt, tools=tools, **kwargs
+        )
+        self.rendered.append(text)
+        return [ord(c) for c in text]
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return "".join(map(chr, ids))
+
+
+class ScriptedEngine:
+    """Answers every sequence with `reply`, `chunk` tokens per update, one update per loop turn."""
+
+    def __init__(self, reply: str, chunk: int = 3) -> None:
+        self.reply = reply
+        self.chunk = chunk
+        self.params = []
+
+    def num_waiting(self, model: str) -> int:
+        return 0
+
+    def submit(self, request_id, model, token_ids, params, inbox, index) -> None:
+        self.params.append(params)
+        ids = [ord(c) for c in self.reply]
+        pieces = [ids[i : i + self.chunk] for i in range(0, len(ids), self.chunk)]
+        loop = asyncio.get_running_loop()
+        for k, piece in enumerate(pieces):
+            finish = "stop" if k == len(pieces) - 1 else None
+            update = RequestUpdate(request_id, piece, [None] * len(piece), finish)
+            loop.call_later(0.001 * (k + 1), inbox.put_nowait, (index, update))
+
+    def abort(self, request_ids) -> None:
+        pass
+
+
+class _Lifecycle:
+    def check_accepting(self) -> None:
+        pass
+
+    @contextlib.contextmanager
+    def handling(self) -> Iterator[None]:
+        yield
+
+
+class _Models:
+    def __init__(self, model: ServedModel) -> None:
+        self.model = model
+
+    def get(self, name: str | None) -> ServedModel:
+        return self.model
+
+
+def chat_client(
+    template: str, reply: str, tool_call_parser: str | None = None
+) -> tuple[TestClient, CharTokenizer, ScriptedEngine]:
+    spec = ServedModelSpec(EngineConfig(served_model_name=MODEL), tool_call_parser=tool_call_parser)
+    tokenizer = CharTokenizer(template)
+    model = ServedModel(spec, tokenizer)  # type: ignore[arg-type]
+    model.info = SimpleNamespace(max_model_len=1 << 16, vocab_size=0x110000)
+    engine = ScriptedEngine(reply)
+    app = FastAPI()
+    app.include_router(build_router())
+    install_error_handlers(app)
+    app.state.ember = SimpleNamespace(
+        config=SimpleNamespace(max_queue=16),
+        client=engine,
+        models=_Models(model),
+        metrics=SimpleNamespace(observe_sequence=lambda *args: None),
+        lifecycle=_Lifecycle(),
+    )
+    return TestClient(app), tokenizer, engine
