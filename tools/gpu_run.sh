@@ -206,15 +206,26 @@ stage_multi_traffic() {  # 3 x 8B + 1B, ShareGPT split 60/25/10/5 at concurrency
 
 stage_startup() {  # ember serve -> first token: warm, kernels cold, disk cold, from a local S3
   make_model
-  local bucket=http://127.0.0.1:8333/models
+  local bucket=http://127.0.0.1:8333/models weed_pid=""
   if [ -f .s3server/weed.xz ]; then
     stamp "S3 server (SeaweedFS) with the checkpoint"
-    xz -dc .s3server/weed.xz > /tmp/weed && chmod +x /tmp/weed
+    $PY -c "import lzma, shutil; shutil.copyfileobj(lzma.open('.s3server/weed.xz'), open('/tmp/weed', 'wb'))"
+    chmod +x /tmp/weed
     mkdir -p /tmp/weed-data
     /tmp/weed server -dir=/tmp/weed-data -s3 -s3.port=8333 -ip=127.0.0.1 -volume.max=0 \
       > "$RES/weed.log" 2>&1 &
-    for _ in $(seq 60); do curl -s -o /dev/null http://127.0.0.1:8333 && break; sleep 0.5; done
-    curl -s -X PUT "$bucket" > /dev/null
+    weed_pid=$!
+    $PY - "$bucket" <<'PY'
+import sys, time, urllib.error, urllib.request
+for _ in range(120):  # the S3 port answers once the master, volume and filer are up
+    try:
+        urllib.request.urlopen(urllib.request.Request(sys.argv[1], method="PUT"), timeout=5)
+        break
+    except urllib.error.HTTPError:
+        break  # it answers (the bucket may exist already)
+    except OSError:
+        time.sleep(0.5)
+PY
     export AWS_ENDPOINT_URL=http://127.0.0.1:8333 AWS_ACCESS_KEY_ID=ember AWS_SECRET_ACCESS_KEY=ember
     S3_ARGS=(--s3-url s3://models/llama --upload)
   else
@@ -224,6 +235,7 @@ stage_startup() {  # ember serve -> first token: warm, kernels cold, disk cold, 
   stamp "bench startup"
   limited $PY -m ember.cli bench startup "$MODEL" "${S3_ARGS[@]}" --drop-caches all \
     --server-args "$SERVER_ARGS" --label "$PRESET bf16" --output-json "$RES/startup.json"
+  [ -n "${weed_pid:-}" ] && kill "$weed_pid"
 }
 
 stage_resilience() {  # hang-ups, KV leaks, throughput after, an engine killed under load

@@ -112,6 +112,7 @@ def _run_scenario(
 ) -> dict[str, Any]:
     model = args.model
     kernels = kernel_dir
+    dropped = None
     flags = shlex.split(args.server_args)
     if scenario == "cold-kernels":
         kernels = work / f"kernels-empty-{time.monotonic_ns()}"
@@ -119,7 +120,7 @@ def _run_scenario(
     elif scenario == "warm":
         _read_files(weights)
     elif scenario == "cold-disk":
-        evict(weights, everything=args.drop_caches == "all")
+        dropped = evict(weights, everything=args.drop_caches == "all")
     elif scenario == "store":
         model = args.s3_url
         flags += ["--download-dir", str(work / f"downloads-{time.monotonic_ns()}")]
@@ -150,6 +151,7 @@ def _run_scenario(
         os.replace(kernels, kernel_dir)
     return {
         "command": command,
+        "page_cache_dropped": dropped,
         "first_token_s": moments["first_token"],
         "moments_s": moments,
         "phases": phases_of(timeline, started),
@@ -261,12 +263,15 @@ def _import_torch_seconds() -> float:
     return seconds
 
 
-def evict(paths: list[Path], everything: bool) -> None:
-    """Drop ``paths`` (or, as root, the whole page cache) from memory."""
+def evict(paths: list[Path], everything: bool) -> str:
+    """Drop ``paths`` (or, where allowed, the whole page cache) from memory; says which."""
     if everything:
         os.sync()
-        Path("/proc/sys/vm/drop_caches").write_text("3\n")
-        return
+        try:
+            Path("/proc/sys/vm/drop_caches").write_text("3\n")
+            return "all"
+        except OSError as exc:  # not root, or a read-only /proc in a container
+            print(f"cannot drop the whole page cache ({exc}); evicting the weight files")
     for path in paths:
         fd = os.open(path, os.O_RDONLY)
         try:
@@ -274,6 +279,7 @@ def evict(paths: list[Path], everything: bool) -> None:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
+    return "files"
 
 
 def _read_files(paths: list[Path]) -> None:
