@@ -136,6 +136,11 @@ def _message_dict(message: ChatMessage, index: int) -> dict[str, Any]:
     return result
 
 
+async def encode_text(model: ServedModel, text: str, add_special_tokens: bool) -> list[int]:
+    """``text``'s token ids; a long text is encoded on a thread, off the event loop."""
+    return await _maybe_in_thread(len(text), model.tokenizer.encode, text, add_special_tokens)
+
+
 async def _maybe_in_thread(size: int, function: Callable[..., T], *args: Any) -> T:
     if size <= INLINE_TOKENIZE_CHARS:
         return function(*args)

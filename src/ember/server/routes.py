@@ -15,7 +15,7 @@ from ember.server.model_control import (
     retrieve_served_model,
     run_model_action,
 )
-from ember.server.prompts import check_token_ids, encode_chat
+from ember.server.prompts import check_token_ids, encode_chat, encode_text
 from ember.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -92,9 +92,7 @@ def build_router() -> APIRouter:
                 model, body.messages, add_generation_prompt=body.add_generation_prompt
             )
         else:
-            ids = model.tokenizer.encode(
-                body.prompt or "", add_special_tokens=body.add_special_tokens
-            )
+            ids = await encode_text(model, body.prompt or "", body.add_special_tokens)
         reply = {"count": len(ids), "max_model_len": model.max_model_len, "tokens": ids}
         if body.return_token_strs:
             reply["token_strs"] = [model.token_text(t) for t in ids]
