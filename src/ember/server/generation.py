@@ -179,9 +179,10 @@ class Generation:
 
     def _apply(self, sequence: Sequence, update: RequestUpdate, delta: SequenceDelta) -> None:
         now = time.monotonic()
-        if sequence.first_token_at is None:
-            sequence.first_token_at = now
-        sequence.last_token_at = now
+        if update.new_token_ids:  # a prompt scored without generating has no first token
+            if sequence.first_token_at is None:
+                sequence.first_token_at = now
+            sequence.last_token_at = now
         if update.prompt_logprobs is not None:
             sequence.prompt_logprobs = update.prompt_logprobs
         sequence.token_ids.extend(update.new_token_ids)
