@@ -32,7 +32,6 @@ def no_serving(monkeypatch):
 @pytest.mark.parametrize(
     ("argv", "flag", "why"),
     [
-        (("--enable-prefix-caching",), "--enable-prefix-caching", "not available in ember yet"),
         (("--kv-cache-dtype", "fp8"), "--kv-cache-dtype", "only auto"),
         (("--quantization", "awq"), "--quantization", "awq is not available"),
         (("m/dir", "-q", "gguf"), "--quantization", "gguf is not available"),  # not a .gguf
@@ -65,7 +64,7 @@ def test_a_tool_call_parser_outside_the_choices_is_a_usage_error(capsys):
 @pytest.mark.parametrize(
     "argv",
     [
-        ("--no-enable-prefix-caching",),
+        ("--enable-prefix-caching",),  # the default
         ("--kv-cache-dtype", "auto"),
         ("--generation-config", "vllm"),
         ("--tensor-parallel-size", "1"),
@@ -103,6 +102,13 @@ def test_tool_call_parser_reaches_every_served_model(parser):
     config = config_of("a=x", "b=y.gguf", "--enable-auto-tool-choice", "--tool-call-parser", parser)
     assert [spec.tool_call_parser for spec in config.models] == [parser, parser]
     assert [spec.tool_call_parser for spec in config_of("a=x").models] == [None]
+
+
+def test_prefix_caching_is_on_unless_turned_off():
+    (on,) = config_of().models
+    (off,) = config_of("--no-enable-prefix-caching").models
+    assert on.engine.cache.enable_prefix_caching
+    assert not off.engine.cache.enable_prefix_caching
 
 
 def test_cors_is_off_unless_a_cors_flag_is_given():

@@ -129,6 +129,9 @@ class CacheConfig:
     block_size: int = 16
     num_blocks: int | None = None  # None: sized from the memory budget
     kv_cache_memory_bytes: int | None = None  # None: the model's share of the memory budget
+    # Full blocks are kept after their request ends and shared by later requests with the same
+    # prefix (`ember.engine.kv_cache_manager`).
+    enable_prefix_caching: bool = True
 
 
 @dataclass(frozen=True)
@@ -241,6 +244,7 @@ _SECTION_OPTIONS: dict[str, tuple[str, str]] = {
     "block_size": ("cache", "block_size"),
     "num_gpu_blocks_override": ("cache", "num_blocks"),
     "kv_cache_memory_bytes": ("cache", "kv_cache_memory_bytes"),
+    "enable_prefix_caching": ("cache", "enable_prefix_caching"),
     "max_num_seqs": ("limits", "max_num_seqs"),
     "max_num_batched_tokens": ("limits", "max_num_batched_tokens"),
     "max_model_len": ("limits", "max_model_len"),

@@ -45,8 +45,8 @@ def add_vllm_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument(
         "--enable-prefix-caching",
         action=argparse.BooleanOptionalAction,
-        help="ember has no prefix cache yet: --no-enable-prefix-caching is accepted, "
-        "--enable-prefix-caching refused",
+        help="automatic prefix caching: full KV blocks kept after a request and shared by later "
+        "requests with the same prefix (default: on)",
     )
     model.add_argument(
         "--generation-config",
@@ -131,12 +131,6 @@ def check_vllm_flags(args: argparse.Namespace, sources: Sequence[str | None]) ->
         )
     if getattr(args, "kv_cache_dtype", None) not in (None, "auto"):
         raise RefusedFlag("--kv-cache-dtype", "only auto (the model's dtype) is available")
-    if getattr(args, "enable_prefix_caching", None):
-        raise RefusedFlag(
-            "--enable-prefix-caching",
-            "prefix caching is not available in ember yet; leave the flag out or pass "
-            "--no-enable-prefix-caching",
-        )
     notes += _generation_config_notes(getattr(args, "generation_config", None))
     if getattr(args, "tensor_parallel_size", None) not in (None, 1):
         raise RefusedFlag("--tensor-parallel-size", "only 1: ember serves a model on one GPU")

@@ -17,6 +17,8 @@ METRIC_NAMES = (
     "ember:num_preemptions_total",
     "ember:engine_steps_total",
     "ember:scheduled_tokens_total",
+    "ember:prefix_cache_queries_total",
+    "ember:prefix_cache_hits_total",
     "engine_python_gc_collections_total",
     "engine_python_gc_pause_seconds_total",
     "ember:time_to_first_token_seconds_bucket",
@@ -98,6 +100,30 @@ def test_metrics_count_the_engine_steps_by_kind(server, client, model_name):
     # scheduled for a token that the end of the request makes unneeded).
     assert added[("ember:scheduled_tokens_total", "decode")] >= 2
     assert added[("ember:engine_steps_total", "decode_only")] >= 2
+
+
+def test_a_repeated_prompt_is_served_from_the_prefix_cache(server, client, model_name):
+    import time
+
+    def cache_counts():
+        samples = server.metrics()
+        return tuple(
+            sum(v for k, v in samples.items() if k.split("{")[0] == name)
+            for name in ("ember:prefix_cache_queries_total", "ember:prefix_cache_hits_total")
+        )
+
+    prompt = "A long shared system prompt about the weather in several cities. " * 6
+    first = client.completions.create(model=model_name, prompt=prompt, max_tokens=2)
+    before = cache_counts()
+    again = client.completions.create(model=model_name, prompt=prompt, max_tokens=2)
+    deadline, after = time.monotonic() + 5, before
+    while after == before and time.monotonic() < deadline:  # stats come every ~0.5 s
+        time.sleep(0.3)
+        after = cache_counts()
+    queries, hits = after[0] - before[0], after[1] - before[1]
+    assert queries == again.usage.prompt_tokens == first.usage.prompt_tokens
+    # Every full block but the one holding the last prompt token.
+    assert queries - 16 <= hits < queries
 
 
 def test_tokenize_and_detokenize_round_trip(http, model_name):

@@ -21,6 +21,7 @@ from ember.engine.ipc import (
     StepOutputs,
     UnreadableRequest,
 )
+from ember.engine.kv_cache_manager import PrefixCacheStats
 from ember.engine.model_instance import LoadReport
 from ember.engine.model_pool import ModelState, UnknownModelError
 from ember.engine.scheduler import StepCounts
@@ -37,7 +38,9 @@ class FakeInstance:
         self.scheduler = SimpleNamespace(
             running=[], waiting=[], num_preemptions=0, step_counts=StepCounts()
         )
-        self.kv_manager = SimpleNamespace(pool=SimpleNamespace(capacity=10), num_free_blocks=10)
+        self.kv_manager = SimpleNamespace(
+            pool=SimpleNamespace(capacity=10), num_free_blocks=10, stats=PrefixCacheStats()
+        )
         self.load_report = LoadReport(seconds=0.1, weight_bytes=0, kv_cache_bytes=0, num_blocks=10)
 
     def add_request(self, request_id, prompt_token_ids, params):

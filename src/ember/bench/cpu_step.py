@@ -48,9 +48,10 @@ class NullModel(torch.nn.Module):
         return self.logits[: hidden.shape[0]]
 
 
-def null_model_loop(limits: StepLimits, num_blocks: int) -> TimedLoop:
-    """A scheduler and a runner over `NullModel` on the CPU, in an overlapped loop."""
-    kv = KVCacheManager(num_blocks=num_blocks, block_size=BLOCK_SIZE)
+def null_model_loop(limits: StepLimits, num_blocks: int, prefix_caching: bool = True) -> TimedLoop:
+    """A scheduler and a runner over `NullModel` on the CPU, in an overlapped loop; with prefix
+    caching (the engine's default), each full block is keyed as it fills."""
+    kv = KVCacheManager(num_blocks, BLOCK_SIZE, prefix_caching)
     runner = ModelRunner(
         model=NullModel(limits.max_num_batched_tokens),
         attention=ReferenceAttention(),
@@ -65,13 +66,14 @@ def null_model_loop(limits: StepLimits, num_blocks: int) -> TimedLoop:
     return TimedLoop(Scheduler(limits, kv), runner, overlap=True)
 
 
-def measure(batch: int, context: int, steps: int = 200) -> dict:
+def measure(batch: int, context: int, steps: int = 200, prefix_caching: bool = True) -> dict:
     """Host ms per decode step of ``batch`` requests at ~``context`` tokens, by phase."""
     max_tokens = steps + 64
     limits = StepLimits(
         max_num_seqs=batch, max_num_batched_tokens=8192, max_model_len=context + max_tokens
     )
-    loop = null_model_loop(limits, batch * (context + max_tokens) // BLOCK_SIZE + 2)
+    num_blocks = batch * (context + max_tokens) // BLOCK_SIZE + 2
+    loop = null_model_loop(limits, num_blocks, prefix_caching)
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     requests = [
         Request(f"r{i}", list(range(1, context)), params, i, max_tokens) for i in range(batch)
@@ -91,6 +93,7 @@ def measure(batch: int, context: int, steps: int = 200) -> dict:
         "context": context,
         **ms,
         "total_ms": sum(ms.values()),
+        "prefix_caching": prefix_caching,
         # The collector's passes inside the timed steps (the phases above include them).
         "gc": gc_pauses.summary(steps),
     }
@@ -105,13 +108,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="freeze the heap first, as the engine process does once loaded",
     )
+    parser.add_argument(
+        "--no-prefix-caching",
+        dest="prefix_caching",
+        action="store_false",
+        help="no block keys (the engine's --no-enable-prefix-caching)",
+    )
     parser.add_argument("--output-json", default=None)
 
 
 def run(args: argparse.Namespace) -> int:
     frozen = freeze_startup_heap() if args.freeze_gc else 0
     rows = [
-        {**measure(int(b), args.context, args.steps), "gc_frozen_objects": frozen}
+        {
+            **measure(int(b), args.context, args.steps, args.prefix_caching),
+            "gc_frozen_objects": frozen,
+        }
         for b in args.batches.split(",")
     ]
     for row in rows:

@@ -294,6 +294,8 @@ class EngineCore:
                     prefill_steps=steps.prefill_steps,
                     decode_tokens=steps.decode_tokens,
                     prefill_tokens=steps.prefill_tokens,
+                    prefix_cache_queries=kv.stats.queries,
+                    prefix_cache_hits=kv.stats.hits,
                 )
             )
         return result

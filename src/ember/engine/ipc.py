@@ -166,6 +166,9 @@ class ModelStats(msgspec.Struct, array_like=True):
     prefill_steps: int = 0
     decode_tokens: int = 0
     prefill_tokens: int = 0
+    # The KV cache manager's `PrefixCacheStats`, cumulative since start, in tokens.
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
 
 
 class EngineGc(msgspec.Struct, array_like=True):

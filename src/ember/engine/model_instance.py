@@ -158,7 +158,9 @@ class ModelInstance:
         self.kv_arena = self._arenas.make(arena_bytes([(kv_shape, self.dtype)]))
         (self.kv_cache,) = carve(self.kv_arena, [(kv_shape, self.dtype)])
         self.kv_cache.zero_()
-        self.kv_manager = KVCacheManager(num_blocks, block_size)
+        self.kv_manager = KVCacheManager(
+            num_blocks, block_size, prefix_caching=config.cache.enable_prefix_caching
+        )
         self.asleep = False
         self._stashed: Stashed | None = None
         setup_seconds = time.perf_counter() - start
@@ -221,6 +223,7 @@ class ModelInstance:
         self._stashed = stash.store(self.weight_arena.buffer) if stash is not None else None
         self.weight_arena.release()
         self.kv_arena.release()
+        self.kv_manager.reset_prefix_cache()  # the blocks' contents are gone
         if not self._arenas.keeps_addresses and self.runner.graphs is not None:
             self.runner.graphs.clear()
             torch.cuda.empty_cache()

@@ -48,6 +48,11 @@ class Request:
     # Prompt tokens 1.. scored so far, where `params.prompt_logprobs` asks (the runner fills it
     # as it collects steps; kept across a preemption, so no position is scored twice).
     prompt_logprobs: list[TokenLogprobs] | None = None
+    # Prefix caching (`ember.engine.kv_cache_manager`): the keys of the request's full blocks
+    # computed so far (they depend on its tokens only, so they survive a preemption), and how
+    # many blocks at the head of its current table are in the cache.
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_cached_blocks: int = 0
 
     def record_sample(self, token_id: int) -> None:
         """A launched step's sample has come back: it becomes an output token."""

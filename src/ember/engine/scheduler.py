@@ -53,6 +53,9 @@ class Scheduler:
         self._runner_must_forget: set[str] = set()
         self.num_preemptions = 0
         self.step_counts = StepCounts()
+        # Where a request's next full block ends, for the decode path's one comparison (a block
+        # size beyond any sequence when nothing is cached: the comparison never holds).
+        self._cache_block_size = kv_cache.block_size if kv_cache.prefix_caching else 1 << 62
 
     # -- requests in and out -------------------------------------------------------------------
 
@@ -110,12 +113,17 @@ class Scheduler:
 
         while self.waiting and budget > 0 and len(self.running) < self.limits.max_num_seqs:
             request = self.waiting[0]
+            cached = self.kv_cache.claim_cached_prefix(request)
             num_new = self._chunk_size(request, budget)
             new_blocks = self.kv_cache.allocate_slots(
                 request.request_id, request.num_computed_tokens + num_new
             )
             if new_blocks is None:
+                if cached:  # given back; the cache keeps them
+                    self.kv_cache.free(request)
+                    request.num_computed_tokens = 0
                 break  # no room: new work waits rather than preempting running work
+            self.kv_cache.stats.record_admission(request.num_tokens, cached)
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
@@ -150,6 +158,8 @@ class Scheduler:
             or len(request.prompt_token_ids) + num_output + pending - computed != 1
         ):
             return False
+        if computed >= (request.num_cached_blocks + 1) * self._cache_block_size:
+            self.kv_cache.cache_full_blocks(request)  # a block filled: keep it for later requests
         new_blocks = self.kv_cache.allocate_slots(request_id, computed + 1)
         if new_blocks is None:
             return False
@@ -165,6 +175,7 @@ class Scheduler:
         num_new = self._chunk_size(request, budget)
         if num_new <= 0:
             return 0
+        self.kv_cache.cache_full_blocks(request)
         while True:
             new_blocks = self.kv_cache.allocate_slots(
                 request.request_id, request.num_computed_tokens + num_new
@@ -210,7 +221,7 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         """Free the request's blocks and queue it for recomputation from scratch."""
         self.running.remove(request)
-        self.kv_cache.free(request.request_id)
+        self.kv_cache.free(request)
         self._forget_in_runner(request.request_id)
         request.num_pending_tokens = 0  # a sample in flight is dropped: it is recomputed
         request.num_computed_tokens = 0
@@ -257,7 +268,7 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
-        self.kv_cache.free(request.request_id)
+        self.kv_cache.free(request)
         self._forget_in_runner(request.request_id)
         del self.requests[request.request_id]
 

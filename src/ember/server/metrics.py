@@ -5,7 +5,7 @@ model label.
 
 Two sources: the front end observes requests (token counters, latency histograms) as they
 finish; the engine's scheduler state (running, waiting, KV usage, preemptions, steps and tokens
-by kind) and its process's garbage-collector passes arrive with its outputs and are read at
+by kind, prefix-cache lookups and hits) and its process's garbage-collector passes arrive with its outputs and are read at
 scrape time by custom collectors. Each app owns its registry, so two apps in one process
 (tests) never share a metric.
 """
@@ -60,8 +60,20 @@ class EngineStatsCollector(Collector):
             "Tokens fed to the model: decode (one per decoding sequence a step) or prefill.",
             labels=[*labels, "kind"],
         )
+        cache_queries = CounterMetricFamily(
+            "ember:prefix_cache_queries",
+            "Tokens of admitted requests looked up in the prefix cache.",
+            labels=labels,
+        )
+        cache_hits = CounterMetricFamily(
+            "ember:prefix_cache_hits",
+            "Tokens of admitted requests found in the prefix cache (not computed again).",
+            labels=labels,
+        )
         for stats in self._snapshot():
             label = [stats.model]
+            cache_queries.add_metric(label, stats.prefix_cache_queries)
+            cache_hits.add_metric(label, stats.prefix_cache_hits)
             running.add_metric(label, stats.num_running)
             waiting.add_metric(label, stats.num_waiting)
             usage.add_metric(label, stats.kv_blocks_used / max(1, stats.kv_blocks_total))
@@ -71,7 +83,17 @@ class EngineStatsCollector(Collector):
             steps.add_metric([*label, "with_prefill"], stats.prefill_steps)
             tokens.add_metric([*label, "decode"], stats.decode_tokens)
             tokens.add_metric([*label, "prefill"], stats.prefill_tokens)
-        return [running, waiting, usage, blocks, preemptions, steps, tokens]
+        return [
+            running,
+            waiting,
+            usage,
+            blocks,
+            preemptions,
+            steps,
+            tokens,
+            cache_queries,
+            cache_hits,
+        ]
 
 
 MODEL_STATES = ("unloaded", "loading", "loaded", "sleeping", "waking", "failed")
