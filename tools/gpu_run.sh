@@ -5,22 +5,24 @@
 #   tools/gpu_run.sh OUTDIR [STAGE ...]       stages, run in the order given:
 #                                             tests step profile tune parity serve peer
 #                                             multi_wake multi_pair multi_traffic startup
-#                                             resilience
+#                                             resilience multi_turn
 #                                             (default: tests step parity serve peer)
 #
 # Needs, carried beside the tree (tools/prepare_gpu_assets.sh makes them here):
 #   .whl/                        wheels the GPU image lacks (fastapi, msgspec, pyzmq, gguf, ...)
 #   .gpu_assets/tokenizer/       SmolLM2's tokenizer files (the 98 MB GGUF does not travel)
 #   .gpu_assets/sharegpt.json    the ShareGPT conversations, trimmed to what the benchmark samples
+#   .gpu_assets/sharegpt_multi_turn.json  (stage multi_turn) whole conversations, turn by turn
 #   .s3server/weed.xz            (stage startup) an S3-compatible server (tools/prepare_s3_server.sh)
 #
 # Environment overrides (for a dry run on a CPU: EMBER_GPU_RUN_SKIP_INSTALL=1 PYTHON=python
 # EMBER_BENCH_PRESET=tiny EMBER_SERVE_PROMPTS=8 EMBER_PINNED_PROMPTS=8 EMBER_PEER_PROMPTS=4
-# EMBER_PEER_DEVICE=cpu EMBER_SERVE_OUTPUT_LEN=8):
+# EMBER_PEER_DEVICE=cpu EMBER_SERVE_OUTPUT_LEN=8 EMBER_MT_CONVERSATIONS=8 EMBER_MT_OUTPUT_LEN=16):
 #   EMBER_STEP_ARGS (e.g. "--sections attention"), EMBER_TUNE_ARGS (e.g. "--sections split_k stream_k"),
 #   EMBER_BENCH_PRESET (llama-3.1-8b), EMBER_GPU_TESTS ("tests/gpu tests/kernels"),
 #   EMBER_SERVE_PROMPTS ("1000 4000"), EMBER_PINNED_PROMPTS (1000), EMBER_PEER_PROMPTS (1000),
-#   EMBER_PEER_DEVICE (cuda), EMBER_SERVE_OUTPUT_LEN (unset),
+#   EMBER_PEER_DEVICE (cuda), EMBER_SERVE_OUTPUT_LEN (unset), EMBER_MT_CONVERSATIONS (200),
+#   EMBER_MT_OUTPUT_LEN (256: the most tokens a multi-turn answer asks for),
 #   EMBER_PEER_ARGS ("--cuda-graphs on --max-memory-percent 0.6"), EMBER_SRC (the ember sources
 #   to run, default ./src: another copy of them, e.g. `git archive REV src` carried, gives a
 #   before/after pair in one device call), EMBER_RUN_SECONDS (570: every command is stopped in
@@ -155,6 +157,7 @@ stage_peer() {
 # an 8B holds 16 GB of weights, 38 GB with its 20 GB KV cache and reserve; the 95 GB budget
 # holds two 8B and the 1B, never all four.
 MULTI_BUDGET=${EMBER_MULTI_BUDGET:-95e9}
+MULTI_KV=${EMBER_MULTI_KV:-20e9}  # each 8B's KV cache (an H100's 80 GB: 95e9 -> 68e9, 20e9 -> 10e9)
 MULTI_SECONDS=${EMBER_MULTI_SECONDS:-180}
 make_multi_models() {
   make_model
@@ -180,7 +183,7 @@ stage_multi_wake() {  # sleep/wake and unload/load of one 8B model in a running 
   make_model
   stamp "bench multi-model wake"
   limited $PY -m ember.cli bench multi-model --mode wake --model "a=$MODEL" \
-    --kv-cache-bytes 20e9 --repeats 5 "${MULTI_COMMON[@]}" \
+    --kv-cache-bytes "$MULTI_KV" --repeats 5 "${MULTI_COMMON[@]}" \
     --server-log "$RES/server_multi_wake.log" --out "$RES/multi_model_wake.json"
 }
 
@@ -188,7 +191,7 @@ stage_multi_pair() {  # one 8B alone at concurrency 200, then two 8B sharing it 
   make_multi_models
   stamp "bench multi-model pair"
   limited $PY -m ember.cli bench multi-model --mode pair --model "a=$MODEL" \
-    --model "b=/tmp/$PRESET-1" --kv-cache-bytes 20e9 --concurrency 200 \
+    --model "b=/tmp/$PRESET-1" --kv-cache-bytes "$MULTI_KV" --concurrency 200 \
     --duration "${EMBER_PAIR_SECONDS:-60}" --num-prompts 4000 "${MULTI_COMMON[@]}" \
     --server-log "$RES/server_multi_pair.log" --out "$RES/multi_model_pair.json"
 }
@@ -199,7 +202,8 @@ stage_multi_traffic() {  # 3 x 8B + 1B, ShareGPT split 60/25/10/5 at concurrency
   limited $PY -m ember.cli bench multi-model --mode traffic --model "a=$MODEL" \
     --model "b=/tmp/$PRESET-1" --model "c=/tmp/$PRESET-2" --model d=/tmp/llama-3.2-1b-random \
     --weight 60 --weight 25 --weight 10 --weight 5 \
-    --kv-cache-bytes 20e9 --kv-cache-bytes 20e9 --kv-cache-bytes 20e9 --kv-cache-bytes 8e9 \
+    --kv-cache-bytes "$MULTI_KV" --kv-cache-bytes "$MULTI_KV" --kv-cache-bytes "$MULTI_KV" \
+    --kv-cache-bytes 8e9 \
     --concurrency 200 --duration "$MULTI_SECONDS" --num-prompts 20000 "${MULTI_COMMON[@]}" \
     --server-log "$RES/server_multi_traffic.log" --out "$RES/multi_model_traffic.json"
 }
@@ -246,11 +250,27 @@ stage_resilience() {  # hang-ups, KV leaks, throughput after, an engine killed u
     --kill-after 10 --server-log "$RES/server_resilience.log" --output-json "$RES/resilience.json"
 }
 
+stage_multi_turn() {  # ShareGPT conversations turn by turn: prefix caching on, then off
+  make_model
+  local conversations=$ROOT/.gpu_assets/sharegpt_multi_turn.json n=${EMBER_MT_CONVERSATIONS:-200}
+  if [ ! -f "$conversations" ]; then
+    echo "no $conversations: tools/prepare_gpu_assets.sh makes it"
+    return 1
+  fi
+  stamp "bench multi-turn, $n conversations, prefix caching on and off ($SERVER_ARGS)"
+  limited $PY -m ember.cli bench multi-turn --launch "$MODEL" --server-args="$SERVER_ARGS" \
+    --compare-prefix-caching --dataset-path "$conversations" --seed 0 \
+    --tokenizer "$EMBER_TEST_TOKENIZER_DIR/tokenizer.json" --num-conversations "$n" \
+    --max-turns 6 --max-output-len "${EMBER_MT_OUTPUT_LEN:-256}" --max-context 4096 \
+    --max-concurrency 64 --disable-tqdm --server-log "$RES/server_multi_turn.log" \
+    --output-json "$RES/multi_turn.json"
+}
+
 # Stages run in the order given.
 for stage in $STAGES; do
   case $stage in
     tests | step | profile | tune | parity | serve | peer | multi_wake | multi_pair | multi_traffic \
-      | startup | resilience)
+      | startup | resilience | multi_turn)
       "stage_$stage" ;;
     *) echo "unknown stage: $stage" ;;
   esac

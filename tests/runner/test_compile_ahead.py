@@ -13,6 +13,7 @@ from helpers.tiny_models import make_tiny_model
 from ember import LLM, SamplingParams
 from ember.kernels.compile_ahead import (
     MAX_COMPILE_WORKERS,
+    CompileCounts,
     compile_ahead,
     compiling_ahead,
     default_compile_workers,
@@ -55,6 +56,28 @@ def test_an_error_in_the_block_leaves_launches_running():
         raise RuntimeError("boom")
     launch(kernel, (1,), "x")
     assert kernel.launched and not kernel.warmed
+
+
+def test_the_pass_counts_compiles_and_cache_hits_through_tritons_listener():
+    """Inside the block Triton reports each compile to the counts (a warm start should show
+    cache hits only); outside, whatever listener was there before is back."""
+    import triton
+    from triton.knobs import CompileTimes
+
+    knobs = triton.knobs.compilation
+    before = knobs.listener
+    counts = CompileCounts()
+    times = CompileTimes(
+        ir_initialization=1_000, lowering_stages=[("ttir", 2_000)], store_results=0
+    )
+    with compile_ahead(1, counts):
+        listener = knobs.listener
+        for hit in (False, True, True):
+            listener(src=None, metadata={}, metadata_group={}, times=times, cache_hit=hit)
+    assert knobs.listener is before
+    assert (counts.compiled, counts.from_cache) == (1, 2)
+    assert counts.compile_seconds == pytest.approx(0.003)
+    assert counts.cache_seconds == pytest.approx(0.006)
 
 
 def test_default_workers_follow_the_cpus_this_process_may_use():

@@ -44,7 +44,7 @@ class RequestResult:
         return (self.e2el_s - self.ttft_s) / (self.output_tokens - 1)
 
 
-def _chunk_text(chunk: dict) -> str:
+def chunk_text(chunk: dict) -> str:
     """The generated text a completions or chat-completions chunk carries ("" if none)."""
     text = ""
     for choice in chunk.get("choices") or ():
@@ -111,7 +111,7 @@ class OpenAIStreamClient:
                     if chunk.get("usage"):
                         usage_tokens = chunk["usage"].get("completion_tokens")
                         result.prompt_len = chunk["usage"].get("prompt_tokens") or result.prompt_len
-                    if _chunk_text(chunk):
+                    if chunk_text(chunk):
                         result.chunk_times_s.append(now)
                         if drop_after_chunks is not None and (
                             len(result.chunk_times_s) >= drop_after_chunks
@@ -122,10 +122,10 @@ class OpenAIStreamClient:
         except (TimeoutError, aiohttp.ClientError, json.JSONDecodeError) as exc:
             result.error = f"{type(exc).__name__}: {exc}"[:300]
             return result
-        return _finish(result, usage_tokens)
+        return finished_result(result, usage_tokens)
 
 
-def _finish(result: RequestResult, usage_tokens: int | None) -> RequestResult:
+def finished_result(result: RequestResult, usage_tokens: int | None) -> RequestResult:
     """Derive the latency figures from the recorded chunk arrival times."""
     times = result.chunk_times_s
     if not times:

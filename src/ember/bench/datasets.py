@@ -10,13 +10,16 @@ from __future__ import annotations
 import json
 import random
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from importlib.util import find_spec
 from pathlib import Path
 from typing import Protocol
 
 SHAREGPT_FILENAME = "ShareGPT_V3_unfiltered_cleaned_split.json"
+# Who speaks in a ShareGPT record ("from"): the user, or an assistant under one of its names.
+USER_SPEAKERS = frozenset({"human", "user"})
+ASSISTANT_SPEAKERS = frozenset({"gpt", "chatgpt", "bing", "bard", "assistant"})
 
 # vLLM's validity rule for a sampled (prompt, completion) pair.
 MIN_SEQUENCE_TOKENS = 4
@@ -40,6 +43,14 @@ class TokenCounter(Protocol):
     def count_tokens(self, texts: Sequence[str]) -> list[int]:
         """Return the token count of each text, in order."""
         ...
+
+
+@dataclass(frozen=True)
+class ChatTurn:
+    """One turn of a recorded conversation: the user's message and the reply the dataset has."""
+
+    user: str
+    reply: str
 
 
 @dataclass(frozen=True)
@@ -108,15 +119,51 @@ def iter_complete_json_array_items(text: str):
         yield item
 
 
+def sharegpt_records(path: str | Path | None = None) -> Iterator[dict]:
+    """Every complete record of a ShareGPT file (default: the packaged one), in file order."""
+    text = Path(path or default_sharegpt_path()).read_text(encoding="utf-8")
+    return iter_complete_json_array_items(text)
+
+
 def load_sharegpt_pairs(path: str | Path | None = None) -> list[tuple[str, str]]:
     """(first turn, second turn) texts of every ShareGPT conversation with at least two turns."""
-    text = Path(path or default_sharegpt_path()).read_text(encoding="utf-8")
     pairs = []
-    for record in iter_complete_json_array_items(text):
+    for record in sharegpt_records(path):
         turns = record.get("conversations") or []
         if len(turns) >= 2:
             pairs.append((turns[0]["value"], turns[1]["value"]))
     return pairs
+
+
+def conversation_turns(messages: Sequence[dict]) -> tuple[ChatTurn, ...]:
+    """The turns of one ShareGPT record's `conversations` list, from its first user message for
+    as long as user and assistant alternate, both with text: a system message, one speaker twice
+    in a row, an empty message or a last user message with no reply ends them."""
+    start = next(
+        (i for i, m in enumerate(messages) if m.get("from") in USER_SPEAKERS), len(messages)
+    )
+    turns = []
+    for user, reply in zip(messages[start::2], messages[start + 1 :: 2], strict=False):
+        if (
+            user.get("from") not in USER_SPEAKERS
+            or reply.get("from") not in ASSISTANT_SPEAKERS
+            or not str(user.get("value") or "").strip()
+            or not str(reply.get("value") or "").strip()
+        ):
+            break
+        turns.append(ChatTurn(user["value"], reply["value"]))
+    return tuple(turns)
+
+
+def load_sharegpt_conversations(
+    path: str | Path | None = None, min_turns: int = 1
+) -> list[tuple[ChatTurn, ...]]:
+    """The turns of every ShareGPT conversation that has at least `min_turns`, in file order
+    (a file cut short mid-record keeps every record before the cut)."""
+    conversations = (
+        conversation_turns(r.get("conversations") or []) for r in sharegpt_records(path)
+    )
+    return [turns for turns in conversations if len(turns) >= min_turns]
 
 
 def is_valid_pair(prompt_len: int, output_len: int) -> bool:

@@ -213,6 +213,14 @@ def format_scenario(name: str, result: dict[str, Any]) -> str:
     lines += [
         f"  {phase:<34} {start:7.2f} -> {end:7.2f} s" for phase, start, end in result["phases"]
     ]
+    for model, load in (result.get("timeline", {}).get("loads") or {}).items():
+        if "kernels_compiled" in load:
+            lines.append(
+                f"  kernels of {model}: {load['kernels_compiled']} compiled "
+                f"({load['triton_compile_seconds']:.1f} s in Triton), "
+                f"{load['kernels_from_cache']} from the cache "
+                f"({load['triton_cache_seconds']:.1f} s)"
+            )
     return "\n".join(lines)
 
 

@@ -27,6 +27,9 @@ class MemoryBudget:
             return cls(memory.memory_budget_bytes)
         if device.type != "cuda":
             return cls(None)
+        # Memory PyTorch keeps cached for tensors already freed (an earlier engine of this
+        # process) is not another's: give it back before counting what is in use.
+        torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(device)
         return cls(int(total * memory.gpu_memory_utilization) - (total - free))
 

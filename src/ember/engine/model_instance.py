@@ -36,6 +36,7 @@ from ember.layers.attention import select_attention
 from ember.layers.ops import select_ops
 from ember.layers.reference_ops import build_cos_sin_cache
 from ember.models.registry import model_class
+from ember.runner.cuda_graphs import StepGraphs
 from ember.runner.model_runner import ModelRunner
 from ember.runner.sampler import Sampler
 from ember.sampling_params import SamplingParams
@@ -68,6 +69,13 @@ class LoadReport:
     # compile_workers), and the threads used (0: none; each kernel compiles at its first launch).
     kernel_compile_seconds: float = 0.0
     compile_workers: int = 0
+    # Of the pass's kernel specialisations: compiled, and found in Triton's cache (a start with
+    # a warm kernel cache compiles none), with Triton's own seconds for each (summed over the
+    # threads; the rest of kernel_compile_seconds is the pass's Python and launcher builds).
+    kernels_compiled: int = 0
+    kernels_from_cache: int = 0
+    triton_compile_seconds: float = 0.0
+    triton_cache_seconds: float = 0.0
     # Device memory the load took beyond its weights and KV cache (buffers, the CUDA graphs'
     # pool), measured by the allocator; kept while the model sleeps if its graphs are kept.
     resident_bytes: int = 0
@@ -181,6 +189,7 @@ class ModelInstance:
             graph_record_seconds=step_graphs.record_seconds if step_graphs else 0.0,
             kernel_compile_seconds=step_graphs.compile_seconds if step_graphs else 0.0,
             compile_workers=compile_workers if graphs else 0,
+            **_compile_counts(step_graphs),
             weight_load_seconds=weight_load_seconds,
             weight_wait_seconds=weight_wait_seconds,
             setup_seconds=setup_seconds,
@@ -394,3 +403,16 @@ class ModelInstance:
     def step(self) -> list[RequestUpdate]:
         """Advance by one step; returns what changed for each request."""
         return self.loop.step()
+
+
+def _compile_counts(graphs: StepGraphs | None) -> dict[str, int | float]:
+    """The `LoadReport` fields of a compile-ahead pass's `CompileCounts`."""
+    if graphs is None:
+        return {}
+    counts = graphs.compile_counts
+    return {
+        "kernels_compiled": counts.compiled,
+        "kernels_from_cache": counts.from_cache,
+        "triton_compile_seconds": counts.compile_seconds,
+        "triton_cache_seconds": counts.cache_seconds,
+    }

@@ -458,6 +458,20 @@ class ModelPool:
                     slot.transition.exception()  # waits
             self.poll()
 
+    def close(self) -> None:
+        """Unload every model now and close the checkpoints: each one's device memory goes back
+        at once, not when the garbage collector finds it (the pool is done)."""
+        self.wait_transitions()
+        for slot in self.slots.values():
+            instance, slot.instance = slot.instance, None
+            if instance is not None:
+                instance.close(self.stash)
+            if slot.plan is not None:
+                slot.plan.close()
+            slot.state = ModelState.UNLOADED
+            self.budget.hold(slot.name, 0)
+        self.states_changed = True
+
     # -- transitions -----------------------------------------------------------------------------
 
     def _bring_up(self, slot: _Slot, force: bool = False) -> bool | None:

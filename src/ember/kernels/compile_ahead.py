@@ -24,10 +24,12 @@ builds the launcher as before.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from contextvars import ContextVar
+from dataclasses import dataclass, field
 from typing import Any
 
 from ember.host_cpus import usable_cpus
@@ -100,18 +102,50 @@ class _CompileThenBuildLauncher(Executor):
         return self._pool.submit(compile_and_prepare)
 
 
+@dataclass
+class CompileCounts:
+    """What a compile pass met: kernel specialisations compiled, and those found in Triton's
+    cache (a warm start should compile none), with the seconds Triton spent on each kind
+    (summed over the threads)."""
+
+    compiled: int = 0
+    from_cache: int = 0
+    compile_seconds: float = 0.0
+    cache_seconds: float = 0.0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def record(self, *, times: Any, cache_hit: bool, **_: Any) -> None:
+        """Triton's compilation listener (``triton.knobs.compilation.listener``)."""
+        seconds = times.total / 1e6 if times is not None else 0.0  # microseconds
+        with self._lock:
+            if cache_hit:
+                self.from_cache += 1
+                self.cache_seconds += seconds
+            else:
+                self.compiled += 1
+                self.compile_seconds += seconds
+
+
 @contextmanager
-def compile_ahead(workers: int) -> Iterator[None]:
+def compile_ahead(workers: int, counts: CompileCounts | None = None) -> Iterator[None]:
     """Within the block, `launch` queues compiles on ``workers`` threads and runs no kernel; on
-    exit all of them have finished, their launchers built (a failed compile raises here)."""
+    exit all of them have finished, their launchers built (a failed compile raises here).
+    ``counts``: filled with what the pass compiled and what it found cached."""
     import triton
 
-    with (
-        ThreadPoolExecutor(workers, thread_name_prefix="triton-compile") as pool,
-        triton.AsyncCompileMode(_CompileThenBuildLauncher(pool, build_launcher)),
-    ):
-        token = _COMPILE_ONLY.set(True)
-        try:
-            yield
-        finally:
-            _COMPILE_ONLY.reset(token)
+    knobs = triton.knobs.compilation
+    listener_before = knobs.listener
+    if counts is not None:
+        knobs.listener = counts.record
+    try:
+        with (
+            ThreadPoolExecutor(workers, thread_name_prefix="triton-compile") as pool,
+            triton.AsyncCompileMode(_CompileThenBuildLauncher(pool, build_launcher)),
+        ):
+            token = _COMPILE_ONLY.set(True)
+            try:
+                yield
+            finally:
+                _COMPILE_ONLY.reset(token)
+    finally:
+        knobs.listener = listener_before

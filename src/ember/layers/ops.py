@@ -60,10 +60,11 @@ class Ops:
     # (residual, parts [P, T, H] float32, weight, eps) -> [T, H]: residual += the parts' sum
     # (rounded to its dtype), then its RMSNorm, as fused_add_rms_norm does for a [T, H] input.
     add_parts_rms_norm: Callable[..., torch.Tensor] | None = None
-    # (workers) -> a context manager inside which launches only queue their kernels' compiles
-    # on that many threads (`ember.kernels.compile_ahead`); None: nothing to compile (the
-    # reference ops, or Triton's CPU interpreter).
-    compile_ahead: Callable[[int], AbstractContextManager] | None = None
+    # (workers, counts) -> a context manager inside which launches only queue their kernels'
+    # compiles on that many threads, counting compiles and cache hits into ``counts``
+    # (`ember.kernels.compile_ahead`); None: nothing to compile (the reference ops, or Triton's
+    # CPU interpreter).
+    compile_ahead: Callable[..., AbstractContextManager] | None = None
 
     def launches_with_pdl(self, rows: int) -> bool:
         """Whether a step of ``rows`` tokens launches its kernels with PDL."""

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from ember.config import StepLimits
+from ember.kernels.compile_ahead import CompileCounts
 from ember.layers.attention import AttentionBackend, StagedAttention
 from ember.layers.forward_context import ForwardContext
 from ember.runner.input_buffers import InputBuffers
@@ -133,8 +134,10 @@ class StepGraphs:
         self.warmup_seconds = 0.0
         self.record_seconds = 0.0
         # Seconds of the compile-ahead pass over every bucket, where one ran (before the
-        # captures, whose warm-ups then find the kernels compiled).
+        # captures, whose warm-ups then find the kernels compiled), and what it compiled and
+        # found in Triton's cache.
         self.compile_seconds = 0.0
+        self.compile_counts = CompileCounts()
 
     # -- choosing a graph ---------------------------------------------------------------------
 

@@ -113,7 +113,7 @@ class ModelRunner:
         limits: StepLimits,
         use_cuda_graphs: bool,
         mixed_cuda_graphs: bool = True,
-        compile_ahead: Callable[[int], AbstractContextManager] | None = None,
+        compile_ahead: Callable[..., AbstractContextManager] | None = None,
     ) -> None:
         """``limits``: the instance's step limits, with ``max_model_len`` resolved;
         ``compile_ahead``: the ops' (`Ops.compile_ahead`), for `compile_kernels`."""
@@ -174,8 +174,9 @@ class ModelRunner:
         if self.graphs is None or workers <= 0 or self.compile_ahead is None:
             return
         started = time.perf_counter()
+        counts = self.graphs.compile_counts
         try:
-            with torch.inference_mode(), self.compile_ahead(workers):
+            with torch.inference_mode(), self.compile_ahead(workers, counts):
                 for key in self.graphs.all_keys:
                     self._stage_empty_step(key)
                     self.graphs.forward_for_launches(key)
