@@ -110,6 +110,38 @@ def test_the_store_dying_mid_download_is_a_clear_error_and_leaves_no_file(server
     assert not list(cache.rglob("*.part"))
 
 
+def test_every_weight_files_header_range_comes_before_the_bulk(server, tmp_path, monkeypatch):
+    """A checkpoint is planned from every weight file's header: those (each file's first
+    range) are fetched first, then the rest in file order."""
+    source = tmp_path / "source"
+    source.mkdir()
+    names = [f"model-0000{i}-of-00002.safetensors" for i in (1, 2)]
+    for name in names:
+        (source / name).write_bytes(os.urandom(3 << 20))
+    (source / "config.json").write_text("{}")
+    server.upload(BUCKET, "sharded", source)
+    fetched: list[tuple[str, int]] = []
+    get_range = ModelDownload._get_range
+
+    def recording(self, remote, fd, start, end, arrived):
+        fetched.append((remote.name, start))
+        return get_range(self, remote, fd, start, end, arrived)
+
+    monkeypatch.setattr(ModelDownload, "_get_range", recording)
+    url = f"s3://{BUCKET}/sharded"
+    with ModelDownload(url, tmp_path / "cache", range_bytes=1 << 20, connections=1) as download:
+        download.wait_all(timeout=120)
+    first, second = names
+    assert [f for f in fetched if f[0] != "config.json"] == [
+        (first, 0),
+        (second, 0),
+        (first, 1 << 20),
+        (first, 2 << 20),
+        (second, 1 << 20),
+        (second, 2 << 20),
+    ]
+
+
 def test_a_missing_key_or_bucket_names_the_url(server, tmp_path):
     with pytest.raises(ObjectStoreError, match=f"s3://{BUCKET}/no/such/model"):
         open_checkpoint(f"s3://{BUCKET}/no/such/model", download_dir=tmp_path)

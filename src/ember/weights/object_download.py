@@ -126,7 +126,9 @@ class ModelDownload:
         for remote in large:
             self._arriving[self.cache.path(remote.name)] = ArrivingBytes(remote.size)
         self._pool = ThreadPoolExecutor(self._connections, thread_name_prefix="object-get")
-        # Small files in parallel, then the weights in file order (a loader reads in that order).
+        # Small files in parallel, then the weights: every file's first range (its header: the
+        # model is planned from all of them), then the rest in file order (a loader reads in
+        # that order).
         for future in [self._pool.submit(self._fetch_whole, remote) for remote in small]:
             future.result()
         self.stats.small_files_done_at = time.time()
@@ -251,17 +253,27 @@ class ModelDownload:
                 os.close(fd)
 
     def _fetch_weights(self, files: Iterable[RemoteFile]) -> None:
-        """Runs on its own thread: takes each weight file's lock in turn and queues its ranges;
-        the last range of a file completes it."""
+        """Runs on its own thread: takes each weight file's lock in turn and queues its ranges,
+        the first range of every file before the others: it holds the file's header, which a
+        checkpoint reads when it opens (every tensor's place), so the model is planned and its
+        memory allocated while the bulk still arrives. The last range of a file completes it."""
         pending: list[Future] = []
+        jobs: list[tuple[_FileJob, list[int]]] = []
+        submit = self._pool.submit
         try:
             for remote in files:
                 arriving = self._arriving[self.cache.path(remote.name)]
                 try:
-                    pending += self._start_weight_file(remote, arriving)
+                    started = self._start_weight_file(remote, arriving)
                 except BaseException as exc:
                     arriving.fail(_as_store_error(exc, self.url.object(remote.name)))
                     raise
+                if started is not None:
+                    job, ranges = started
+                    pending.append(submit(self._fetch_range, job, ranges[0]))
+                    jobs.append((job, ranges[1:]))
+            for job, rest in jobs:
+                pending += [submit(self._fetch_range, job, start) for start in rest]
             for future in pending:
                 future.result()
             self.stats.finished_at = time.time()
@@ -273,14 +285,18 @@ class ModelDownload:
             for arriving in self._arriving.values():
                 arriving.fail(_as_store_error(exc, str(self.url)))
 
-    def _start_weight_file(self, remote: RemoteFile, arriving: ArrivingBytes) -> list[Future]:
+    def _start_weight_file(
+        self, remote: RemoteFile, arriving: ArrivingBytes
+    ) -> tuple[_FileJob, list[int]] | None:
+        """Lock a weight file and open its ``.part`` file; the job and the start of each of its
+        ranges, or None when the file is cached whole."""
         lock = self._file_lock(remote.name)
         self._acquire(lock, remote)
         try:
             if self.cache.is_cached(remote):
                 lock.release()
                 arriving.add_all()
-                return []
+                return None
             part = self._new_part(remote)
             fd = os.open(part, os.O_RDWR)
         except BaseException:
@@ -291,8 +307,7 @@ class ModelDownload:
         job = _FileJob(remote, part, fd, lock, arriving)
         ranges = list(range(0, remote.size, self._range_bytes)) or [0]
         job.remaining = len(ranges)
-        assert self._pool is not None
-        return [self._pool.submit(self._fetch_range, job, start) for start in ranges]
+        return job, ranges
 
     def _fetch_range(self, job: _FileJob, start: int) -> None:
         end = min(start + self._range_bytes, job.remote.size)
