@@ -158,6 +158,11 @@ def test_request_logging_is_off_unless_enabled():
         config_of("--enable-log-requests", "--disable-log-requests")
 
 
+def test_tokenizer_info_endpoint_is_off_unless_enabled():
+    assert config_of().tokenizer_info_endpoint is False
+    assert config_of("--enable-tokenizer-info-endpoint").tokenizer_info_endpoint is True
+
+
 def test_download_dir_reaches_every_model():
     (spec,) = config_of("s3://bucket/model", "--download-dir", "/var/cache/m").models
     assert spec.engine.download_dir == "/var/cache/m"

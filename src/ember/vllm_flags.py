@@ -93,6 +93,12 @@ def add_vllm_arguments(parser: argparse.ArgumentParser) -> None:
     http.add_argument(
         "--allow-credentials", action="store_true", default=None, help="CORS: allow credentials"
     )
+    http.add_argument(
+        "--enable-tokenizer-info-endpoint",
+        action="store_true",
+        help="serve GET /tokenizer_info: a model's special tokens, chat template and context "
+        "length (what lm-evaluation-harness's remote tokenizer reads); off by default, as in vLLM",
+    )
     logs = parser.add_argument_group("logging")
     requests = logs.add_mutually_exclusive_group()
     requests.add_argument(
@@ -161,6 +167,7 @@ def http_options(args: argparse.Namespace) -> dict[str, Any]:
         "ssl_keyfile": getattr(args, "ssl_keyfile", None),
         "ssl_certfile": getattr(args, "ssl_certfile", None),
         "log_requests": bool(getattr(args, "log_requests", False)),
+        "tokenizer_info_endpoint": bool(getattr(args, "enable_tokenizer_info_endpoint", False)),
     }
 
 

@@ -86,3 +86,4 @@ class ServerConfig:
     ssl_keyfile: str | None = None
     ssl_certfile: str | None = None
     log_requests: bool = False  # one log line per API request, with its body cut short
+    tokenizer_info_endpoint: bool = False  # GET /tokenizer_info, off unless asked (as vLLM)

@@ -49,6 +49,22 @@ class ServedModel:
         assert self.info is not None, "the engine has not loaded this model yet"
         return self.info.vocab_size
 
+    def tokenizer_info(self) -> dict:
+        """`GET /tokenizer_info`, in vLLM's shape (tokenizer_config.json's keys): what a client
+        needs to tokenize for this model through /tokenize and /detokenize (lm-eval's remote
+        tokenizer reads eos_token, bos_token and chat_template)."""
+        tokenizer = self.tokenizer
+        info = {
+            # The transformers class that reads the same tokenizer.json.
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            **tokenizer.special_tokens,
+            "add_bos_token": tokenizer.adds_bos_token,
+            "model_max_length": self.max_model_len,
+        }
+        if tokenizer.chat_template is not None:
+            info["chat_template"] = tokenizer.chat_template
+        return info
+
     def token_text(self, token_id: int) -> str:
         """The text of one token on its own (for logprobs), cached: the vocabulary is bounded."""
         text = self._token_texts.get(token_id)

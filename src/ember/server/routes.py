@@ -103,6 +103,20 @@ def build_router() -> APIRouter:
         model = server_state(request).models.get(body.model)
         if body.tokens:
             check_token_ids(body.tokens, model.vocab_size, "tokens")
-        return JSONResponse({"prompt": model.tokenizer.decode(body.tokens)})
+        # Special tokens kept (as vLLM, transformers' default): /tokenize of the text gives the
+        # same ids back, which clients tokenizing through the server (lm-eval) rely on.
+        text = model.tokenizer.decode(body.tokens, skip_special_tokens=False)
+        return JSONResponse({"prompt": text})
+
+    # vLLM's, behind the same flag: a server that lends its tokenizer says what it is.
+    @router.get("/tokenizer_info")
+    async def tokenizer_info(request: Request, model: str | None = None) -> Response:
+        state = server_state(request)
+        if not state.config.tokenizer_info_endpoint:
+            raise NotFoundError(
+                "/tokenizer_info is off: start ember serve with --enable-tokenizer-info-endpoint",
+                code="tokenizer_info_disabled",
+            )
+        return JSONResponse(state.models.get(model).tokenizer_info())
 
     return router
