@@ -5,7 +5,7 @@
 #   tools/gpu_run.sh OUTDIR [STAGE ...]       stages, run in the order given:
 #                                             tests step profile tune parity serve peer
 #                                             multi_wake multi_pair multi_traffic startup
-#                                             resilience multi_turn
+#                                             resilience multi_turn structured
 #                                             (default: tests step parity serve peer)
 #
 # Needs, carried beside the tree (tools/prepare_gpu_assets.sh makes them here):
@@ -66,7 +66,8 @@ stamp "machine"
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv || true
 $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 # Every server dependency imports, so a missing wheel shows here and not as a dead server.
-$PY -c "import fastapi, uvicorn, msgspec, zmq, gguf, aiohttp, ember.server.app" || exit 1
+$PY -c "import fastapi, uvicorn, msgspec, zmq, gguf, aiohttp, llguidance, ember.server.app" ||
+  exit 1
 
 make_model() {
   if [ ! -f "$MODEL/config.json" ]; then
@@ -266,11 +267,18 @@ stage_multi_turn() {  # ShareGPT conversations turn by turn: prefix caching on, 
     --output-json "$RES/multi_turn.json"
 }
 
+stage_structured() {  # a JSON-schema constraint against none, per output token, batch 1 and 64
+  make_model
+  stamp "bench structured-output"
+  limited $PY -m ember.cli bench structured-output --model "$MODEL" --batches 1,64 \
+    --max-tokens 256 --out "$RES/structured_output_$PRESET.json"
+}
+
 # Stages run in the order given.
 for stage in $STAGES; do
   case $stage in
     tests | step | profile | tune | parity | serve | peer | multi_wake | multi_pair | multi_traffic \
-      | startup | resilience | multi_turn)
+      | startup | resilience | multi_turn | structured)
       "stage_$stage" ;;
     *) echo "unknown stage: $stage" ;;
   esac

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Make, on this machine, what tools/gpu_run.sh needs on a GPU machine that has no network
 # (docs/gpu.md):
-#   .whl/                      wheels for Python 3.12 that the GPU image lacks
+#   .whl/                      wheels for Python 3.12 that the GPU image lacks (llguidance too)
 #   .gpu_assets/tokenizer/     SmolLM2's tokenizer files (the GGUF is too large to carry)
 #   .gpu_assets/sharegpt.json  the 4,000 ShareGPT pairs `ember bench serve` samples with seed 0
 #   .gpu_assets/sharegpt_multi_turn.json  600 ShareGPT conversations for `ember bench multi-turn`
@@ -11,14 +11,15 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 . .venv/bin/activate
 mkdir -p .whl .gpu_assets
+# manylinux_2_31: llguidance's one wheel (abi3, so cp39 serves 3.12; the image's glibc is newer).
 python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-  --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
+  --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
   --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64 \
   -d .whl fastapi==0.165.0 starlette==1.10.0 pydantic==2.14.4 pydantic_core==2.50.5 \
   annotated-types==0.8.0 annotated-doc==0.0.7 typing-inspection==0.4.5 uvicorn==0.54.0 \
   httptools==0.9.0 msgspec==0.23.0 pyzmq==27.3.0 gguf==0.19.0 openai==3.57.0 jiter==0.19.0 \
   distro==1.9.0 sniffio==1.3.1 opentelemetry-api==1.45.2 typing-extensions==4.16.0 \
-  obstore==0.12.1 filelock==4.3.2 platformdirs==4.14.9
+  obstore==0.12.1 filelock==4.3.2 platformdirs==4.14.9 llguidance==1.9.1
 python - <<'PY'
 import json, shutil, sys
 from pathlib import Path

@@ -11,6 +11,7 @@ __all__ = [
     "Engine",
     "RequestOutput",
     "SamplingParams",
+    "StructuredOutputsParams",
     "TextPrompt",
     "TokensPrompt",
     "__version__",
@@ -20,6 +21,7 @@ if TYPE_CHECKING:
     from ember.api import LLM, CompletionOutput, Engine, RequestOutput
     from ember.inputs import TextPrompt, TokensPrompt
     from ember.sampling_params import SamplingParams
+    from ember.structured_output.params import StructuredOutputsParams
 
 
 def __getattr__(name: str):
@@ -36,4 +38,8 @@ def __getattr__(name: str):
         from ember.sampling_params import SamplingParams
 
         return SamplingParams
+    if name == "StructuredOutputsParams":
+        from ember.structured_output.params import StructuredOutputsParams
+
+        return StructuredOutputsParams
     raise AttributeError(f"module 'ember' has no attribute {name!r}")

@@ -115,6 +115,13 @@ BENCH_COMMANDS: dict[str, BenchCommand] = {
         "clients that hang up mid-stream (KV blocks left held, throughput after) and an engine "
         "killed under load (failed requests, seconds to serve again)",
     ),
+    "structured-output": BenchCommand(
+        "ember.bench.structured_output",
+        "add_arguments",
+        "run",
+        "the cost per output token of a JSON-schema constraint against none, at batch 1 and 64 "
+        "(CPU: --preset tiny; GPU: --preset llama-3.1-8b)",
+    ),
     "multi-model": BenchCommand(
         "ember.bench.multi_model",
         "add_arguments",

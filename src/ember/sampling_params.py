@@ -6,6 +6,8 @@ import math
 import numbers
 from dataclasses import dataclass, field
 
+from ember.structured_output.params import StructuredOutputsParams
+
 # What the engine's per-row tensors hold: token ids, counts and top_k as int32, the seed as int64.
 INT32_MAX = 2**31 - 1
 SEED_MAX = 2**63 - 1
@@ -17,6 +19,8 @@ class SamplingParams:
 
     `temperature=0` means greedy. `seed` makes sampling reproducible whatever else is in the
     batch. `stop` strings are cut from the returned text; `stop_token_ids` end generation too.
+    `structured_outputs` holds the output to a JSON schema, a regex, a choice or a grammar
+    (`guided_decoding` is its older vLLM name); the output ends when that is complete.
     """
 
     n: int = 1
@@ -40,8 +44,14 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputsParams | None = None
+    guided_decoding: StructuredOutputsParams | None = None  # moved to structured_outputs
 
     def __post_init__(self) -> None:
+        if self.guided_decoding is not None:
+            if self.structured_outputs is not None:
+                raise ValueError("structured_outputs and guided_decoding: give one, not both")
+            self.structured_outputs, self.guided_decoding = self.guided_decoding, None
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         elif self.stop is None:
@@ -97,6 +107,15 @@ class SamplingParams:
         # Stop strings cross to the engine process as UTF-8, which has no lone surrogates.
         if not all(isinstance(text, str) and _is_utf8(text) for text in self.stop):
             raise ValueError("stop strings must be valid Unicode text (no lone surrogates)")
+        if self.structured_outputs is not None:
+            try:
+                self.structured_outputs.validate()
+            except ValueError as exc:
+                raise ValueError(f"structured_outputs is invalid: {exc}") from None
+            if not all(_is_utf8(text) for text in self.structured_outputs.texts()):
+                raise ValueError(
+                    "structured_outputs must be valid Unicode text (no lone surrogates)"
+                )
 
     @property
     def greedy(self) -> bool:

@@ -28,6 +28,24 @@ def test_make_model_writes_a_loadable_checkpoint(tmp_path):
     assert len(tokens.token_ids) == 4
 
 
+def test_structured_output_bench_compares_both_modes_on_the_tiny_preset(tmp_path, capsys):
+    out = tmp_path / "structured.json"
+    args = ["--preset", "tiny", "--device", "cpu", "--batches", "1,3", "--max-tokens", "6"]
+    args += ["--prompt-len", "8", "--repeats", "1", "--out", str(out)]
+    assert main(["bench", "structured-output", *args]) == 0
+    result = json.loads(out.read_text())
+    assert [(row["batch"], row["mode"]) for row in result["rows"]] == [
+        (1, "none"),
+        (1, "json"),
+        (3, "none"),
+        (3, "json"),
+    ]
+    none, constrained = result["rows"][2:]
+    assert none["output_tokens"] == constrained["output_tokens"] == 3 * 5  # after the first
+    assert constrained["mask_fill_ms_per_step"] > 0 and "overhead_vs_none" in constrained
+    assert result["grammar_tokenizer_s"] > 0 and "us/token" in capsys.readouterr().out
+
+
 def test_cpu_step_reports_every_phase():
     row = cpu_step.measure(batch=8, context=64, steps=5)
     assert row["batch"] == 8

@@ -126,6 +126,9 @@ _SAMPLING_FIELDS = {
     "stream": (st.booleans(), junk),
     "stream_options": (st.fixed_dictionaries({"include_usage": st.booleans()}), junk),
     "user": (clean_texts, texts),
+    # Structured output: two of its fields (together, a 400), each compiled by llguidance.
+    "response_format": (st.sampled_from([{"type": "text"}, {"type": "json_object"}]), junk),
+    "guided_regex": (st.sampled_from(["[a-z]{1,4}", "(yes|no)", r"\d+"]), hostile(texts)),
 }
 _PROMPTS = (
     st.one_of(

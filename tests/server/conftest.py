@@ -24,6 +24,9 @@ SESSION_SERVER_FLAGS = (
     "65536",
     "--api-key",
     API_KEY,
+    # SmolLM2's template shows no tool-call syntax: requests with tools are read as hermes.
+    "--tool-call-parser",
+    "hermes",
 )
 
 

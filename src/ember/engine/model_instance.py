@@ -314,6 +314,7 @@ class ModelInstance:
         self.overlap = config.overlap if config.overlap is not None else self.device.type == "cuda"
         self.loop = StepLoop(self.scheduler, self.runner, self.overlap)
         self._rng = random.Random(config.seed)
+        self._failed_requests: list[tuple[str, str]] = []
 
     def _compile_workers(self) -> int:
         """Threads that compile the graphs' kernels ahead of the captures: the configured count,
@@ -401,8 +402,20 @@ class ModelInstance:
         return self.loop.has_work()
 
     def step(self) -> list[RequestUpdate]:
-        """Advance by one step; returns what changed for each request."""
-        return self.loop.step()
+        """Advance by one step; returns what changed for each request. A request whose grammar
+        refused a sample is aborted here and kept for `take_failed_requests`."""
+        updates = self.loop.step()
+        failures = self.runner.take_grammar_failures()
+        for request_id, _ in failures:
+            self.scheduler.abort(request_id)
+        self._failed_requests.extend(failures)
+        return updates
+
+    def take_failed_requests(self) -> list[tuple[str, str]]:
+        """The requests that failed alone since the last call (their grammar refused a
+        sample), each with why; they are already ended."""
+        failed, self._failed_requests = self._failed_requests, []
+        return failed
 
 
 def _compile_counts(graphs: StepGraphs | None) -> dict[str, int | float]:

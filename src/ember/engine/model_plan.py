@@ -13,6 +13,7 @@ import dataclasses
 import functools
 import random
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -23,6 +24,9 @@ from ember.sampling_params import SamplingParams
 from ember.tokenizer.tokenizer import Tokenizer
 from ember.weights.checkpoint import Checkpoint, TensorHeader
 from ember.weights.resolve import open_checkpoint
+
+if TYPE_CHECKING:
+    from ember.structured_output.compiler import GrammarCompiler
 
 CPU_KV_BYTES_DEFAULT = 1 << 30
 GPU_ACTIVATION_RESERVE = 1 << 30
@@ -73,6 +77,15 @@ class ModelPlan:
     @property
     def max_model_len(self) -> int:
         return self.limits.max_model_len
+
+    @functools.cached_property
+    def grammars(self) -> GrammarCompiler:
+        """Compiles the model's structured-output requests (kept across unloads and reloads;
+        llguidance is imported with the first one)."""
+        from ember.structured_output.compiler import GrammarCompiler
+
+        cfg = self.model_config
+        return GrammarCompiler(self.tokenizer, cfg.vocab_size, cfg.eos_token_ids)
 
     @property
     def elem_bytes(self) -> int:
@@ -197,6 +210,8 @@ def validate_prompt(plan: ModelPlan, prompt_token_ids: list[int], params: Sampli
     for token_id in list(params.logit_bias or ()) + list(params.stop_token_ids):
         if not 0 <= int(token_id) < vocab:
             raise ValueError(f"token id {token_id} is outside the vocabulary [0, {vocab})")
+    if params.structured_outputs is not None:
+        plan.grammars.check(params.structured_outputs)  # compiled now, kept for the request
 
 
 def new_request(
@@ -207,13 +222,15 @@ def new_request(
     params: SamplingParams,
 ) -> Request:
     """The engine's request for a validated prompt: ``max_tokens`` cut to the context, a seed
-    from ``rng`` where the request has none."""
+    from ``rng`` where the request has none, its grammar compiled where it asks for structured
+    output (ValueError if that grammar does not compile for this model)."""
     room = plan.max_model_len - len(prompt_token_ids)
     max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
     # A prompt-only request (max_tokens 0) samples after its prefill as any request does; the
     # scheduler drops that token from its one update (`Scheduler.update`).
     max_tokens = max(max_tokens, 1)
     seed = params.seed if params.seed is not None else rng.getrandbits(63)
+    structured = params.structured_outputs
     return Request(
         request_id=request_id,
         prompt_token_ids=list(prompt_token_ids),
@@ -221,6 +238,7 @@ def new_request(
         seed=seed,
         max_tokens=max_tokens,
         eos_token_ids=plan.model_config.eos_token_ids,
+        grammar=plan.grammars.matcher(structured) if structured is not None else None,
     )
 
 

@@ -305,6 +305,9 @@ class ModelPool:
                     if device_is_broken(exc):
                         raise  # the whole process must go: the front end starts a new one
                     self._step_failed(slot, exc)
+                    continue
+                for request_id, message in instance.take_failed_requests():
+                    self._rejections.append(Rejection(request_id, message))
         for update in updates:
             if update.finish_reason is not None:
                 self._owner.pop(update.request_id, None)

@@ -11,6 +11,7 @@ from ember.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from ember.engine.step_types import TokenLogprobs
+    from ember.structured_output.matcher import GrammarMatcher
 
 
 class RequestStatus(enum.Enum):
@@ -53,6 +54,9 @@ class Request:
     # many blocks at the head of its current table are in the cache.
     block_hashes: list[bytes] = field(default_factory=list)
     num_cached_blocks: int = 0
+    # Where `params.structured_outputs` asks: the grammar, which the runner brings up to date
+    # with the recorded outputs as it collects each step.
+    grammar: GrammarMatcher | None = None
 
     def record_sample(self, token_id: int) -> None:
         """A launched step's sample has come back: it becomes an output token."""
@@ -82,6 +86,8 @@ class Request:
 
     def stop_reason_after(self, token_id: int) -> FinishReason | None:
         """Why generation ends once `token_id` has been appended, or None to go on."""
+        if self.grammar is not None and self.grammar.terminated:
+            return FinishReason.STOP  # the grammar is complete: nothing may follow
         n_out = len(self.output_token_ids)
         if n_out >= self.max_tokens:
             return FinishReason.LENGTH

@@ -9,6 +9,11 @@ A step is `launch` (stage inputs, enqueue the forward pass and sampling, start a
 the sampled ids to host memory) then `collect` (wait for that copy, hand back plain lists). The
 engine launches step N+1 before it collects step N: a decode that feeds a token sampled in step N
 reads it on the device (`gather_src` -> `gather_dst`), so the CPU never waits for it.
+
+Rows with a grammar (structured output) draw under a mask of the tokens it allows: once the
+forward pass is enqueued, the step in flight is collected (each grammar consumes its newest
+sample), the masks are filled on the CPU while the GPU computes, and the sampler applies them.
+Steps without such rows do none of this.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -31,6 +37,10 @@ from ember.runner.cuda_graphs import GraphKey, StepGraphs
 from ember.runner.input_buffers import InputBlock, InputBuffers
 from ember.runner.prompt_scoring import PromptScoring, StepScores, plan_scores
 from ember.runner.sampler import Sampler
+from ember.structured_output.matcher import GrammarError
+
+if TYPE_CHECKING:
+    from ember.structured_output.bitmask import GrammarMasks, TokenMask
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +108,7 @@ class StepHandle:
     logprobs: list[TokenLogprobs | None] | None
     result: RunnerOutput | None = None
     scores: StepScores | None = None  # prompt logprobs this step computed
+    grammar_states: list[RunningRequest] | None = None  # rows that drew under a grammar
 
 
 class ModelRunner:
@@ -130,6 +141,11 @@ class ModelRunner:
         self.states: dict[str, RunningRequest] = {}
         # Requests whose prompt logprobs are still being computed (empty unless one asks).
         self._scoring: dict[str, PromptScoring] = {}
+        # Requests with a grammar (structured output), their masks' buffers (made with the
+        # first), and the requests whose grammar refused a sample (`take_grammar_failures`).
+        self._structured: set[str] = set()
+        self._grammar_masks: GrammarMasks | None = None
+        self._grammar_failures: list[tuple[str, str]] = []
         self.buffers = InputBuffers(limits, block_size, self.device, attention)
         self.graphs = None
         if use_cuda_graphs and self.device.type == "cuda":
@@ -247,6 +263,8 @@ class ModelRunner:
             tokens.append(token_list[i])
             logprobs.append(handle.logprobs[i] if handle.logprobs else None)
         handle.result = RunnerOutput(ids, tokens, logprobs if handle.logprobs else [])
+        if handle.grammar_states:
+            self._advance_grammars(handle.grammar_states)
         if handle.scores is not None:
             self._record_scores(handle.scores, handle.result)
         if self._in_flight is handle:
@@ -285,7 +303,10 @@ class ModelRunner:
             if not num_samples:
                 return self._unsampled_step(plan.scores)
             logits = self.model.compute_logits(rows_hidden[:num_samples])
-        tokens, logprobs = self.sampler(logits, rows)
+        mask = grammar_states = None
+        if self._structured:  # rare: rows that draw under a grammar
+            mask, grammar_states = self._grammar_masks_for(rows, prev)
+        tokens, logprobs = self.sampler(logits, rows, mask)
         host_tokens, done = self._copy_to_host(tokens, staging)
         handle = StepHandle(
             plan.sampling_states,
@@ -294,10 +315,52 @@ class ModelRunner:
             done,
             logprobs,
             scores=plan.scores,
+            grammar_states=grammar_states,
         )
         for i, state in enumerate(plan.sampling_states):
             state.pending_step, state.pending_row = handle, i
         return handle
+
+    def _grammar_masks_for(
+        self, rows: list[RunningRequest], prev: StepHandle | None
+    ) -> tuple[TokenMask | None, list[RunningRequest] | None]:
+        """The masks of the sampling ``rows`` that have a grammar, and those rows (None, None:
+        no row has one). Called once the forward pass is enqueued: the step in flight is
+        collected first, so each grammar has consumed its request's newest sample."""
+        indices = [i for i, state in enumerate(rows) if state.request.grammar is not None]
+        if not indices:
+            return None, None
+        if prev is not None:
+            self.collect(prev)
+        states = [rows[i] for i in indices]
+        grammars = [state.request.grammar for state in states]
+        if self._grammar_masks is None:
+            from ember.structured_output.bitmask import GrammarMasks
+
+            self._grammar_masks = GrammarMasks(
+                grammars[0].vocab_size, self.limits.max_num_seqs, self.device
+            )
+        return self._grammar_masks.fill(grammars, indices, len(rows)), states
+
+    def _advance_grammars(self, states: list[RunningRequest]) -> None:
+        """Bring the grammars of a collected step's rows up to date with their requests'
+        recorded outputs (a dropped sample was not recorded, so it is not consumed); a grammar
+        that refuses its sample fails its request alone."""
+        for state in states:
+            request = state.request
+            try:
+                request.grammar.catch_up(request.output_token_ids)
+            except GrammarError as exc:
+                logger.warning("%s: its grammar refused a sample: %s", request.request_id, exc)
+                self._grammar_failures.append(
+                    (request.request_id, f"structured output failed: {exc}")
+                )
+
+    def take_grammar_failures(self) -> list[tuple[str, str]]:
+        """The requests whose grammar refused a sample since the last call, with why: they
+        must end (`ModelInstance.step` aborts them)."""
+        failures, self._grammar_failures = self._grammar_failures, []
+        return failures
 
     def _unsampled_step(self, scores: StepScores | None) -> StepHandle:
         """A step of prompt chunks that sample nothing: done at once, unless it computed
@@ -368,11 +431,15 @@ class ModelRunner:
         if self._scoring:
             for request_id in scheduled.finished_request_ids:
                 self._scoring.pop(request_id, None)
+        if self._structured:
+            self._structured.difference_update(scheduled.finished_request_ids)
         for new in scheduled.new_requests:
             state = RunningRequest(new.request, new.block_ids, self.stop_ids_until_min_tokens)
             states[new.request.request_id] = state
             if new.request.params.prompt_logprobs is not None:
                 self._start_scoring(state)
+            if new.request.grammar is not None:
+                self._structured.add(new.request.request_id)
         for cached in scheduled.cached_requests:
             if cached.new_block_ids:
                 states[cached.request_id].add_blocks(cached.new_block_ids)

@@ -1,8 +1,9 @@
 """Turns the logits of the rows that sample into token ids (and logprobs when asked).
 
-Logit processing (logit bias, min_tokens, presence/frequency/repetition penalties) happens here
-in PyTorch on the logits' device; the draw itself is `Ops.sample`, which follows the sampling
-contract in docs/CONTRACTS.md, so a seeded request gets the same tokens whatever the batch.
+Logit processing (logit bias, min_tokens, presence/frequency/repetition penalties, and the
+grammar masks of structured output) happens here in PyTorch on the logits' device; the draw
+itself is `Ops.sample`, which follows the sampling contract in docs/CONTRACTS.md, so a seeded
+request gets the same tokens whatever the batch.
 """
 
 from __future__ import annotations
@@ -17,6 +18,14 @@ from ember.config import StepLimits
 from ember.engine.step_types import TokenLogprobs
 from ember.layers.ops import Ops
 from ember.sampling_params import SamplingParams
+
+
+class LogitsMask(Protocol):
+    """Tokens some rows may not draw (`ember.structured_output.bitmask.TokenMask`)."""
+
+    def apply(self, logits: torch.Tensor) -> None:
+        """Set the refused tokens' float32 logits to -inf, in place."""
+        ...
 
 
 class SamplingRow(Protocol):
@@ -67,9 +76,14 @@ class Sampler:
         self._turn = 0
 
     def __call__(
-        self, logits: torch.Tensor, rows: Sequence[SamplingRow]
+        self,
+        logits: torch.Tensor,
+        rows: Sequence[SamplingRow],
+        mask: LogitsMask | None = None,
     ) -> tuple[torch.Tensor, list[TokenLogprobs | None] | None]:
-        """``logits [B, V]`` in the model's dtype; every computation on them runs in float32."""
+        """``logits [B, V]`` in the model's dtype; every computation on them runs in float32.
+        ``mask``: tokens refused to some rows (their grammars'), applied last; the logprobs
+        are the model's own all the same."""
         params = [r.params for r in rows]
         wants_logprobs = any(p.logprobs is not None for p in params)
         needs = self._rows_to_process(rows)
@@ -78,6 +92,10 @@ class Sampler:
         # the logits as they are; anything else computes on a float32 copy.
         raw_logits = logits if greedy and not needs else logits.float()
         processed = self._process(raw_logits, rows, needs)
+        if mask is not None:
+            if wants_logprobs and processed is raw_logits:
+                processed = processed.clone()  # the logprobs are the model's own
+            mask.apply(processed)
         if greedy:
             tokens = self.ops.greedy_argmax(processed)
         else:

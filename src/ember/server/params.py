@@ -8,6 +8,7 @@ import dataclasses
 from ember.sampling_params import SEED_MAX, SamplingParams
 from ember.server.errors import BadRequestError
 from ember.server.protocol import SamplingFields
+from ember.structured_output.params import StructuredOutputsParams
 
 MAX_N = 128
 LOGIT_BIAS_LIMIT = 100.0
@@ -21,8 +22,11 @@ def build_sampling_params(
     logprobs: int | None,
     vocab_size: int,
     prompt_logprobs: int | None = None,
+    structured_outputs: StructuredOutputsParams | None = None,
 ) -> SamplingParams:
-    """The engine parameters of one choice (n is handled by the caller, one sequence each)."""
+    """The engine parameters of one choice (n is handled by the caller, one sequence each);
+    ``structured_outputs``: the request's constraint, already checked
+    (`ember.server.structured_outputs`)."""
     if not 1 <= request.n <= MAX_N:
         raise BadRequestError(f"n must be between 1 and {MAX_N}, got {request.n}", param="n")
     try:
@@ -46,6 +50,7 @@ def build_sampling_params(
             prompt_logprobs=prompt_logprobs,
             skip_special_tokens=request.skip_special_tokens,
             include_stop_str_in_output=request.include_stop_str_in_output,
+            structured_outputs=structured_outputs,
         )
     except ValueError as exc:
         # SamplingParams names the field first ("temperature must be ..."): use it as param.

@@ -27,7 +27,9 @@ from pydantic_core import PydanticCustomError
 
 from ember.server.json_values import find_non_json_value
 from ember.server.log_text import log_texts
+from ember.server.structured_outputs import ResponseFormat
 from ember.server.tool_calls.schema import ChatTool, MessageToolCall, ToolChoice
+from ember.structured_output.params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +99,14 @@ class SamplingFields(OpenAIRequest):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # Structured output (`ember.server.structured_outputs`): OpenAI's, vLLM's older fields and
+    # its newer object; at most one of them.
+    response_format: ResponseFormat | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     @property
     def include_usage(self) -> bool:

@@ -1,13 +1,15 @@
 """POST /v1/chat/completions: a conversation in, the assistant's reply out, streamed or whole.
 
 With tools, the reply is read back into OpenAI tool calls (`ember.server.tool_calls`); while a
-stream may be writing a call, its text is held back, then sent as `delta.tool_calls`.
+stream may be writing a call, its text is held back, then sent as `delta.tool_calls`. A
+tool_choice of "required" or a named function holds decoding to such calls (a grammar, as
+structured output's `response_format` does).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -22,9 +24,11 @@ from ember.server.respond import respond
 from ember.server.responses import envelope, full_response, new_id, usage
 from ember.server.sse import ChunkEncoder, sse_event
 from ember.server.state import server_state
+from ember.server.structured_outputs import check_structured_outputs, requested_structured_outputs
 from ember.server.tool_calls.calls import ToolCall
 from ember.server.tool_calls.request import ToolUse, tool_use
 from ember.server.tool_calls.stream import ToolCallStream, parse_output
+from ember.structured_output.params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +56,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
             max_tokens=body.output_limit,
             logprobs=(body.top_logprobs or 0) if body.logprobs else None,
             vocab_size=model.vocab_size,
+            structured_outputs=_output_constraint(body, tools, model.tokenizer.added_token_id),
         )
         generation = Generation(
             state.client, model, state.metrics, [prompt], params, body.n, new_id("chatcmpl")
@@ -59,6 +64,24 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         generation.start(state.config.max_queue)
     stream = _stream(generation, body, tools) if body.stream else None
     return await respond(request, generation, stream, lambda: _response(generation, body, tools))
+
+
+def _output_constraint(
+    body: ChatCompletionRequest, tools: ToolUse, added_token_id: Callable[[str], int | None]
+) -> StructuredOutputsParams | None:
+    """The request's structured output, or the calls its tool_choice demands (not both)."""
+    asked = requested_structured_outputs(body)
+    forced = tools.forced_output(added_token_id)
+    if forced is None:
+        return asked
+    if asked is not None:
+        raise BadRequestError(
+            "a tool_choice that demands a call constrains the output: it cannot be combined "
+            "with response_format or guided decoding",
+            param="tool_choice",
+        )
+    check_structured_outputs(forced, "tools")  # a tool's parameters may not compile
+    return forced
 
 
 def _response(generation: Generation, body: ChatCompletionRequest, tools: ToolUse) -> dict:
@@ -170,8 +193,8 @@ def _finish_reason(sequence: Sequence, called: bool) -> str | None:
 
 
 def _check_choice(tools: ToolUse, sequence: Sequence, calls: list[ToolCall]) -> None:
-    # Nothing constrains decoding yet: a tool_choice the model did not follow is logged, and
-    # the reply is returned as the model wrote it.
+    # Decoding is held to the calls tool_choice demands: a reply without them was cut short
+    # (max_tokens, a stop string). It is logged and returned as the model wrote it.
     missed = tools.missed([call.name for call in calls])
     if missed:
         logger.warning("%s: %s", sequence.request_id, missed)

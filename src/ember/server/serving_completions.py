@@ -24,6 +24,7 @@ from ember.server.respond import respond
 from ember.server.responses import envelope, full_response, new_id, usage
 from ember.server.sse import ChunkEncoder, sse_event
 from ember.server.state import server_state
+from ember.server.structured_outputs import requested_structured_outputs
 
 
 async def create_completion(body: CompletionRequest, request: Request) -> Response:
@@ -49,6 +50,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
             logprobs=body.logprobs,
             prompt_logprobs=_engine_prompt_logprobs(body),
             vocab_size=model.vocab_size,
+            structured_outputs=requested_structured_outputs(body),
         )
         generation = Generation(
             state.client, model, state.metrics, prompts, params, body.n, new_id("cmpl")

@@ -94,6 +94,14 @@ class Tokenizer:
         ids.discard(None)
         return sorted(ids)
 
+    def added_token_id(self, text: str) -> int | None:
+        """The id of ``text`` where it is one added token of the vocabulary (special or not,
+        like Qwen's `<tool_call>`), else None."""
+        token_id = self.backend.token_to_id(text)
+        if token_id is None or token_id not in self.backend.get_added_tokens_decoder():
+            return None
+        return token_id
+
     @overload
     def convert_ids_to_tokens(self, ids: int) -> str | None: ...
     @overload

@@ -40,6 +40,9 @@ class CharTokenizer:
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return "".join(map(chr, ids))
 
+    def added_token_id(self, text: str) -> int | None:
+        return None  # every character is its own token
+
 
 class ScriptedEngine:
     """Answers every sequence with `reply`, `chunk` tokens per update, one update per loop turn."""

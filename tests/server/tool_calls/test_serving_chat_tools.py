@@ -99,7 +99,9 @@ def test_a_named_tool_choice_shows_the_model_that_tool_only():
     assert "get_weather" in tokenizer.rendered[0] and "get_time" not in tokenizer.rendered[0]
 
 
-def test_required_that_the_model_ignores_is_its_text_and_a_warning(caplog):
+def test_required_without_a_call_in_the_reply_is_its_text_and_a_warning(caplog):
+    """Decoding is held to calls (below), but a reply cut short (max_tokens, a stop string)
+    may still hold none: it is returned as written, and logged."""
     client, _, _ = chat_client(QWEN25_TEMPLATE, "No tool for you.")
     choice = post(client, tools=[WEATHER], tool_choice="required").json()["choices"][0]
     assert choice["message"]["content"] == "No tool for you."
@@ -174,3 +176,37 @@ def test_tools_for_a_model_without_a_known_call_format_are_a_400():
     assert response.json()["error"]["param"] == "tools"
     assert "--tool-call-parser" in response.json()["error"]["message"]
     assert post(client, tools=[WEATHER], tool_choice="none").status_code == 200
+
+
+@pytest.mark.parametrize("parser", ["hermes", "llama3_json", "mistral"])
+def test_required_and_named_choices_hold_decoding_to_calls(parser):
+    """The engine gets a grammar of the parser's format whose call objects name the offered
+    tools (only the named one for a named choice) with their parameters as the arguments'
+    schema; auto and none constrain nothing."""
+    client, _, engine = chat_client(QWEN25_TEMPLATE, CALL, tool_call_parser=parser)
+    named = {"type": "function", "function": {"name": "get_time"}}
+    for choice in ("required", named, "auto", "none"):
+        assert post(client, tools=[WEATHER, TIME], tool_choice=choice).status_code == 200
+    required, named_only, auto, none = (params.structured_outputs for params in engine.params)
+    assert auto is None and none is None
+    assert (
+        '"const": "get_weather"' in required.grammar and '"const": "get_time"' in required.grammar
+    )
+    assert '"const": "get_time"' in named_only.grammar and "get_weather" not in named_only.grammar
+    assert '"city": {"type": "string"}' in required.grammar  # the tool's parameters
+
+
+def test_a_demanded_call_cannot_be_combined_with_a_response_format():
+    client, _, engine = chat_client(QWEN25_TEMPLATE, CALL)
+    body = {"tools": [WEATHER], "tool_choice": "required", "guided_regex": "[a-z]+"}
+    response = post(client, **body)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "tool_choice"
+    assert engine.params == []
+
+
+def test_tool_parameters_that_do_not_compile_are_a_400_naming_tools():
+    broken = {"type": "function", "function": {"name": "f", "parameters": {"type": "objectx"}}}
+    client, _, engine = chat_client(QWEN25_TEMPLATE, CALL)
+    response = post(client, tools=[broken], tool_choice="required")
+    assert response.status_code == 400 and response.json()["error"]["param"] == "tools"
+    assert engine.params == []

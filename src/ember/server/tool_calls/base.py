@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Protocol
@@ -37,6 +38,8 @@ class ToolCallParser(Protocol):
     bare_opener: str | None
     # Characters that may separate calls (and lead the output) without being content.
     separators: str
+    # The key of a call object holding its arguments, as this format writes it.
+    argument_key: str
 
     def find_start(self, text: str, pos: int) -> int | None:
         """The first index at or after `pos` where a call's marker (or the start of one, at the
@@ -45,6 +48,12 @@ class ToolCallParser(Protocol):
 
     def read_call(self, text: str, start: int, final: bool) -> CallRead:
         """Read the call(s) at `text[start:]`; `final` when no more text will come."""
+        ...
+
+    def forced_grammar(self, call: str, parallel: bool, marker: Callable[[str], str]) -> str:
+        """A Lark grammar of output that is only calls in this format (one, or with
+        `parallel` one or more): `call` is the Lark expression of one call object, `marker`
+        gives the Lark expression of a marker's text (its token where it is one)."""
         ...
 
 

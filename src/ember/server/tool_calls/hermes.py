@@ -4,6 +4,7 @@ tagged object per call, as many as the model writes."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 
 from ember.server.tool_calls.base import (
     NEED_MORE,
@@ -14,6 +15,7 @@ from ember.server.tool_calls.base import (
     read_json,
     skip_marker,
 )
+from ember.server.tool_calls.grammar import lark_calls
 
 OPEN = "<tool_call>"
 CLOSE = "</tool_call>"
@@ -23,6 +25,7 @@ _ARGUMENT_KEYS = ("arguments", "parameters")
 class HermesParser:
     bare_opener = None
     separators = " \t\r\n"
+    argument_key = "arguments"
 
     def find_start(self, text: str, pos: int) -> int | None:
         return find_marker(text, pos, OPEN)
@@ -47,3 +50,8 @@ class HermesParser:
         if isinstance(value, list):
             return NOT_A_CALL  # one object per tag
         return read_call_objects(value, close + len(CLOSE), _ARGUMENT_KEYS)
+
+    def forced_grammar(self, call: str, parallel: bool, marker: Callable[[str], str]) -> str:
+        # As Qwen2.5's template writes a call: each tag on a line of its own.
+        tagged = f'{marker(OPEN)} "\\n" {call} "\\n" {marker(CLOSE)}'
+        return lark_calls(tagged, "\n" if parallel else None)

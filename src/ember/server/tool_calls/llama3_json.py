@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from ember.server.tool_calls.base import (
     CallRead,
     find_marker,
@@ -10,6 +12,7 @@ from ember.server.tool_calls.base import (
     read_json,
     skip_marker,
 )
+from ember.server.tool_calls.grammar import lark_calls
 
 PYTHON_TAG = "<|python_tag|>"
 _ARGUMENT_KEYS = ("parameters", "arguments")
@@ -18,6 +21,7 @@ _ARGUMENT_KEYS = ("parameters", "arguments")
 class Llama3JsonParser:
     bare_opener = "{"
     separators = " \t\r\n;"
+    argument_key = "parameters"
 
     def find_start(self, text: str, pos: int) -> int | None:
         return find_marker(text, pos, PYTHON_TAG)
@@ -33,3 +37,7 @@ class Llama3JsonParser:
         if isinstance(found, CallRead):
             return found  # after <|python_tag|>, code for a built-in tool is not a JSON call
         return read_call_objects(found[0], found[1], _ARGUMENT_KEYS)
+
+    def forced_grammar(self, call: str, parallel: bool, marker: Callable[[str], str]) -> str:
+        # Bare JSON, as the Llama 3.1 template shows it (<|python_tag|> opens built-in tools).
+        return lark_calls(call, "; " if parallel else None)

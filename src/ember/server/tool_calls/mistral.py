@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from ember.server.tool_calls.base import (
     NEED_MORE,
     NOT_A_CALL,
@@ -23,6 +25,7 @@ _ARGUMENT_KEYS = ("arguments", "parameters")
 class MistralParser:
     bare_opener = "["
     separators = " \t\r\n"
+    argument_key = "arguments"
 
     def find_start(self, text: str, pos: int) -> int | None:
         return find_marker(text, pos, TOOL_CALLS)
@@ -40,6 +43,11 @@ class MistralParser:
         if isinstance(found, CallRead):
             return found
         return read_call_objects(found[0], found[1], _ARGUMENT_KEYS)
+
+    def forced_grammar(self, call: str, parallel: bool, marker: Callable[[str], str]) -> str:
+        # The array form, which every Mistral tokenizer's template reads back.
+        calls = 'call (", " call)*' if parallel else "call"
+        return f'start: {marker(TOOL_CALLS)} "[" {calls} "]"\ncall: {call}\n'
 
 
 def _read_named_call(text: str, body: int, final: bool) -> CallRead:

@@ -4,13 +4,16 @@ the chat template gets, and whether (and how) the output is read back into calls
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from ember.server.errors import BadRequestError
 from ember.server.tool_calls.base import ToolCallParser
+from ember.server.tool_calls.grammar import forced_calls
 from ember.server.tool_calls.registry import PARSER_NAMES, PARSERS, parser_name_for
 from ember.server.tool_calls.schema import ChatTool, MessageToolCall, NamedToolChoice, ToolChoice
+from ember.structured_output.params import StructuredOutputsParams
 
 
 @dataclass(frozen=True)
@@ -23,8 +26,17 @@ class ToolUse:
     required_name: str | None = None
     parallel: bool = True
 
+    def forced_output(
+        self, added_token_id: Callable[[str], int | None]
+    ) -> StructuredOutputsParams | None:
+        """What holds the reply to calls when tool_choice asks for them ("required": of any
+        offered tool; named: of that one), else None. ``added_token_id``: the tokenizer's."""
+        if not self.required or self.parser is None or not self.template_tools:
+            return None
+        return forced_calls(self.parser, self.template_tools, self.parallel, added_token_id)
+
     def missed(self, names: list[str]) -> str | None:
-        """Why the calls read do not meet tool_choice (nothing forces the model), or None."""
+        """Why the calls read do not meet tool_choice (a reply cut at max_tokens), or None."""
         if self.required_name is not None and self.required_name not in names:
             return f"tool_choice named {self.required_name!r}, the model called {names or 'none'}"
         if self.required and not names:

@@ -1,0 +1,73 @@
+"""Tool calls the model must make (tool_choice "required" or a named function), as a grammar:
+the output is nothing but calls in the parser's format, each to one of the offered tools with
+arguments that match that tool's parameters.
+
+Parameters are compiled leniently (a JSON-schema keyword llguidance does not implement is
+ignored rather than refusing the request), with ember's bounded JSON whitespace. A marker that
+is one token of the model's vocabulary (Qwen's `<tool_call>`, Mistral's `[TOOL_CALLS]`) may be
+written as that token or as its text: llguidance reads every added token as special, so the
+text alone would forbid the token the model was trained to write.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from ember.structured_output.grammar import json_options
+from ember.structured_output.params import StructuredOutputsParams
+
+if TYPE_CHECKING:
+    from ember.server.tool_calls.base import ToolCallParser
+
+
+def forced_calls(
+    parser: ToolCallParser,
+    tools: list[dict[str, Any]],
+    parallel: bool,
+    added_token_id: Callable[[str], int | None],
+) -> StructuredOutputsParams:
+    """The constraint holding a reply to calls of ``tools`` (OpenAI tool entries) in
+    ``parser``'s format; ``added_token_id``: the id of a text that is one added token of the
+    model's vocabulary (else None)."""
+    schema = call_schema(tools, parser.argument_key)
+    call = f"%json {json.dumps(schema)}"
+
+    def marker(text: str) -> str:
+        token_id = added_token_id(text)
+        return lark_string(text) if token_id is None else f"(<[{token_id}]> | {lark_string(text)})"
+
+    return StructuredOutputsParams(grammar=parser.forced_grammar(call, parallel, marker))
+
+
+def call_schema(tools: list[dict[str, Any]], argument_key: str) -> dict[str, Any]:
+    """The JSON schema of one call object: a tool's name and its arguments under
+    ``argument_key``, for any of ``tools``."""
+    calls = [
+        {
+            "type": "object",
+            "properties": {
+                "name": {"const": tool["function"]["name"]},
+                argument_key: tool["function"].get("parameters") or {"type": "object"},
+            },
+            "required": ["name", argument_key],
+            "additionalProperties": False,
+        }
+        for tool in tools
+    ]
+    schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    return {**schema, "x-guidance": {**json_options(), "lenient": True}}
+
+
+def lark_calls(call: str, separator: str | None) -> str:
+    """A Lark grammar of one ``call`` (a Lark expression), or with ``separator`` of one or
+    more separated by it."""
+    if separator is None:
+        return f"start: {call}\n"
+    return f"start: call ({lark_string(separator)} call)*\ncall: {call}\n"
+
+
+def lark_string(text: str) -> str:
+    """``text`` as a Lark string literal (the escapes of a JSON string)."""
+    return json.dumps(text)
