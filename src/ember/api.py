@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Self
@@ -253,8 +252,9 @@ class LLM:
             raise
 
     def close(self) -> None:
-        """Give the model's device memory back now; the `LLM` serves nothing after. Dropping
-        the last reference to it, or leaving ``with LLM(...) as llm:``, does the same."""
+        """Give the model's device memory back now (leaving ``with LLM(...) as llm:`` does
+        the same); the `LLM` serves nothing after, and tensors taken from its model must not
+        be read. An `LLM` merely dropped gives its memory back once nothing refers to it."""
         engine = self.__dict__.pop("engine", None)
         if engine is not None:
             engine.close()
@@ -264,10 +264,6 @@ class LLM:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
-
-    def __del__(self) -> None:
-        if not sys.is_finalizing():  # at exit the process gives everything back anyway
-            self.close()
 
     @property
     def instance(self) -> ModelInstance:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import sys
 from collections.abc import Sequence
 
 import torch
@@ -65,9 +66,12 @@ class TorchArena:
 
 
 class _CudaPointer:
-    """A device byte range as `__cuda_array_interface__`, for `torch.as_tensor`."""
+    """A device byte range as `__cuda_array_interface__`, for `torch.as_tensor`; ``owner`` lives
+    as long as the tensor (torch holds this object until the storage is freed), so memory behind
+    a view is never given back while the view exists."""
 
-    def __init__(self, address: int, nbytes: int) -> None:
+    def __init__(self, address: int, nbytes: int, owner: object) -> None:
+        self.owner = owner
         self.__cuda_array_interface__ = {
             "shape": (nbytes,),
             "typestr": "|u1",
@@ -178,17 +182,17 @@ class CudaDriver:
         return int(value.value)
 
 
-class VirtualArena:
-    """A reserved virtual range whose physical memory is mapped while resident."""
+class _VirtualRange:
+    """A reserved virtual range and the physical memory mapped into it: freed by `close`, or
+    when nothing refers to it any more (the arena and every tensor viewing it are gone), so a
+    model dropped without being closed still gives its memory back."""
 
-    keeps_addresses = True
-
-    def __init__(self, nbytes: int, device: torch.device, driver: CudaDriver) -> None:
-        self.device = device
-        self.index = device.index if device.index is not None else torch.cuda.current_device()
+    def __init__(self, nbytes: int, index: int, driver: CudaDriver) -> None:
+        self.closed = True  # until the range is reserved: nothing for `__del__` to free
+        self.index = index
         self._driver = driver
-        driver.make_current(self.index)
-        self.nbytes = aligned(max(nbytes, 1), driver.granularity(self.index))
+        driver.make_current(index)
+        self.nbytes = aligned(max(nbytes, 1), driver.granularity(index))
         address = ctypes.c_uint64()
         driver.check(
             driver.lib.cuMemAddressReserve(ctypes.byref(address), self.nbytes, 0, 0, 0),
@@ -197,8 +201,7 @@ class VirtualArena:
         self.address = int(address.value)
         self._handle: int | None = None
         self.resident = False
-        self.restore()
-        self.buffer = torch.as_tensor(_CudaPointer(self.address, nbytes), device=device)
+        self.closed = False
 
     def restore(self) -> None:
         """Map fresh physical memory at the reserved addresses (contents undefined)."""
@@ -226,8 +229,7 @@ class VirtualArena:
         self.resident = True
 
     def release(self) -> None:
-        """Unmap and free the physical memory; the addresses stay reserved for `restore`.
-        The caller has synchronised every stream that may still touch the range."""
+        """Unmap and free the physical memory; the addresses stay reserved for `restore`."""
         if not self.resident:
             return
         driver = self._driver
@@ -238,11 +240,53 @@ class VirtualArena:
         self.resident = False
 
     def close(self) -> None:
-        """Release the memory and the addresses (the model is gone)."""
+        """Release the memory and the addresses."""
+        if self.closed:
+            return
         self.release()
         self._driver.check(
             self._driver.lib.cuMemAddressFree(self.address, self.nbytes), "cuMemAddressFree"
         )
+        self.closed = True
+
+    def __del__(self) -> None:
+        if self.closed or sys.is_finalizing():  # at exit the driver gives everything back
+            return
+        torch.cuda.synchronize(self.index)  # no kernel still reads the range
+        self.close()
+
+
+class VirtualArena:
+    """A reserved virtual range whose physical memory is mapped while resident."""
+
+    keeps_addresses = True
+
+    def __init__(self, nbytes: int, device: torch.device, driver: CudaDriver) -> None:
+        self.device = device
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        self._range = _VirtualRange(nbytes, index, driver)
+        self._range.restore()
+        self.nbytes = self._range.nbytes
+        self.address = self._range.address
+        pointer = _CudaPointer(self.address, nbytes, owner=self._range)
+        self.buffer = torch.as_tensor(pointer, device=device)
+
+    @property
+    def resident(self) -> bool:
+        return self._range.resident
+
+    def restore(self) -> None:
+        """Map fresh physical memory at the reserved addresses (contents undefined)."""
+        self._range.restore()
+
+    def release(self) -> None:
+        """Unmap and free the physical memory; the addresses stay reserved for `restore`.
+        The caller has synchronised every stream that may still touch the range."""
+        self._range.release()
+
+    def close(self) -> None:
+        """Release the memory and the addresses (the model is gone; no view may be read)."""
+        self._range.close()
 
 
 Arena = TorchArena | VirtualArena

@@ -7,6 +7,8 @@ to evict first. The models never size themselves against the device's free memor
 
 from __future__ import annotations
 
+import gc
+
 import torch
 
 from ember.config import MemoryConfig
@@ -27,8 +29,10 @@ class MemoryBudget:
             return cls(memory.memory_budget_bytes)
         if device.type != "cuda":
             return cls(None)
-        # Memory PyTorch keeps cached for tensors already freed (an earlier engine of this
-        # process) is not another's: give it back before counting what is in use.
+        # An earlier engine of this process that is no longer referred to (an `LLM` dropped in a
+        # reference cycle), and memory PyTorch keeps cached for freed tensors, are not another's:
+        # collect and give them back before counting what is in use.
+        gc.collect()
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(device)
         return cls(int(total * memory.gpu_memory_utilization) - (total - free))
