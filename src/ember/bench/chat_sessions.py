@@ -5,7 +5,6 @@ with the model's own earlier answers."""
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -14,7 +13,7 @@ from dataclasses import dataclass
 import aiohttp
 from tqdm import tqdm
 
-from ember.bench.client import ENDPOINT_PATHS, RequestResult, chunk_text, finished_result
+from ember.bench.client import ENDPOINT_PATHS, RequestResult, finished_result, post_stream
 from ember.bench.costs import CostMonitor
 from ember.bench.datasets import ChatTurn, TokenCounter
 from ember.bench.serve import PROBE_MAX_TOKENS, BenchmarkError, ServerTarget
@@ -154,32 +153,14 @@ class ChatStreamClient:
         """Send one turn: its timing (errors recorded, never raised) and the answer's text."""
         result = RequestResult(False, prompt_len, start_s=time.perf_counter())
         pieces: list[str] = []
-        usage_tokens = None
-        try:
-            body = self.payload(messages, max_tokens)
-            async with self.session.post(self.url, json=body) as resp:
-                if resp.status != 200:
-                    result.error = f"HTTP {resp.status}: {(await resp.text())[:300]}"
-                    return result, ""
-                async for line in resp.content:
-                    now = time.perf_counter()
-                    if not line.startswith(b"data:"):
-                        continue  # blank separators and SSE comments
-                    data = line[5:].strip()
-                    if data == b"[DONE]":
-                        break
-                    chunk = json.loads(data)
-                    if "error" in chunk:
-                        result.error = str(chunk["error"])[:300]
-                        return result, ""
-                    if chunk.get("usage"):
-                        usage_tokens = chunk["usage"].get("completion_tokens")
-                        result.prompt_len = chunk["usage"].get("prompt_tokens") or prompt_len
-                    if text := chunk_text(chunk):
-                        result.chunk_times_s.append(now)
-                        pieces.append(text)
-        except (TimeoutError, aiohttp.ClientError, json.JSONDecodeError) as exc:
-            result.error = f"{type(exc).__name__}: {exc}"[:300]
+
+        def on_text(text: str) -> bool:
+            pieces.append(text)
+            return False
+
+        body = self.payload(messages, max_tokens)
+        usage_tokens, _ = await post_stream(self.session, self.url, body, result, on_text)
+        if result.error:
             return result, ""
         return finished_result(result, usage_tokens), "".join(pieces)
 

@@ -7,7 +7,7 @@ import asyncio
 import itertools
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -91,38 +91,59 @@ class OpenAIStreamClient:
         ``drop_after_chunks``, hang up once that many text chunks have come (a client that goes
         away mid-stream: `error` says so)."""
         result = RequestResult(False, request.prompt_len, start_s=time.perf_counter())
-        usage_tokens = None
-        try:
-            async with self.session.post(self.url, json=self.payload(request, max_tokens)) as resp:
-                if resp.status != 200:
-                    result.error = f"HTTP {resp.status}: {(await resp.text())[:300]}"
-                    return result
-                async for line in resp.content:
-                    now = time.perf_counter()
-                    if not line.startswith(b"data:"):
-                        continue  # blank separators and SSE comments
-                    data = line[5:].strip()
-                    if data == b"[DONE]":
-                        break
-                    chunk = json.loads(data)
-                    if "error" in chunk:
-                        result.error = str(chunk["error"])[:300]
-                        return result
-                    if chunk.get("usage"):
-                        usage_tokens = chunk["usage"].get("completion_tokens")
-                        result.prompt_len = chunk["usage"].get("prompt_tokens") or result.prompt_len
-                    if chunk_text(chunk):
-                        result.chunk_times_s.append(now)
-                        if drop_after_chunks is not None and (
-                            len(result.chunk_times_s) >= drop_after_chunks
-                        ):
-                            resp.close()  # the connection goes, unread
-                            result.error = DROPPED
-                            return result
-        except (TimeoutError, aiohttp.ClientError, json.JSONDecodeError) as exc:
-            result.error = f"{type(exc).__name__}: {exc}"[:300]
-            return result
-        return finished_result(result, usage_tokens)
+
+        def on_text(text: str) -> bool:  # True: hang up now
+            return drop_after_chunks is not None and (
+                len(result.chunk_times_s) >= drop_after_chunks
+            )
+
+        body = self.payload(request, max_tokens)
+        usage_tokens, hung_up = await post_stream(self.session, self.url, body, result, on_text)
+        if hung_up:
+            result.error = DROPPED
+        return result if result.error else finished_result(result, usage_tokens)
+
+
+async def post_stream(
+    session: aiohttp.ClientSession,
+    url: str,
+    body: dict,
+    result: RequestResult,
+    on_text: Callable[[str], bool],
+) -> tuple[int | None, bool]:
+    """POST a streamed OpenAI request and read its SSE events into ``result`` (each text
+    chunk's arrival time, the prompt length the usage reports, or the error: never raised),
+    calling ``on_text`` with each chunk's text after its time is recorded; when it returns
+    True the connection is dropped unread. Returns the completion tokens the usage reported
+    (None if it did not) and whether ``on_text`` hung up."""
+    usage_tokens = None
+    try:
+        async with session.post(url, json=body) as resp:
+            if resp.status != 200:
+                result.error = f"HTTP {resp.status}: {(await resp.text())[:300]}"
+                return None, False
+            async for line in resp.content:
+                now = time.perf_counter()
+                if not line.startswith(b"data:"):
+                    continue  # blank separators and SSE comments
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    result.error = str(chunk["error"])[:300]
+                    return None, False
+                if chunk.get("usage"):
+                    usage_tokens = chunk["usage"].get("completion_tokens")
+                    result.prompt_len = chunk["usage"].get("prompt_tokens") or result.prompt_len
+                if text := chunk_text(chunk):
+                    result.chunk_times_s.append(now)
+                    if on_text(text):
+                        resp.close()  # the connection goes, unread
+                        return usage_tokens, True
+    except (TimeoutError, aiohttp.ClientError, json.JSONDecodeError) as exc:
+        result.error = f"{type(exc).__name__}: {exc}"[:300]
+    return usage_tokens, False
 
 
 def finished_result(result: RequestResult, usage_tokens: int | None) -> RequestResult:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -56,29 +57,42 @@ def parse_step_counts(metrics_text: str, model: str) -> dict[str, float] | None:
     return {**counts, **gc} if len(counts) == len(_SERIES) else None
 
 
-def scrape_step_counts(base_url: str, model: str, timeout_s: float = 5.0) -> dict | None:
+def scrape_counts(
+    base_url: str, model: str, parse: Callable[[str, str], dict | None], timeout_s: float = 5.0
+) -> dict | None:
+    """``parse`` (e.g. `parse_step_counts`) of `base_url`/metrics now; None when it finds no
+    counts or the server does not answer."""
     try:
         with urllib.request.urlopen(f"{base_url}/metrics", timeout=timeout_s) as reply:
             text = reply.read().decode()
     except (urllib.error.URLError, OSError, ValueError):
         return None
-    return parse_step_counts(text, model)
+    return parse(text, model)
 
 
-def settled_step_counts(
-    base_url: str, model: str, interval_s: float = 0.3, limit_s: float = 3.0
+def settled_counts(
+    base_url: str,
+    model: str,
+    parse: Callable[[str, str], dict | None],
+    interval_s: float = 0.3,
+    limit_s: float = 3.0,
 ) -> dict | None:
-    """The counts once two scrapes ``interval_s`` apart agree: the engine sends its stats at
-    most every ~0.5 s, and once more when it goes idle after the run."""
+    """`scrape_counts` once two scrapes ``interval_s`` apart agree: the engine sends its stats
+    at most every ~0.5 s, and once more when it goes idle after the run."""
     deadline = time.monotonic() + limit_s
-    last = scrape_step_counts(base_url, model)
+    last = scrape_counts(base_url, model, parse)
     while last is not None and time.monotonic() < deadline:
         time.sleep(interval_s)
-        current = scrape_step_counts(base_url, model)
+        current = scrape_counts(base_url, model, parse)
         if current == last:
             break
         last = current
     return last
+
+
+def settled_step_counts(base_url: str, model: str) -> dict | None:
+    """The step counts of ``model``, settled (`settled_counts`)."""
+    return settled_counts(base_url, model, parse_step_counts)
 
 
 def step_mix(before: dict | None, after: dict | None) -> dict:

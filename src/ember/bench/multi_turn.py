@@ -29,9 +29,6 @@ import dataclasses
 import json
 import shlex
 import sys
-import time
-import urllib.error
-import urllib.request
 from collections.abc import Sequence
 from datetime import UTC, datetime
 from pathlib import Path
@@ -49,9 +46,15 @@ from ember.bench.chat_sessions import (
 from ember.bench.client import ServerTokenCounter
 from ember.bench.costs import CostMonitor
 from ember.bench.datasets import ChatTurn, LocalTokenizer, load_sharegpt_conversations
-from ember.bench.engine_steps import settled_step_counts, step_mix
+from ember.bench.engine_steps import settled_counts, settled_step_counts, step_mix
 from ember.bench.launch import LaunchedServer, ServerStartError
-from ember.bench.serve import BenchmarkError, ServerTarget, _first_served_model, launch_spec
+from ember.bench.serve import (
+    BenchmarkError,
+    ServerTarget,
+    add_server_target_arguments,
+    first_served_model,
+    launch_spec,
+)
 from ember.bench.stats import latency_summary_ms, summarize
 
 NO_PREFIX_CACHING = "--no-enable-prefix-caching"
@@ -64,25 +67,9 @@ _CACHE_SERIES = {
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the `ember bench multi-turn` flags to `parser`."""
-    target = parser.add_argument_group("server under test (one of --base-url, --launch)")
-    target.add_argument("--base-url", help="a running server, e.g. http://127.0.0.1:8000")
-    target.add_argument(
-        "--launch",
-        nargs="?",
-        const="",
-        metavar="MODEL",
-        help="start `ember serve [MODEL]` on a free port, run, then stop it",
+    target = add_server_target_arguments(
+        parser, "keep the launched server's output here (the second run's beside it)"
     )
-    target.add_argument(
-        "--server-args", default="", help='extra `ember serve` flags: --server-args="--flag value"'
-    )
-    target.add_argument("--server-cpus", help="pin the launched server to these CPUs (taskset -c)")
-    target.add_argument("--server-startup-timeout", type=float, default=600.0, metavar="SECONDS")
-    target.add_argument(
-        "--server-log", help="keep the launched server's output here (the second run's beside it)"
-    )
-    target.add_argument("--server-pid", type=int, help="with --base-url: sample this CPU tree")
-    target.add_argument("--model", help="model name in requests (default: first of /v1/models)")
     target.add_argument(
         "--compare-prefix-caching",
         action="store_true",
@@ -136,30 +123,9 @@ def parse_prefix_cache_counts(metrics_text: str, model: str) -> dict[str, float]
     return counts if len(counts) == len(_CACHE_SERIES) else None
 
 
-def scrape_prefix_cache_counts(base_url: str, model: str, timeout_s: float = 5.0) -> dict | None:
-    """The counts at `base_url`/metrics now; None when it has none or does not answer."""
-    try:
-        with urllib.request.urlopen(f"{base_url}/metrics", timeout=timeout_s) as reply:
-            text = reply.read().decode()
-    except (urllib.error.URLError, OSError, ValueError):
-        return None
-    return parse_prefix_cache_counts(text, model)
-
-
-def settled_prefix_cache_counts(
-    base_url: str, model: str, interval_s: float = 0.3, limit_s: float = 3.0
-) -> dict | None:
-    """The counts once two scrapes ``interval_s`` apart agree (the engine sends its stats at
-    most every ~0.5 s, and once more when it goes idle)."""
-    deadline = time.monotonic() + limit_s
-    last = scrape_prefix_cache_counts(base_url, model)
-    while last is not None and time.monotonic() < deadline:
-        time.sleep(interval_s)
-        current = scrape_prefix_cache_counts(base_url, model)
-        if current == last:
-            break
-        last = current
-    return last
+def settled_prefix_cache_counts(base_url: str, model: str) -> dict | None:
+    """``model``'s prefix-cache counts, settled (`settled_counts`)."""
+    return settled_counts(base_url, model, parse_prefix_cache_counts)
 
 
 def prefix_cache_figures(before: dict | None, after: dict | None) -> dict:
@@ -188,7 +154,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         conversations = load_sharegpt_conversations(args.dataset_path, args.min_turns)
         if args.launch is None:
-            model = args.model or _first_served_model(args.base_url)
+            model = args.model or first_served_model(args.base_url)
             sessions = sessions_for(args, conversations, args.base_url, model)
             runs = {"run": measure(args, sessions, args.base_url, model, args.server_pid, None)}
         else:
@@ -248,7 +214,7 @@ def launched_runs(
     model, sessions = "", []
     for name, run_spec in specs.items():
         with LaunchedServer(run_spec) as server:
-            model = args.model or _first_served_model(server.base_url)
+            model = args.model or first_served_model(server.base_url)
             if not runs:
                 sessions = sessions_for(args, conversations, server.base_url, model)
             command = shlex.join(server.command)

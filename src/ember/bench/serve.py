@@ -76,8 +76,12 @@ class LoadRun:
     duration_s: float
 
 
-def add_serve_bench_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the `ember bench serve` flags to `parser`."""
+def add_server_target_arguments(
+    parser: argparse.ArgumentParser,
+    server_log_help: str = "keep the launched server's output in this file",
+) -> argparse._ArgumentGroup:
+    """The flags that name the server under test, one of --base-url and --launch (with
+    `launch_spec`'s --server-* flags), and --model; the group, for a bench's own additions."""
     target = parser.add_argument_group("server under test (one of --base-url, --launch)")
     target.add_argument("--base-url", help="a running server, e.g. http://127.0.0.1:8000")
     target.add_argument(
@@ -92,9 +96,15 @@ def add_serve_bench_arguments(parser: argparse.ArgumentParser) -> None:
     )
     target.add_argument("--server-cpus", help="pin the launched server to these CPUs (taskset -c)")
     target.add_argument("--server-startup-timeout", type=float, default=600.0, metavar="SECONDS")
-    target.add_argument("--server-log", help="keep the launched server's output in this file")
+    target.add_argument("--server-log", help=server_log_help)
     target.add_argument("--server-pid", type=int, help="with --base-url: sample this CPU tree")
     target.add_argument("--model", help="model name in requests (default: first of /v1/models)")
+    return target
+
+
+def add_serve_bench_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the `ember bench serve` flags to `parser`."""
+    target = add_server_target_arguments(parser)
     target.add_argument("--endpoint", choices=tuple(ENDPOINT_PATHS), default="completions")
 
     add_dataset_arguments(parser)
@@ -153,7 +163,7 @@ def measure(
     """Sample the requests, send them while watching costs; return the flat report and every
     latency sample in ms (for the plots; too many to keep in the JSON)."""
     started_at = datetime.now(UTC).isoformat(timespec="seconds")
-    model = args.model or _first_served_model(base_url)
+    model = args.model or first_served_model(base_url)
     counter = (
         LocalTokenizer(args.tokenizer) if args.tokenizer else ServerTokenCounter(base_url, model)
     )
@@ -266,7 +276,7 @@ async def _send_gated(
     return result
 
 
-def _first_served_model(base_url: str) -> str:
+def first_served_model(base_url: str) -> str:
     try:
         models = asyncio.run(fetch_model_ids(base_url))
     except aiohttp.ClientError as exc:
