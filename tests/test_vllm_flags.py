@@ -32,7 +32,6 @@ def no_serving(monkeypatch):
 @pytest.mark.parametrize(
     ("argv", "flag", "why"),
     [
-        (("--kv-cache-dtype", "fp8"), "--kv-cache-dtype", "only auto"),
         (("--quantization", "awq"), "--quantization", "awq is not available"),
         (("m/dir", "-q", "gguf"), "--quantization", "gguf is not available"),  # not a .gguf
         (("--generation-config", "/configs/x"), "--generation-config", "only auto or vllm"),
@@ -102,6 +101,24 @@ def test_tool_call_parser_reaches_every_served_model(parser):
     config = config_of("a=x", "b=y.gguf", "--enable-auto-tool-choice", "--tool-call-parser", parser)
     assert [spec.tool_call_parser for spec in config.models] == [parser, parser]
     assert [spec.tool_call_parser for spec in config_of("a=x").models] == [None]
+
+
+@pytest.mark.parametrize("value", ["fp8", "fp8_e4m3"])
+def test_an_fp8_kv_cache_dtype_reaches_every_served_model(value):
+    config = config_of("a=x", "b=y.gguf", "--kv-cache-dtype", value)
+    assert [spec.engine.cache.kv_cache_dtype for spec in config.models] == [value, value]
+    assert [spec.engine.cache.kv_cache_dtype for spec in config_of("a=x").models] == ["auto"]
+
+
+@pytest.mark.parametrize("value", ["fp8_e5m2", "bfloat16", "FP8"])
+def test_a_kv_cache_dtype_outside_the_choices_is_a_usage_error(value, no_serving, capsys):
+    """vLLM's other names (fp8_e5m2, a dtype) are no FP8 e4m3 cache: refused at parsing, with
+    the choices listed."""
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["serve", "--kv-cache-dtype", value])
+    error = capsys.readouterr().err
+    assert exit_.value.code == 2 and "--kv-cache-dtype" in error
+    assert all(choice in error for choice in ("'auto'", "'fp8'", "'fp8_e4m3'"))
 
 
 def test_prefix_caching_is_on_unless_turned_off():

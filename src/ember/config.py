@@ -18,6 +18,11 @@ SUPPORTED_ARCHITECTURES = (
 # device's measured step sizes (`KernelTuning.pdl_rows`), always, or never.
 PDL_MODES = ("auto", "on", "off")
 
+# What the paged KV cache stores (`CacheConfig.kv_cache_dtype`): "auto" is the model's dtype;
+# "fp8" and "fp8_e4m3" (vLLM's names for one format) are float8 e4m3 with per-layer scales.
+FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3")
+KV_CACHE_DTYPES = ("auto", *FP8_KV_CACHE_DTYPES)
+
 
 @dataclass(frozen=True)
 class RopeScaling:
@@ -132,6 +137,16 @@ class CacheConfig:
     # Full blocks are kept after their request ends and shared by later requests with the same
     # prefix (`ember.engine.kv_cache_manager`).
     enable_prefix_caching: bool = True
+    # One of KV_CACHE_DTYPES: "auto" stores keys and values in the model's dtype; "fp8" in
+    # float8 e4m3, twice the tokens in the same bytes (docs/CONTRACTS.md, "FP8 KV cache").
+    kv_cache_dtype: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                f"not {self.kv_cache_dtype!r}"
+            )
 
 
 @dataclass(frozen=True)
@@ -245,6 +260,7 @@ _SECTION_OPTIONS: dict[str, tuple[str, str]] = {
     "num_gpu_blocks_override": ("cache", "num_blocks"),
     "kv_cache_memory_bytes": ("cache", "kv_cache_memory_bytes"),
     "enable_prefix_caching": ("cache", "enable_prefix_caching"),
+    "kv_cache_dtype": ("cache", "kv_cache_dtype"),
     "max_num_seqs": ("limits", "max_num_seqs"),
     "max_num_batched_tokens": ("limits", "max_num_batched_tokens"),
     "max_model_len": ("limits", "max_model_len"),

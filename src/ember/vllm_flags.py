@@ -10,6 +10,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+from ember.config import KV_CACHE_DTYPES
 from ember.server.config import CorsConfig
 from ember.server.tool_calls.registry import PARSER_NAMES
 
@@ -41,7 +42,13 @@ def add_vllm_arguments(parser: argparse.ArgumentParser) -> None:
         "-q",
         help="only gguf, for .gguf models (they carry their own quantization); others are refused",
     )
-    model.add_argument("--kv-cache-dtype", help="auto only (the model's dtype)")
+    model.add_argument(
+        "--kv-cache-dtype",
+        choices=KV_CACHE_DTYPES,
+        help="auto (the default): keys and values in the model's dtype; fp8 or fp8_e4m3: in "
+        "float8 e4m3 with a scale per layer for each (1.0 by default), twice the tokens in the "
+        "same memory",
+    )
     model.add_argument(
         "--enable-prefix-caching",
         action=argparse.BooleanOptionalAction,
@@ -135,8 +142,6 @@ def check_vllm_flags(args: argparse.Namespace, sources: Sequence[str | None]) ->
             f"{quantization} is not available; ember serves a checkpoint in its own dtype, and "
             "a .gguf file with the quantization it carries (no flag needed)",
         )
-    if getattr(args, "kv_cache_dtype", None) not in (None, "auto"):
-        raise RefusedFlag("--kv-cache-dtype", "only auto (the model's dtype) is available")
     notes += _generation_config_notes(getattr(args, "generation_config", None))
     if getattr(args, "tensor_parallel_size", None) not in (None, 1):
         raise RefusedFlag("--tensor-parallel-size", "only 1: ember serves a model on one GPU")

@@ -40,20 +40,18 @@ def test_every_default_configuration_fits_an_h200():
     assert ("skinny_gemm", "gate_up m=1") in cases and ("stream_k_gemm", "gate_up m=128") in cases
     # The attention kernel as the planner launches it, its heaviest variants among them.
     attention = {r["case"]: r["constexprs"] for r in results if r["kernel"] == "paged_attention"}
-    assert set(attention) == {
-        "decode split",
-        "decode",
-        "decode, full grid",
-        "mixed decodes",
-        "mixed chunks",
-    }
-    for variant in ("SPLIT_KV", "ROPE", "PRELOAD_KV", "TILE_MAP"):
+    launches = {"decode split", "decode", "decode, full grid", "mixed decodes", "mixed chunks"}
+    # Each over a bf16 cache and over an FP8 one.
+    assert set(attention) == launches | {f"{case}, fp8 kv" for case in launches}
+    for variant in ("SPLIT_KV", "ROPE", "PRELOAD_KV", "TILE_MAP", "KV_FP8"):
         assert any(constexprs[variant] for constexprs in attention.values()), variant
     for r in results:
         assert 0 < r["shared_bytes"] <= SM90_SHARED_MEMORY_LIMIT and r["fits"], r
     # The pipelined tiles are what take the room: a wider step asks more.
     by_case = {r["case"]: r["shared_bytes"] for r in results}
     assert by_case["gate_up m=64"] > by_case["o m=1"]
+    # An FP8 cache's K/V tiles are staged as stored: half the bytes of bf16's.
+    assert by_case["mixed chunks, fp8 kv"] < by_case["mixed chunks"]
 
 
 def test_the_check_catches_tiles_too_big_for_an_sm():

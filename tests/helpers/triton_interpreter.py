@@ -17,6 +17,7 @@ def configure() -> None:
         _patch_interpreter_for_numpy_2_4()
         _patch_interpreter_bf16_dot()
         _patch_interpreter_bf16_rounding()
+        _patch_interpreter_fp8_conversions()
 
 
 def _interpreting() -> bool:
@@ -97,4 +98,53 @@ def _patch_interpreter_bf16_rounding() -> None:
 
     cast_impl._ember_bf16_fix = True
     builder.cast_impl = cast_impl
+    builder.create_fp_to_fp = create_fp_to_fp
+
+
+def _patch_interpreter_fp8_conversions() -> None:
+    """The interpreter converts to float8 by its own bit arithmetic (`_convert_float`), which
+    rounds ties away from zero, loses the carry of a mantissa rounded up into the exponent
+    (-124.1 becomes -64, not -128) and truncates subnormals (0.001 becomes 0); and it reads
+    e4m3fn's NaN (0x7f) as 480. The GPU converts to nearest even (``cvt.rn.satfinite``), as
+    torch does: convert to and from float8 with torch instead (reads were exact but for NaN)."""
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    original = builder.create_fp_to_fp
+    if getattr(original, "_ember_fp8_fix", False):
+        return
+    fp8 = {tl.float8e4nv: torch.float8_e4m3fn, tl.float8e5: torch.float8_e5m2}
+    floats = {
+        **fp8,
+        tl.bfloat16: torch.bfloat16,
+        tl.float16: torch.float16,
+        tl.float32: torch.float32,
+        tl.float64: torch.float64,
+    }
+    # float8 and bfloat16 are stored as raw bits (uint8, uint16): read through a signed view.
+    raw_bits = {**dict.fromkeys(fp8, torch.int8), tl.bfloat16: torch.int16}
+
+    def as_torch(handle):
+        scalar = handle.dtype.scalar
+        data = torch.from_numpy(np.ascontiguousarray(handle.data).reshape(handle.data.shape))
+        return data.view(raw_bits[scalar]).view(floats[scalar]) if scalar in raw_bits else data
+
+    def from_torch(values, scalar):
+        if scalar in raw_bits:
+            storage = interpreter._get_np_dtype(scalar)
+            return interpreter.TensorHandle(
+                values.view(raw_bits[scalar]).numpy().view(storage), scalar
+            )
+        return interpreter.TensorHandle(values.numpy(), scalar)
+
+    def create_fp_to_fp(self, src, dst_type, rounding_mode):
+        src_scalar, dst_scalar = src.dtype.scalar, dst_type.scalar
+        to_nearest = rounding_mode in (None, interpreter._ir.ROUNDING_MODE.RTNE)
+        known = src_scalar in floats and dst_scalar in floats
+        if (src_scalar in fp8 or dst_scalar in fp8) and known and to_nearest:
+            return from_torch(as_torch(src).to(floats[dst_scalar]), dst_scalar)
+        return original(self, src, dst_type, rounding_mode)
+
+    create_fp_to_fp._ember_fp8_fix = True
     builder.create_fp_to_fp = create_fp_to_fp

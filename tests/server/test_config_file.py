@@ -113,6 +113,14 @@ def test_flags_are_every_models_defaults_and_a_models_key_overrides_them(write):
     assert (a.chat_template, b.chat_template) == ("{{ messages }}", "t.jinja")
 
 
+def test_a_models_kv_cache_dtype_overrides_the_flag(write):
+    path = write('[[models]]\nname = "a"\nsource = "x"\nkv_cache_dtype = "fp8"\n')
+    (a,) = config_of("--config", path).models
+    assert a.engine.cache.kv_cache_dtype == "fp8"
+    b, a = config_of("b=y", "--config", path, "--kv-cache-dtype", "fp8_e4m3").models
+    assert (a.engine.cache.kv_cache_dtype, b.engine.cache.kv_cache_dtype) == ("fp8", "fp8_e4m3")
+
+
 def test_command_line_models_come_first_then_the_files(write):
     path = write('[[models]]\nname = "b"\nsource = "y"\n')
     config = config_of("a=x", "z", "--config", path)
@@ -164,6 +172,10 @@ def test_an_unknown_key_names_the_key_and_the_file(write, text, message):
         ('[[models]]\nsource = "x"\nmemory_share = 1.5\n', "memory_share must be greater than 0"),
         ('[[models]]\nsource = "x"\nidle_timeout = 0\n', "idle_timeout must be greater than 0"),
         ('[[models]]\nsource = "x"\ncuda_graph_mode = "some"\n', "must be one of full, decode"),
+        (
+            '[[models]]\nsource = "x"\nkv_cache_dtype = "fp8_e5m2"\n',
+            "kv_cache_dtype must be one of auto, fp8, fp8_e4m3, not 'fp8_e5m2'",
+        ),
         ('[[models]]\nsource = "x"\naliases = "y"\n', "'aliases' must be a list of names"),
         ("[[models]]\nsource = 3\n", "source must be a string"),
         ('[[models]]\nname = "x"\n', "no 'source'"),

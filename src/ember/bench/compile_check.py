@@ -144,11 +144,17 @@ def stream_k_gemm_configs() -> list[CompiledConfig]:
 
 
 def attention_configs() -> list[CompiledConfig]:
+    """The paged attention's launches (`_attention_configs`) on a bf16 cache and on an FP8 one."""
+    return _attention_configs(kv_fp8=False) + _attention_configs(kv_fp8=True)
+
+
+def _attention_configs(kv_fp8: bool) -> list[CompiledConfig]:
     """The paged attention's launches as `AttentionPlanner` plans them for the 8B shape (GQA 4,
     head 128, bf16) on an H200: decode steps split and unsplit (with RoPE, the deferred norm
     and, split under one wave, the K/V preload: the most state a program holds), a full grid's
     one-warp tiles, and a mixed step's two launches (its decodes on decode tiles, long ones in
-    segments; its chunks on prefill tiles over the chunk tile map)."""
+    segments; its chunks on prefill tiles over the chunk tile map). ``kv_fp8``: over a float8
+    e4m3 cache (its cases named ", fp8 kv"), tiles planned for its 1-byte elements."""
     import torch
 
     from ember.bench.tune import AttentionShape, attention_planner
@@ -157,7 +163,8 @@ def attention_configs() -> list[CompiledConfig]:
 
     shape = AttentionShape.of(_PRESET)
     group = shape.num_q_heads // shape.num_kv_heads
-    planner = attention_planner(shape, torch.device("cpu"))  # an H200's table off CUDA
+    # An H200's table off CUDA.
+    planner = attention_planner(shape, torch.device("cpu"), elem_bytes=1 if kv_fp8 else 2)
     # Decode steps as the engine launches them on Hopper: with PDL.
     cases = {
         "decode split": planner.plan(1, 1, 8192, pdl=True),
@@ -184,6 +191,11 @@ def attention_configs() -> list[CompiledConfig]:
         "eps": "fp32",
         "qk_scale": "fp32",
     }
+    # An FP8 cache's pointers and its scales; a bf16 cache passes no scales (None: constexprs).
+    scales = {"k_scale": None, "v_scale": None}
+    if kv_fp8:
+        types.update(k_cache_ptr="*fp8e4nv", v_cache_ptr="*fp8e4nv", k_scale="fp32", v_scale="fp32")
+        scales = {}
     # Every stride is a multiple of 16 elements in the 8B shape, and Triton specializes on it:
     # without stride_cache_head the K/V loads compile as plain loads where launches pipeline
     # them through shared memory.
@@ -227,10 +239,13 @@ def attention_configs() -> list[CompiledConfig]:
             "PRELOAD_KV": rope and launch.preload_kv,
             "SEQUENCES": int(launch.sequences),
             "TILE_MAP": launch.chunk_map,
+            "KV_FP8": kv_fp8,
+            **scales,
             **config,
         }
         shared = compile_for_sm90(_paged_attention_kernel, types, divisible, constexprs, num_warps)
-        results.append(CompiledConfig("paged_attention", case, constexprs, num_warps, shared))
+        name = f"{case}, fp8 kv" if kv_fp8 else case
+        results.append(CompiledConfig("paged_attention", name, constexprs, num_warps, shared))
     return results
 
 
@@ -244,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         for r in results:
             verdict = "fits" if r.fits else "DOES NOT FIT"
-            print(f"{r.kernel:16} {r.case:18} {r.shared_bytes / 1024:6.0f} KiB  {verdict}")
+            print(f"{r.kernel:16} {r.case:26} {r.shared_bytes / 1024:6.0f} KiB  {verdict}")
         print(f"limit {SM90_SHARED_MEMORY_LIMIT / 1024:.0f} KiB per block (sm_90)")
     return 0 if all(r.fits for r in results) else 1
 

@@ -27,7 +27,7 @@ from ember.bench.roofline import (
     measure_sustained,
     time_cuda,
 )
-from ember.config import MemoryConfig, engine_config
+from ember.config import KV_CACHE_DTYPES, MemoryConfig, engine_config
 from ember.engine.gc_heap import SLOW_PASS_S, GcPauses, freeze_startup_heap
 from ember.engine.model_instance import ModelInstance
 from ember.runner.model_runner import ModelRunner
@@ -59,13 +59,13 @@ class StepBench:
         self.nvml_handle = nvml_handle
         cfg = instance.model_config
         self.cfg = cfg
-        elem = instance.kv_cache.element_size()
-        self.kv_bytes_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * elem
+        kv_elem = instance.kv_cache.element_size()  # 1 for an FP8 cache
+        self.kv_bytes_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * kv_elem
         embed = cfg.vocab_size * cfg.hidden_size
         params = sum(p.numel() for p in instance.model.parameters())
         # Every GEMM weight is read once per step; the embedding table only row by row.
         self.matmul_params = params - (embed if not cfg.tie_word_embeddings else 0)
-        self.weight_bytes = self.matmul_params * elem
+        self.weight_bytes = self.matmul_params * instance.plan.elem_bytes
         self.loop = TimedLoop.of(instance)
         self._ids = 0
 
@@ -325,6 +325,16 @@ class StepBench:
         }
 
 
+def fill_normal(kv_cache: torch.Tensor, std: float) -> None:
+    """Fill the cache with N(0, std) values a layer at a time (torch draws no float8: an FP8
+    cache takes them rounded from float16, without a copy of the whole cache)."""
+    for layer in kv_cache:
+        if layer.element_size() == 1:
+            layer.copy_(torch.randn(layer.shape, dtype=torch.float16, device=layer.device) * std)
+        else:
+            layer.normal_(0, std)
+
+
 def bench_instance(
     model: str,
     max_model_len: int,
@@ -342,7 +352,7 @@ def bench_instance(
         **(engine_options or {}),
     }
     inst = ModelInstance(engine_config(model, **options), memory=MemoryConfig(0.92))
-    inst.kv_cache.normal_(0, 0.5)  # never time on zeros
+    fill_normal(inst.kv_cache, 0.5)  # never time on zeros
     return inst, ceilings
 
 
@@ -553,6 +563,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decode-batches", type=int, nargs="+", default=list(DECODE_BATCHES))
     parser.add_argument("--decode-contexts", type=int, nargs="+", default=list(DECODE_CONTEXTS))
     cli.add_fast_path_arguments(parser)
+    parser.add_argument(
+        "--kv-cache-dtype",
+        choices=KV_CACHE_DTYPES,
+        help="auto (the model's dtype, the default) or fp8: an FP8 KV cache, whose decode "
+        "steps read half the KV bytes",
+    )
     parser.add_argument(
         "--no-gc-freeze",
         action="store_true",

@@ -270,13 +270,24 @@ ATTENTION_TILES = (
 ATTENTION_SPLITS = (1, 2, 4, 8, 16, 32)
 
 
-def attention_planner(shape: AttentionShape, device: torch.device, elem_bytes: int = 2):
-    """The engine's planner for ``shape`` on ``device`` (its `AttentionTuning`)."""
+def attention_planner(
+    shape: AttentionShape,
+    device: torch.device,
+    elem_bytes: int = 2,
+    query_elem_bytes: int | None = None,
+):
+    """The engine's planner for ``shape`` on ``device`` (its `AttentionTuning`); ``elem_bytes``:
+    the KV cache's element size (1: FP8), ``query_elem_bytes`` the model's (None: the same)."""
     from ember.kernels.attention_plan import AttentionPlanner, AttentionTuning
 
     tuning = AttentionTuning.for_device(device)
     return AttentionPlanner(
-        tuning, shape.num_q_heads, shape.num_kv_heads, shape.head_dim, elem_bytes
+        tuning,
+        shape.num_q_heads,
+        shape.num_kv_heads,
+        shape.head_dim,
+        elem_bytes,
+        query_elem_bytes=query_elem_bytes,
     )
 
 

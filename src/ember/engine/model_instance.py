@@ -142,6 +142,7 @@ class ModelInstance:
             self.limits,
             self.tuning.attention,
             fuse_decode=config.decode_rope_in_attention,
+            kv_dtype=self.plan.kv_dtype,
         )
         if config.cuda_graph_mode not in ("full", "decode"):
             raise ValueError(
@@ -163,8 +164,9 @@ class ModelInstance:
         # ops on whatever the parameters hold, and uninitialised memory may hold NaNs.
         self.model = self._allocate_model(zeroed=compile_workers > 0)
         kv_shape = (cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.kv_arena = self._arenas.make(arena_bytes([(kv_shape, self.dtype)]))
-        (self.kv_cache,) = carve(self.kv_arena, [(kv_shape, self.dtype)])
+        kv_layout = [(kv_shape, self.plan.kv_dtype)]
+        self.kv_arena = self._arenas.make(arena_bytes(kv_layout))
+        (self.kv_cache,) = carve(self.kv_arena, kv_layout)
         self.kv_cache.zero_()
         self.kv_manager = KVCacheManager(
             num_blocks, block_size, prefix_caching=config.cache.enable_prefix_caching

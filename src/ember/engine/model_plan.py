@@ -17,7 +17,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ember.config import EngineConfig, MemoryConfig, ModelConfig, StepLimits
+from ember.config import (
+    FP8_KV_CACHE_DTYPES,
+    EngineConfig,
+    MemoryConfig,
+    ModelConfig,
+    StepLimits,
+)
 from ember.engine.request import Request
 from ember.models.checkpoint_layout import CheckpointLayout, check_complete, check_fits
 from ember.sampling_params import SamplingParams
@@ -57,6 +63,14 @@ def resolve_dtype(dtype: str, device: torch.device, hf_config: dict) -> torch.dt
     return names[dtype]
 
 
+def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's element type: the model's ``dtype`` for "auto", float8 e4m3 for the FP8
+    names (`ember.config.KV_CACHE_DTYPES`, checked when the config is built)."""
+    if kv_cache_dtype in FP8_KV_CACHE_DTYPES:
+        return torch.float8_e4m3fn
+    return dtype
+
+
 @dataclass
 class ModelPlan:
     """One configured model before it loads. ``checkpoint`` is open (metadata only);
@@ -92,9 +106,20 @@ class ModelPlan:
         return torch.empty((), dtype=self.dtype).element_size()
 
     @property
+    def kv_dtype(self) -> torch.dtype:
+        """What the KV cache stores (`CacheConfig.kv_cache_dtype`, resolved)."""
+        return resolve_kv_cache_dtype(self.config.cache.kv_cache_dtype, self.dtype)
+
+    @property
+    def kv_elem_bytes(self) -> int:
+        return torch.empty((), dtype=self.kv_dtype).element_size()
+
+    @property
     def kv_block_bytes(self) -> int:
+        """Bytes of one block over every layer: the one size every KV sizing path divides by."""
         cfg, block_size = self.model_config, self.config.cache.block_size
-        return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * self.elem_bytes
+        per_layer = 2 * block_size * cfg.num_kv_heads * cfg.head_dim * self.kv_elem_bytes
+        return cfg.num_layers * per_layer
 
     @property
     def min_kv_blocks(self) -> int:

@@ -114,7 +114,9 @@ class ChunkTiles(NamedTuple):
 
 class AttentionPlanner:
     """The launches of one model's attention (its head counts and cache element size) on one
-    GPU (`AttentionTuning`)."""
+    GPU (`AttentionTuning`). ``elem_bytes`` is the KV cache's element size (1 for an FP8
+    cache), what the K/V tiles are sized by; ``query_elem_bytes`` the queries' (None: the
+    same)."""
 
     def __init__(
         self,
@@ -123,6 +125,7 @@ class AttentionPlanner:
         num_kv_heads: int,
         head_dim: int,
         elem_bytes: int,
+        query_elem_bytes: int | None = None,
     ) -> None:
         if num_q_heads % num_kv_heads:
             raise ValueError(f"num_q_heads {num_q_heads} is not a multiple of {num_kv_heads}")
@@ -131,6 +134,7 @@ class AttentionPlanner:
         self.group = num_q_heads // num_kv_heads
         self.head_dim = head_dim
         self.elem_bytes = elem_bytes
+        self.query_elem_bytes = query_elem_bytes or elem_bytes
         # A prefill program's rows are query tokens x the group's heads (block_q 0: as many
         # tokens as fill its rows).
         self.prefill_tiles = self._fit(
@@ -195,7 +199,11 @@ class AttentionPlanner:
         """Shrink the K/V tiles (then the pipeline depth) of wide heads or fp32 caches until
         they fit one SM's shared memory: fp32 with 128x128 tiles asks for 256 KiB."""
         return fit_shared_memory(
-            tiles, self.head_dim, self.elem_bytes, self.tuning.shared_memory_budget
+            tiles,
+            self.head_dim,
+            self.elem_bytes,
+            self.tuning.shared_memory_budget,
+            self.query_elem_bytes,
         )
 
     # -- a step's launches -----------------------------------------------------------------------
@@ -290,19 +298,28 @@ def _prefill_block_m(group: int) -> int:
     return max(next_power_of_2(group), 128)
 
 
-def shared_memory_estimate(tiles: dict[str, int], head_dim: int, elem_bytes: int) -> int:
-    """Bytes of the pipelined K and V tiles plus the query tile (what Triton stages in smem)."""
+def shared_memory_estimate(
+    tiles: dict[str, int], head_dim: int, elem_bytes: int, query_elem_bytes: int | None = None
+) -> int:
+    """Bytes of the pipelined K and V tiles (``elem_bytes``: the cache's) plus the query tile
+    (``query_elem_bytes``, None: the same), what Triton stages in smem. An FP8 cache's tiles
+    are staged as stored and widened in registers: sm_90 compiles of the 8B launches ask for
+    exactly this (`ember.bench.compile_check`)."""
     kv = 2 * tiles["BLOCK_N"] * head_dim * elem_bytes * tiles["KV_STAGES"]
-    return kv + tiles["BLOCK_M"] * head_dim * elem_bytes
+    return kv + tiles["BLOCK_M"] * head_dim * (query_elem_bytes or elem_bytes)
 
 
 def fit_shared_memory(
-    tiles: dict[str, int], head_dim: int, elem_bytes: int, budget: int = SHARED_MEMORY_BUDGET
+    tiles: dict[str, int],
+    head_dim: int,
+    elem_bytes: int,
+    budget: int = SHARED_MEMORY_BUDGET,
+    query_elem_bytes: int | None = None,
 ) -> dict[str, int]:
     """``tiles`` with its K/V tiles, then its pipeline depth, shrunk until they fit ``budget``."""
     return shrink_to_fit(
         tiles,
-        lambda c: shared_memory_estimate(c, head_dim, elem_bytes),
+        lambda c: shared_memory_estimate(c, head_dim, elem_bytes, query_elem_bytes),
         [
             ("BLOCK_N", 64, True),
             ("KV_STAGES", 2, False),

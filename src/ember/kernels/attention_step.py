@@ -36,13 +36,15 @@ def rope_and_attention(
     chunk_tiles: ChunkTiles | None = None,
     fuse_decode: bool = True,
     row_norm: RowNorm | None = None,
+    kv_scales: tuple[float, float] = (1.0, 1.0),
     pdl: bool = False,
 ) -> torch.Tensor:
     """`rope_and_cache_write` then `paged_attention` (its ``launches``) over the step's metadata
     ``ctx``; writes and returns ``out``. With ``fuse_decode`` (the default), decode-only steps
     do both in the attention kernel and leave ``q`` and ``k`` unrotated (only the cache and
     ``out`` change). ``row_norm``: q, k and v are products of the un-normalised rows, to scale
-    by each token's ``1/rms`` first (`ember.layers.row_norm`)."""
+    by each token's ``1/rms`` first (`ember.layers.row_norm`). ``kv_scales``: an FP8 cache's
+    (k_scale, v_scale), for its writes and its reads (`ember.kernels.kv_fp8`)."""
     rope = None
     if fuse_decode and ctx.max_query_len == 1:
         rope = DecodeRope(k, v, ctx.positions, cos_sin_cache, ctx.slot_mapping, row_norm)
@@ -57,6 +59,7 @@ def rope_and_attention(
             k_cache,
             v_cache,
             row_norm=row_norm,
+            kv_scales=kv_scales,
             pdl=pdl,
         )
     return paged_attention(
@@ -73,4 +76,5 @@ def rope_and_attention(
         rope=rope,
         pdl=pdl,
         chunk_tiles=chunk_tiles,
+        kv_scales=kv_scales,
     )

@@ -18,6 +18,10 @@ last program of each (sequence, KV head) to finish (it counts arrivals in the ca
 or in zeros allocated per call). That is what fills the GPU when ``num_seqs * num_kv_heads``
 programs would leave SMs idle (small batch, long context).
 
+An FP8 cache (float8 e4m3, docs/CONTRACTS.md "FP8 KV cache") is read as stored, widened to the
+queries' dtype for the dots: k_scale is folded into the softmax scale on the host and v_scale
+multiplies the accumulated output once (`ember.kernels.kv_fp8`).
+
 Layouts and metadata follow docs/CONTRACTS.md ("Paged KV cache layout", "Attention metadata").
 """
 
@@ -38,6 +42,7 @@ from ember.kernels.attention_plan import (
     next_power_of_2,
 )
 from ember.kernels.compile_ahead import launch
+from ember.kernels.kv_fp8 import is_fp8_cache, kv_scale_args, to_cache
 from ember.kernels.pdl import wait_for_producer
 from ember.kernels.row_norm import (
     check_row_norm,
@@ -124,8 +129,9 @@ def _kv_tile_offsets(
 def _softmax_step(
     q, k, m_i, l_i, kv_pos, row_pos, qk_scale, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr
 ):
-    """Scores of one K tile and the online-softmax update: (new max, new sum, p, rescale)."""
-    scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+    """Scores of one K tile and the online-softmax update: (new max, new sum, p, rescale). An
+    FP8 tile widens to the queries' dtype (its k_scale is in ``qk_scale``)."""
+    scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * qk_scale
     if MASKED:
         # Causal; also hides positions past the sequence since row_pos < seq_len.
         scores = tl.where(kv_pos[None, :] <= row_pos[:, None], scores, float("-inf"))
@@ -182,8 +188,14 @@ def _attend_kv_tile(
         v = tl.load(v_cache_ptr + kv_offsets, mask=kv_in_range[:, None], other=0.0)
     else:
         v = tl.load(v_cache_ptr + kv_offsets)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-    return m_new, l_i, acc
+    return m_new, l_i, _accumulate_values(acc, alpha, p, v, q.dtype, DOT_PRECISION)
+
+
+@triton.jit
+def _accumulate_values(acc, alpha, p, v, dot_ty: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """``acc`` rescaled by ``alpha`` plus ``p @ v``, both in ``dot_ty`` (the queries' dtype: an
+    FP8 tile widens to it; its v_scale is applied to the finished ``acc``)."""
+    return acc * alpha[:, None] + tl.dot(p.to(dot_ty), v.to(dot_ty), input_precision=DOT_PRECISION)
 
 
 @triton.jit
@@ -223,16 +235,21 @@ def _write_new_key_value(
     signed_sin,
     partner,
     scale,
+    k_scale,
+    v_scale,
     stride_cache_block,
     stride_cache_slot,
     PAGE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     SCALED: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     """Rotate one KV head of the new token's key and store it and its value at ``slot`` (-1:
-    padding, nothing stored); both scaled by ``scale`` first when ``SCALED``. The barrier makes
-    the stores visible to the whole program before it reads the tile that holds them. Returns
-    the stored key and value (a tile loaded before the store takes them from here)."""
+    padding, nothing stored); both scaled by ``scale`` first when ``SCALED``, and quantized by
+    ``k_scale``, ``v_scale`` for an FP8 cache. The barrier makes the stores visible to the whole
+    program before it reads the tile that holds them. Returns the stored key and value, as the
+    cache holds them (a tile loaded before the store takes them from here, and reads them as it
+    reads every stored entry)."""
     dims = tl.arange(0, HEAD_DIM)
     dtype = k_ptr.dtype.element_ty
     k = scale_and_round(tl.load(k_ptr + dims), scale, dtype, SCALED)
@@ -240,8 +257,8 @@ def _write_new_key_value(
     cache = (slot // PAGE) * stride_cache_block + (slot % PAGE) * stride_cache_slot + head_offset
     keep = (dims < HEAD_DIM) & (slot >= 0)
     v = scale_and_round(tl.load(v_ptr + dims), scale, dtype, SCALED)
-    stored_k = rotated.to(k_cache_ptr.dtype.element_ty)
-    stored_v = v.to(v_cache_ptr.dtype.element_ty)
+    stored_k = to_cache(rotated, k_scale, dtype, k_cache_ptr.dtype.element_ty, KV_FP8)
+    stored_v = to_cache(v, v_scale, dtype, v_cache_ptr.dtype.element_ty, KV_FP8)
     tl.store(k_cache_ptr + cache + dims, stored_k, mask=keep)
     tl.store(v_cache_ptr + cache + dims, stored_v, mask=keep)
     tl.debug_barrier()
@@ -272,6 +289,8 @@ def _paged_attention_kernel(
     hidden,
     eps,
     qk_scale,
+    k_scale,
+    v_scale,
     num_seqs,
     num_splits,
     min_split_tiles,
@@ -307,6 +326,7 @@ def _paged_attention_kernel(
     PRELOAD_KV: tl.constexpr,
     SEQUENCES: tl.constexpr,
     TILE_MAP: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     # Until the wait, a program reads only what no kernel of this step writes: the step's
     # metadata and the cache's keys of earlier steps. Under PDL that runs under the previous
@@ -435,11 +455,14 @@ def _paged_attention_kernel(
                 signed_sin,
                 partner,
                 scale,
+                k_scale,
+                v_scale,
                 stride_cache_block,
                 stride_cache_slot,
                 PAGE,
                 HEAD_DIM,
                 ROW_NORM,
+                KV_FP8,
             )
             if PRELOAD_KV:
                 # A padding token (slot -1) stores nothing: its tile keeps what the cache holds.
@@ -450,9 +473,7 @@ def _paged_attention_kernel(
             m_i, l_i, p, alpha = _softmax_step(
                 q, pre_k, m_i, l_i, pre_pos, row_pos, qk_scale, True, DOT_PRECISION
             )
-            acc = acc * alpha[:, None] + tl.dot(
-                p.to(pre_v.dtype), pre_v, input_precision=DOT_PRECISION
-            )
+            acc = _accumulate_values(acc, alpha, p, pre_v, q.dtype, DOT_PRECISION)
 
     # Loop-level pipelining also prefetches the block-table loads the K/V addresses depend on.
     for kv_tile in tl.range(
@@ -504,6 +525,8 @@ def _paged_attention_kernel(
             DOT_PRECISION,
         )
 
+    if KV_FP8:  # the values were read as stored; merging partials is linear, so scale them here
+        acc = acc * v_scale
     out_rows = out_ptr + row_tok[:, None] * stride_o_tok + row_head[:, None] * stride_o_head
     if SPLIT_KV:
         if seq_splits > 1:
@@ -695,6 +718,7 @@ def paged_attention(
     rope: DecodeRope | None = None,
     pdl: bool = False,
     chunk_tiles: ChunkTiles | None = None,
+    kv_scales: tuple[float, float] = (1.0, 1.0),
 ) -> torch.Tensor:
     """Causal attention of this step's queries over the paged KV cache; writes and returns ``out``.
 
@@ -717,6 +741,8 @@ def paged_attention(
         pdl: launch with programmatic dependent launch (`ember.kernels.pdl`).
         chunk_tiles: the step's chunk tile map, for a launch with ``chunk_map``: one program per
             mapped tile instead of one per sequence searching for its tiles.
+        kv_scales: an FP8 cache's (k_scale, v_scale): its entries read as ``stored * scale``,
+            and ``rope`` stores ``x / scale``. Ignored by a cache of any other dtype.
 
     The split path allocates its fp32 partials (``num_seqs * num_q_heads * splits * (head_dim+2)``
     floats) with ``torch.empty``: no sync and capturable, but the only scratch this op uses.
@@ -764,6 +790,7 @@ def paged_attention(
             rope,
             pdl,
             tiles,
+            kv_scales,
         )
     return out
 
@@ -782,9 +809,10 @@ def _launch_kernel(
     rope,
     pdl,
     chunk_tiles,
+    kv_scales=(1.0, 1.0),
 ):
     """One launch of `_paged_attention_kernel` over the step as ``plan`` says; over the tiles
-    of ``chunk_tiles`` when given."""
+    of ``chunk_tiles`` when given (``kv_scales``: an FP8 cache's, see `paged_attention`)."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     num_seqs = seq_lens.shape[0]
@@ -810,6 +838,8 @@ def _launch_kernel(
     else:
         num_tiles = num_tokens // config["BLOCK_Q"] + num_seqs  # see _find_sequence
     group = num_q_heads // num_kv_heads
+    k_scale, v_scale = kv_scale_args(k_cache, kv_scales)
+    qk_scale = scale * _LOG2E * (k_scale if k_scale is not None else 1.0)
     launch(
         _paged_attention_kernel,
         (num_tiles, num_kv_heads, splits),
@@ -831,7 +861,9 @@ def _launch_kernel(
         ),
         chunk_tiles.tiles if chunk_tiles is not None else seq_lens,
         *row_args,
-        scale * _LOG2E,
+        qk_scale,
+        k_scale,
+        v_scale,
         num_seqs,
         splits,
         cdiv(plan.min_split_tokens, config["BLOCK_N"]),
@@ -865,6 +897,7 @@ def _launch_kernel(
         PRELOAD_KV=rope is not None and plan.preload_kv,
         SEQUENCES=int(plan.sequences),
         TILE_MAP=chunk_tiles is not None,
+        KV_FP8=is_fp8_cache(k_cache),
         launch_pdl=pdl,
         **config,
     )

@@ -6,6 +6,7 @@ token's cache slot. Fusing saves a second read of k and a launch per layer. Sema
 docs/CONTRACTS.md ("RoPE", "Paged KV cache layout"); ``slot_mapping[t] == -1`` writes nothing.
 With a deferred RMSNorm (``row_norm``, `ember.layers.row_norm`) q, k and v are first scaled by
 their token's ``1/rms`` and rounded, as the normalised row's q/k/v projection would give them.
+An FP8 cache stores k and v quantized by the layer's scales (`ember.kernels.kv_fp8`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import triton
 import triton.language as tl
 
 from ember.kernels.compile_ahead import launch
+from ember.kernels.kv_fp8 import is_fp8_cache, kv_scale_args, to_cache
 from ember.kernels.pdl import wait_for_producer
 from ember.kernels.row_norm import (
     check_row_norm,
@@ -69,6 +71,8 @@ def _rope_cache_write_kernel(
     num_parts,
     hidden,
     eps,
+    k_scale,
+    v_scale,
     stride_q_tok,
     stride_q_head,
     stride_k_tok,
@@ -87,6 +91,7 @@ def _rope_cache_write_kernel(
     ROW_NORM: tl.constexpr,
     BLOCK_P: tl.constexpr,
     PDL: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     wait_for_producer(PDL)
     tok = tl.program_id(0).to(tl.int64)
@@ -129,8 +134,11 @@ def _rope_cache_write_kernel(
     cache_base = (slot // PAGE) * stride_cache_block + (slot % PAGE) * stride_cache_slot
     cache_offsets = cache_base + heads[:, None] * stride_cache_head + dims[None, :]
     cache_ty = k_cache_ptr.dtype.element_ty
-    tl.store(k_cache_ptr + cache_offsets, k1.to(cache_ty), mask=mask)
-    tl.store(k_cache_ptr + cache_offsets + half, k2.to(cache_ty), mask=mask)
+    k_ty = k_ptr.dtype.element_ty
+    k1 = to_cache(k1, k_scale, k_ty, cache_ty, KV_FP8)
+    k2 = to_cache(k2, k_scale, k_ty, cache_ty, KV_FP8)
+    tl.store(k_cache_ptr + cache_offsets, k1, mask=mask)
+    tl.store(k_cache_ptr + cache_offsets + half, k2, mask=mask)
 
     v_offsets = tok * stride_v_tok + heads[:, None] * stride_v_head + dims[None, :]
     v_ty = v_ptr.dtype.element_ty
@@ -138,8 +146,10 @@ def _rope_cache_write_kernel(
     v2 = scale_and_round(
         tl.load(v_ptr + v_offsets + half, mask=mask, other=0.0), scale, v_ty, ROW_NORM
     )
-    tl.store(v_cache_ptr + cache_offsets, v1.to(cache_ty), mask=mask)
-    tl.store(v_cache_ptr + cache_offsets + half, v2.to(cache_ty), mask=mask)
+    v1 = to_cache(v1, v_scale, v_ty, cache_ty, KV_FP8)
+    v2 = to_cache(v2, v_scale, v_ty, cache_ty, KV_FP8)
+    tl.store(v_cache_ptr + cache_offsets, v1, mask=mask)
+    tl.store(v_cache_ptr + cache_offsets + half, v2, mask=mask)
 
 
 def rope_and_cache_write(
@@ -153,11 +163,13 @@ def rope_and_cache_write(
     v_cache: torch.Tensor,
     *,
     row_norm: RowNorm | None = None,
+    kv_scales: tuple[float, float] = (1.0, 1.0),
     pdl: bool = False,
 ) -> None:
     """Rotate ``q [T, Hq, D]`` and ``k [T, Hkv, D]`` in place and write k, v to the cache
     (``row_norm``: each token's q, k and v scaled by its ``1/rms`` first; ``v`` itself is left
-    unscaled, only its cache copy is).
+    unscaled, only its cache copy is). An FP8 cache (float8 e4m3) stores them quantized by
+    ``kv_scales`` (k_scale, v_scale), which a cache of any other dtype ignores.
 
     ``q``, ``k``, ``v`` may be strided views (e.g. of a fused qkv output) with a contiguous last
     dim; ``positions`` and ``slot_mapping`` are int64 ``[T]``; ``cos_sin_cache`` is float32
@@ -169,8 +181,8 @@ def rope_and_cache_write(
     num_kv_heads = k.shape[1]
     if head_dim % 2 or (head_dim // 2) & (head_dim // 2 - 1):
         raise ValueError(f"head_dim must be twice a power of two, got {head_dim}")
-    if k_cache.stride() != v_cache.stride():
-        raise ValueError("k_cache and v_cache must share a layout")
+    if k_cache.stride() != v_cache.stride() or k_cache.dtype != v_cache.dtype:
+        raise ValueError("k_cache and v_cache must share dtype and layout")
     if min(q.stride(2), k.stride(2), v.stride(2), k_cache.stride(3)) != 1:
         raise ValueError("head_dim must be the contiguous dimension")
     if cos_sin_cache.dtype != torch.float32 or not cos_sin_cache.is_contiguous():
@@ -191,6 +203,7 @@ def rope_and_cache_write(
         k_cache,
         v_cache,
         *row_args,
+        *kv_scale_args(k_cache, kv_scales),
         q.stride(0),
         q.stride(1),
         k.stride(0),
@@ -209,6 +222,7 @@ def rope_and_cache_write(
         ROW_NORM=row_norm is not None,
         BLOCK_P=block_p,
         PDL=pdl,
+        KV_FP8=is_fp8_cache(k_cache),
         num_warps=4,
         launch_pdl=pdl,
     )

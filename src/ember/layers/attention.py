@@ -107,19 +107,46 @@ class AttentionBackend:
         scale: float,
         out: torch.Tensor,
         row_norm: RowNorm | None = None,
+        kv_scales: tuple[float, float] = (1.0, 1.0),
     ) -> torch.Tensor:
         """RoPE on q and k, this step's keys and values into the cache, then causal attention
         of the step's queries over the cache into ``out`` (returned). ``row_norm``: q, k and v
-        are products of un-normalised rows, to scale by each token's ``1/rms`` first."""
+        are products of un-normalised rows, to scale by each token's ``1/rms`` first.
+        ``kv_scales``: the layer's ``(k_scale, v_scale)`` of an FP8 cache, which stores
+        ``x / scale`` and reads ``stored * scale`` (docs/CONTRACTS.md, "FP8 KV cache"); ignored
+        by a cache of any other dtype."""
         raise NotImplementedError
 
 
 class ReferenceAttention(AttentionBackend):
     """Plain PyTorch, one sequence at a time in float32."""
 
-    def forward(self, q, k, v, ctx, cos_sin_cache, k_cache, v_cache, scale, out, row_norm=None):
+    def forward(
+        self,
+        q,
+        k,
+        v,
+        ctx,
+        cos_sin_cache,
+        k_cache,
+        v_cache,
+        scale,
+        out,
+        row_norm=None,
+        kv_scales=(1.0, 1.0),
+    ):
         return rope_and_attention_reference(
-            q, k, v, ctx, cos_sin_cache, k_cache, v_cache, scale, out, row_norm=row_norm
+            q,
+            k,
+            v,
+            ctx,
+            cos_sin_cache,
+            k_cache,
+            v_cache,
+            scale,
+            out,
+            row_norm=row_norm,
+            kv_scales=kv_scales,
         )
 
 
@@ -207,7 +234,20 @@ class TritonAttention(AttentionBackend):
         pdl = self.launches_with_pdl(num_seqs)  # a decode step's rows are its sequences
         return TritonStepAttention(self.planner.decode_plan(num_seqs, max_seq_len, pdl=pdl))
 
-    def forward(self, q, k, v, ctx, cos_sin_cache, k_cache, v_cache, scale, out, row_norm=None):
+    def forward(
+        self,
+        q,
+        k,
+        v,
+        ctx,
+        cos_sin_cache,
+        k_cache,
+        v_cache,
+        scale,
+        out,
+        row_norm=None,
+        kv_scales=(1.0, 1.0),
+    ):
         step = ctx.attention
         if step is None:  # a forward pass the runner did not stage (a test's own context)
             step = self.metadata(
@@ -228,6 +268,7 @@ class TritonAttention(AttentionBackend):
             chunk_tiles=step.chunk_tiles,
             fuse_decode=self.fuse_decode,
             row_norm=row_norm,
+            kv_scales=kv_scales,
             pdl=self.launches_with_pdl(q.shape[0]),
         )
 
@@ -242,12 +283,30 @@ def select_attention(
     limits: StepLimits,
     tuning: AttentionTuning | None = None,
     fuse_decode: bool = True,
+    kv_dtype: torch.dtype | None = None,
 ) -> AttentionBackend:
     """The attention backend for a model on ``ops``: Triton's where the ops are Triton's (planned
-    by ``tuning``, an `AttentionTuning`; None: the device's), else the reference."""
+    by ``tuning``, an `AttentionTuning`; None: the device's), else the reference. ``dtype`` is
+    the model's (its queries'), ``kv_dtype`` the KV cache's (None: the model's)."""
     if ops.name != "triton":
         return ReferenceAttention(limits)
+    _check_fp8_cache_supported(kv_dtype, device)
     tuning = tuning or AttentionTuning.for_device(device)
-    elem_bytes = torch.empty((), dtype=dtype).element_size()
-    planner = AttentionPlanner(tuning, num_q_heads, num_kv_heads, head_dim, elem_bytes)
+    query_bytes = torch.empty((), dtype=dtype).element_size()
+    kv_bytes = torch.empty((), dtype=kv_dtype or dtype).element_size()
+    planner = AttentionPlanner(
+        tuning, num_q_heads, num_kv_heads, head_dim, kv_bytes, query_elem_bytes=query_bytes
+    )
     return TritonAttention(planner, limits, device, ops.launches_with_pdl, fuse_decode)
+
+
+def _check_fp8_cache_supported(kv_dtype: torch.dtype | None, device: torch.device) -> None:
+    """Triton converts float8 e4m3 on GPUs of compute capability 8.9 (Ada, Hopper) and later;
+    on an older one, say so here rather than in a kernel's compile error."""
+    if kv_dtype != torch.float8_e4m3fn or device.type != "cuda":
+        return
+    if torch.cuda.get_device_capability(device) < (8, 9):
+        raise ValueError(
+            "an FP8 KV cache on the Triton path needs a GPU of compute capability 8.9 or later; "
+            "use kv_cache_dtype='auto', or backend='reference'"
+        )

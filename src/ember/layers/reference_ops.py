@@ -17,6 +17,38 @@ from ember.layers.forward_context import ForwardContext
 from ember.layers.row_norm import RowNorm
 
 # ---------------------------------------------------------------------------------------------
+# FP8 KV cache (docs/CONTRACTS.md, "FP8 KV cache")
+
+FP8_KV_DTYPE = torch.float8_e4m3fn
+FP8_E4M3_MAX = 448.0  # float8 e4m3fn's largest finite value
+
+
+def quantize_kv_reference(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """``x`` as an FP8 cache stores it: ``clamp(x / scale, -448, 448)`` in float8 e4m3 (fp32
+    division, rounded to nearest even)."""
+    return (x.float() / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(FP8_KV_DTYPE)
+
+
+def dequantize_kv_reference(stored: torch.Tensor, scale: float) -> torch.Tensor:
+    """float32 values an FP8 cache's ``stored`` entries stand for: ``stored * scale``."""
+    return stored.float() * scale
+
+
+def _as_stored(x: torch.Tensor, cache_dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """``x`` in the cache's dtype: quantized with ``scale`` for FP8, else only cast."""
+    if cache_dtype == FP8_KV_DTYPE:
+        return quantize_kv_reference(x, scale)
+    return x.to(cache_dtype)
+
+
+def _as_read(stored: torch.Tensor, scale: float) -> torch.Tensor:
+    """Cache entries as float32: dequantized with ``scale`` for FP8, else only widened."""
+    if stored.dtype == FP8_KV_DTYPE:
+        return dequantize_kv_reference(stored, scale)
+    return stored.float()
+
+
+# ---------------------------------------------------------------------------------------------
 # RoPE
 
 
@@ -69,10 +101,12 @@ def rope_and_cache_write_reference(
     v_cache: torch.Tensor,
     *,
     row_norm: RowNorm | None = None,
+    kv_scales: tuple[float, float] = (1.0, 1.0),
 ) -> None:
     """Rotate ``q`` and ``k`` in place, then store ``k`` and ``v`` at their slots (-1: skip).
     ``row_norm``: scale each token's q, k and v by its ``1/rms`` first (``v`` itself is left
-    unscaled, only its cache copy is)."""
+    unscaled, only its cache copy is). An FP8 cache stores k and v (as rounded to their dtype)
+    quantized by ``kv_scales`` (k_scale, v_scale); other caches ignore them."""
     if row_norm is not None:
         q.copy_(row_norm.apply(q))
         k.copy_(row_norm.apply(k))
@@ -85,8 +119,9 @@ def rope_and_cache_write_reference(
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    k_cache.view(-1, num_kv_heads, head_dim)[slots] = k[keep].to(k_cache.dtype)
-    v_cache.view(-1, num_kv_heads, head_dim)[slots] = v[keep].to(v_cache.dtype)
+    k_scale, v_scale = kv_scales
+    k_cache.view(-1, num_kv_heads, head_dim)[slots] = _as_stored(k[keep], k_cache.dtype, k_scale)
+    v_cache.view(-1, num_kv_heads, head_dim)[slots] = _as_stored(v[keep], v_cache.dtype, v_scale)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -106,20 +141,23 @@ def paged_attention_reference(
     max_query_len: int,
     max_seq_len: int,
     split_counters: torch.Tensor | None = None,
+    kv_scales: tuple[float, float] = (1.0, 1.0),
 ) -> torch.Tensor:
     """Causal attention over the paged cache, one sequence at a time in fp32; returns ``out``.
-    ``split_counters`` (the kernel's split-KV workspace) is accepted and unused.
+    ``split_counters`` (the kernel's split-KV workspace) is accepted and unused. An FP8 cache's
+    keys and values read as ``stored * scale`` (``kv_scales``: k_scale, v_scale).
 
     Steps where every sequence has exactly one query token take one batched pass instead of a
     loop over sequences; ``max_seq_len`` bounds the gathered context there.
     """
     if max_query_len == 1 and q.shape[0] == seq_lens.shape[0]:  # one query per sequence
         return _decode_attention_reference(
-            q, k_cache, v_cache, seq_lens, block_tables, scale, out, max_seq_len
+            q, k_cache, v_cache, seq_lens, block_tables, scale, out, max_seq_len, kv_scales
         )
     num_q_heads, head_dim = q.shape[1], q.shape[2]
     page, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_q_heads // num_kv_heads
+    k_scale, v_scale = kv_scales
     starts = query_start_loc.tolist()
     for seq, seq_len in enumerate(seq_lens.tolist()):
         q_start, q_end = starts[seq], starts[seq + 1]
@@ -127,8 +165,8 @@ def paged_attention_reference(
         if q_len == 0:
             continue
         blocks = block_tables[seq, : (seq_len + page - 1) // page].long()
-        keys = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].float()
-        values = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].float()
+        keys = _as_read(k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len], k_scale)
+        values = _as_read(v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len], v_scale)
         queries = q[q_start:q_end].float().view(q_len, num_kv_heads, group, head_dim)
         scores = torch.einsum("qhgd,khd->hgqk", queries, keys) * scale
         query_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
@@ -151,11 +189,22 @@ def rope_and_attention_reference(
     out: torch.Tensor,
     *,
     row_norm: RowNorm | None = None,
+    kv_scales: tuple[float, float] = (1.0, 1.0),
 ) -> torch.Tensor:
     """One layer's attention step over the metadata ``ctx``: RoPE and the cache write, then
-    paged attention (``row_norm``: q, k, v scaled by each token's ``1/rms`` first)."""
+    paged attention (``row_norm``: q, k, v scaled by each token's ``1/rms`` first;
+    ``kv_scales``: an FP8 cache's k_scale and v_scale)."""
     rope_and_cache_write_reference(
-        q, k, v, ctx.positions, cos_sin_cache, ctx.slot_mapping, k_cache, v_cache, row_norm=row_norm
+        q,
+        k,
+        v,
+        ctx.positions,
+        cos_sin_cache,
+        ctx.slot_mapping,
+        k_cache,
+        v_cache,
+        row_norm=row_norm,
+        kv_scales=kv_scales,
     )
     return paged_attention_reference(
         q,
@@ -168,6 +217,7 @@ def rope_and_attention_reference(
         out,
         max_query_len=ctx.max_query_len,
         max_seq_len=ctx.max_seq_len,
+        kv_scales=kv_scales,
     )
 
 
@@ -180,15 +230,17 @@ def _decode_attention_reference(
     scale: float,
     out: torch.Tensor,
     max_seq_len: int,
+    kv_scales: tuple[float, float],
 ) -> torch.Tensor:
     """One query token per sequence: gather every sequence's context at once, mask the tail."""
     num_seqs = seq_lens.shape[0]
     num_q_heads, head_dim = q.shape[1], q.shape[2]
     page, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_q_heads // num_kv_heads
+    k_scale, v_scale = kv_scales
     blocks = block_tables[:, : (max_seq_len + page - 1) // page].long()
-    keys = k_cache[blocks].reshape(num_seqs, -1, num_kv_heads, head_dim).float()
-    values = v_cache[blocks].reshape(num_seqs, -1, num_kv_heads, head_dim).float()
+    keys = _as_read(k_cache[blocks].reshape(num_seqs, -1, num_kv_heads, head_dim), k_scale)
+    values = _as_read(v_cache[blocks].reshape(num_seqs, -1, num_kv_heads, head_dim), v_scale)
     queries = q[:num_seqs].float().view(num_seqs, num_kv_heads, group, head_dim)
     scores = torch.einsum("shgd,skhd->shgk", queries, keys) * scale
     visible = torch.arange(keys.shape[1], device=q.device)[None, :] < seq_lens[:, None]

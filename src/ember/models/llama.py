@@ -92,6 +92,12 @@ class Attention(nn.Module):
             self.k_norm = nn.Parameter(torch.ones(cfg.head_dim))
         self.scale = cfg.head_dim**-0.5
         self.shard_sizes = [cfg.q_size, cfg.kv_size, cfg.kv_size]
+        # An FP8 KV cache's per-tensor scales for this layer: it stores x / scale and reads
+        # stored * scale. 1.0 unless a checkpoint carries calibrated ones (vLLM's default too).
+        # Plain floats, set while the weights load: the CUDA graphs captured after the load
+        # keep the values they saw. Any other cache dtype ignores them.
+        self.k_scale = 1.0
+        self.v_scale = 1.0
 
     def forward(
         self,
@@ -116,7 +122,17 @@ class Attention(nn.Module):
             k = self.ops.rms_norm(k.reshape(-1, cfg.head_dim), self.k_norm, eps).view_as(k)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         self.backend.forward(
-            q, k, v, ctx, cos_sin_cache, k_cache, v_cache, self.scale, out, row_norm=row_norm
+            q,
+            k,
+            v,
+            ctx,
+            cos_sin_cache,
+            k_cache,
+            v_cache,
+            self.scale,
+            out,
+            row_norm=row_norm,
+            kv_scales=(self.k_scale, self.v_scale),
         )
         return add_sub_block_output(self.ops, stream, out.view(n, cfg.q_size), self.o_proj.weight)
 

@@ -21,6 +21,7 @@ The format (every key is optional but a model's ``source``)::
     preload = true                          # load at start if it fits without evicting another
     memory_share = 0.5                      # its fraction of the memory budget, or else
     kv_cache_memory_bytes = 4_000_000_000   # its KV cache in bytes
+    kv_cache_dtype = "fp8"                  # its KV cache in float8 (default "auto")
     max_model_len = 8192                    # and any other engine option (ENGINE_OPTIONS),
     dtype = "bfloat16"                      # named as `ember serve`'s flag, with underscores
 
@@ -47,6 +48,7 @@ from typing import Any
 
 from ember.config import (
     ENGINE_OPTIONS,
+    KV_CACHE_DTYPES,
     MEMORY_OPTIONS,
     PDL_MODES,
     CacheConfig,
@@ -297,7 +299,11 @@ _RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
         ("memory_share", "gpu_memory_utilization"), (_fraction, "greater than 0, at most 1")
     ),
 }
-_CHOICES = {"programmatic_launch": PDL_MODES, "cuda_graph_mode": CUDA_GRAPH_MODES}
+_CHOICES = {
+    "programmatic_launch": PDL_MODES,
+    "cuda_graph_mode": CUDA_GRAPH_MODES,
+    "kv_cache_dtype": KV_CACHE_DTYPES,
+}
 _KIND_NAMES = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
 
 
