@@ -22,24 +22,7 @@ from ember.runner.cuda_graphs import GraphKey, StepGraphs
 class PlannedReferenceAttention(TritonAttention):
     """The Triton backend's planning with the reference backend's arithmetic."""
 
-    def forward(
-        self,
-        q,
-        k,
-        v,
-        ctx,
-        cos_sin_cache,
-        k_cache,
-        v_cache,
-        scale,
-        out,
-        row_norm=None,
-        kv_scales=(1.0, 1.0),
-    ):
-        reference = ReferenceAttention()
-        return reference.forward(
-            q, k, v, ctx, cos_sin_cache, k_cache, v_cache, scale, out, row_norm, kv_scales
-        )
+    forward = ReferenceAttention.forward
 
 
 def planned_attention(

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.attention_steps import copy_step, random_step, split_qkv, step_context
 
 from ember.config import StepLimits
 from ember.layers.attention import ReferenceAttention, select_attention
-from ember.layers.forward_context import ForwardContext
 from ember.layers.ops import triton_ops
-from ember.layers.reference_ops import build_cos_sin_cache
 from ember.layers.row_norm import RowNorm
 
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 8, 2, 64, 16
@@ -18,30 +17,7 @@ HEADS, KV_HEADS, HEAD_DIM, PAGE = 8, 2, 64, 16
 
 def _step(gen, q_lens, seq_lens):
     """Inputs of one step over a shuffled cache: q/k/v as views of one fused buffer."""
-    tokens, batch = sum(q_lens), len(seq_lens)
-    blocks = [-(-n // PAGE) for n in seq_lens]
-    ids = (torch.randperm(sum(blocks), generator=gen) + 1).tolist()
-    table = torch.zeros(batch, max(blocks), dtype=torch.int32)
-    for seq, n in enumerate(blocks):
-        table[seq, :n] = torch.tensor([ids.pop() for _ in range(n)], dtype=torch.int32)
-    positions = torch.cat([torch.arange(n - q, n) for q, n in zip(q_lens, seq_lens)])
-    seq_of_token = torch.repeat_interleave(torch.arange(batch), torch.tensor(q_lens))
-    slots = table[seq_of_token, positions // PAGE].long() * PAGE + positions % PAGE
-    slots[-1] = -1  # the last token is padding
-    cache_shape = (sum(blocks) + 1, PAGE, KV_HEADS, HEAD_DIM)
-    return {
-        "qkv": torch.randn(tokens, (HEADS + 2 * KV_HEADS) * HEAD_DIM, generator=gen),
-        "positions": positions,
-        "cos_sin": build_cos_sin_cache(HEAD_DIM, 1024, 500000.0, None),
-        "slots": slots,
-        "k_cache": torch.randn(cache_shape, generator=gen),
-        "v_cache": torch.randn(cache_shape, generator=gen),
-        "query_start_loc": torch.tensor([0, *q_lens]).cumsum(0).to(torch.int32),
-        "seq_lens": torch.tensor(seq_lens, dtype=torch.int32),
-        "block_tables": table,
-        "max_query_len": max(q_lens),
-        "max_seq_len": max(seq_lens),
-    }
+    return random_step(gen, q_lens, seq_lens, HEADS, KV_HEADS, HEAD_DIM, PAGE)
 
 
 def _triton(device, fuse_decode=True):
@@ -59,25 +35,11 @@ def _triton(device, fuse_decode=True):
 
 
 def _run(backend, step, device, deferred_norm=False, inputs=None, **kwargs):
-    s = {k: v.clone().to(device) if torch.is_tensor(v) else v for k, v in step.items()}
+    s = copy_step(step, device)
     if deferred_norm:  # q/k/v as products of un-normalised rows: 1/rms applied in the kernels
         kwargs["row_norm"] = RowNorm(s["parts"], 512, 1e-5)
-    n = s["qkv"].shape[0]
-    q, k, v = s["qkv"].split([HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], -1)
-    q, k, v = (
-        q.view(n, HEADS, HEAD_DIM),
-        k.view(n, KV_HEADS, HEAD_DIM),
-        v.view(n, KV_HEADS, HEAD_DIM),
-    )
-    ctx = ForwardContext(
-        positions=s["positions"],
-        slot_mapping=s["slots"],
-        query_start_loc=s["query_start_loc"],
-        seq_lens=s["seq_lens"],
-        block_tables=s["block_tables"],
-        max_query_len=s["max_query_len"],
-        max_seq_len=s["max_seq_len"],
-    )
+    q, k, v = split_qkv(s["qkv"], HEADS, KV_HEADS, HEAD_DIM)
+    ctx = step_context(s)
     out = torch.full_like(q, float("nan"))
     backend.forward(
         q, k, v, ctx, s["cos_sin"], s["k_cache"], s["v_cache"], HEAD_DIM**-0.5, out, **kwargs

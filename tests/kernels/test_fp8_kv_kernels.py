@@ -10,6 +10,7 @@ import dataclasses
 
 import pytest
 import torch
+from helpers.attention_steps import copy_step, random_step, split_qkv, step_context
 
 from ember.config import StepLimits
 from ember.kernels.attention_plan import AttentionPlanner, AttentionTuning
@@ -17,10 +18,8 @@ from ember.kernels.compile_ahead import kernels_interpreted
 from ember.kernels.paged_attention import DecodeRope, paged_attention
 from ember.kernels.rope_cache_write import rope_and_cache_write
 from ember.layers.attention import select_attention
-from ember.layers.forward_context import ForwardContext
 from ember.layers.ops import triton_ops
 from ember.layers.reference_ops import (
-    build_cos_sin_cache,
     paged_attention_reference,
     quantize_kv_reference,
     rope_and_cache_write_reference,
@@ -35,70 +34,29 @@ CPU = torch.device("cpu")
 TOLERANCE = {torch.float32: 2e-4, torch.bfloat16: 2e-2}
 
 
-def _fp8_cache(gen, num_blocks: int) -> torch.Tensor:
-    """Earlier steps' keys (or values) as an FP8 cache holds them: random float8 entries."""
-    values = torch.randn(num_blocks, PAGE, KV_HEADS, HEAD_DIM, generator=gen)
-    return quantize_kv_reference(values, KV_SCALES[0])
-
-
 def _step(gen, q_lens, seq_lens, dtype):
-    """One step over a shuffled FP8 cache: q/k/v as views of one fused buffer, the last token
-    padding (slot -1). A few keys and values are large enough to clamp at 448 * scale."""
-    tokens, batch = sum(q_lens), len(seq_lens)
-    blocks = [-(-n // PAGE) for n in seq_lens]
-    ids = (torch.randperm(sum(blocks), generator=gen) + 1).tolist()
-    table = torch.zeros(batch, max(blocks), dtype=torch.int32)
-    for seq, n in enumerate(blocks):
-        table[seq, :n] = torch.tensor([ids.pop() for _ in range(n)], dtype=torch.int32)
-    positions = torch.cat([torch.arange(n - q, n) for q, n in zip(q_lens, seq_lens)])
-    seq_of_token = torch.repeat_interleave(torch.arange(batch), torch.tensor(q_lens))
-    slots = table[seq_of_token, positions // PAGE].long() * PAGE + positions % PAGE
-    slots[-1] = -1
-    qkv = torch.randn(tokens, (HEADS + 2 * KV_HEADS) * HEAD_DIM, generator=gen)
-    qkv[0, HEADS * HEAD_DIM :] *= 400.0  # the first token's k and v past the FP8 range
-    return {
-        "qkv": qkv.to(dtype),
-        "positions": positions,
-        "cos_sin": build_cos_sin_cache(HEAD_DIM, 1024, 500000.0, None),
-        "slots": slots,
-        "k_cache": _fp8_cache(gen, sum(blocks) + 1),
-        "v_cache": _fp8_cache(gen, sum(blocks) + 1),
-        "query_start_loc": torch.tensor([0, *q_lens]).cumsum(0).to(torch.int32),
-        "seq_lens": torch.tensor(seq_lens, dtype=torch.int32),
-        "block_tables": table,
-        "max_query_len": max(q_lens),
-        "max_seq_len": max(seq_lens),
-    }
+    """One step over a shuffled FP8 cache (earlier steps' keys and values as random float8
+    entries): q/k/v as views of one fused buffer, the last token padding (slot -1). A few keys
+    and values are large enough to clamp at 448 * scale."""
 
+    def fp8_cache(shape):
+        return quantize_kv_reference(torch.randn(shape, generator=gen), KV_SCALES[0])
 
-def _copy(step, device="cpu"):
-    """The step's tensors copied to ``device`` (the rest as they are)."""
-    return {k: v.clone().to(device) if torch.is_tensor(v) else v for k, v in step.items()}
+    step = random_step(gen, q_lens, seq_lens, HEADS, KV_HEADS, HEAD_DIM, PAGE, fp8_cache)
+    step["qkv"][0, HEADS * HEAD_DIM :] *= 400.0  # the first token's k and v past the FP8 range
+    step["qkv"] = step["qkv"].to(dtype)
+    return step
 
 
 def _qkv(s):
-    n = s["qkv"].shape[0]
-    q, k, v = s["qkv"].split([HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], -1)
-    return (
-        q.view(n, HEADS, HEAD_DIM),
-        k.view(n, KV_HEADS, HEAD_DIM),
-        v.view(n, KV_HEADS, HEAD_DIM),
-    )
+    return split_qkv(s["qkv"], HEADS, KV_HEADS, HEAD_DIM)
 
 
 def _run_layer(backend, step, device, kv_scales=KV_SCALES):
     """One layer's attention step through ``backend``: its output and both caches."""
-    s = _copy(step, device)
+    s = copy_step(step, device)
     q, k, v = _qkv(s)
-    ctx = ForwardContext(
-        positions=s["positions"],
-        slot_mapping=s["slots"],
-        query_start_loc=s["query_start_loc"],
-        seq_lens=s["seq_lens"],
-        block_tables=s["block_tables"],
-        max_query_len=s["max_query_len"],
-        max_seq_len=s["max_seq_len"],
-    )
+    ctx = step_context(s)
     out = torch.full_like(q, float("nan"))
     backend.forward(
         q,
@@ -133,7 +91,7 @@ def _reference(step, read_caches=None):
     """The reference's layer step: its output and the caches it wrote. ``read_caches``: attend
     over these instead (those the kernels wrote), so that a key stored a step apart on a GPU
     (`_assert_cache_matches`) moves neither output."""
-    s = _copy(step)
+    s = copy_step(step)
     q, k, v = _qkv(s)
     caches = s["k_cache"], s["v_cache"]
     rope_and_cache_write_reference(
@@ -180,7 +138,7 @@ def test_the_prefill_write_stores_what_the_reference_stores(gen, device, dtype):
     to the model's dtype first, and the value, each by its own scale, clamped at 448."""
     step = _step(gen, [5, 12], [9, 40], dtype)
     _, *wanted = _reference(step)
-    got = _copy(step, device)
+    got = copy_step(step, device)
     rope_and_cache_write(
         *_qkv(got),
         got["positions"],
@@ -236,7 +194,7 @@ def test_a_decode_writing_in_the_kernel_reads_its_new_key_as_stored(
     takes the key's row from the values the kernel stored: they must be the quantized ones, or
     that tile would see keys a later step reads otherwise."""
     step = _step(gen, [1] * 4, seq_lens, torch.float32)
-    on = _copy(step, device)
+    on = copy_step(step, device)
     q_dev, k_dev, v_dev = _qkv(on)
     rope = DecodeRope(k_dev, v_dev, on["positions"], on["cos_sin"], on["slots"])
     (launch,) = _planner(q_dev).plan(4, 1, max(seq_lens), splits=num_splits)

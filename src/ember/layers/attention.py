@@ -121,32 +121,9 @@ class AttentionBackend:
 class ReferenceAttention(AttentionBackend):
     """Plain PyTorch, one sequence at a time in float32."""
 
-    def forward(
-        self,
-        q,
-        k,
-        v,
-        ctx,
-        cos_sin_cache,
-        k_cache,
-        v_cache,
-        scale,
-        out,
-        row_norm=None,
-        kv_scales=(1.0, 1.0),
-    ):
+    def forward(self, q, k, v, ctx, cos_sin_cache, k_cache, v_cache, scale, out, **options):
         return rope_and_attention_reference(
-            q,
-            k,
-            v,
-            ctx,
-            cos_sin_cache,
-            k_cache,
-            v_cache,
-            scale,
-            out,
-            row_norm=row_norm,
-            kv_scales=kv_scales,
+            q, k, v, ctx, cos_sin_cache, k_cache, v_cache, scale, out, **options
         )
 
 
@@ -234,20 +211,7 @@ class TritonAttention(AttentionBackend):
         pdl = self.launches_with_pdl(num_seqs)  # a decode step's rows are its sequences
         return TritonStepAttention(self.planner.decode_plan(num_seqs, max_seq_len, pdl=pdl))
 
-    def forward(
-        self,
-        q,
-        k,
-        v,
-        ctx,
-        cos_sin_cache,
-        k_cache,
-        v_cache,
-        scale,
-        out,
-        row_norm=None,
-        kv_scales=(1.0, 1.0),
-    ):
+    def forward(self, q, k, v, ctx, cos_sin_cache, k_cache, v_cache, scale, out, **options):
         step = ctx.attention
         if step is None:  # a forward pass the runner did not stage (a test's own context)
             step = self.metadata(
@@ -267,9 +231,8 @@ class TritonAttention(AttentionBackend):
             split_counters=self.split_counters,
             chunk_tiles=step.chunk_tiles,
             fuse_decode=self.fuse_decode,
-            row_norm=row_norm,
-            kv_scales=kv_scales,
             pdl=self.launches_with_pdl(q.shape[0]),
+            **options,
         )
 
 
