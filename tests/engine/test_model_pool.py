@@ -331,3 +331,31 @@ def test_an_llm_gives_its_memory_back_when_closed_or_dropped(models):
     del dropped
     gc.collect()
     assert weights() is None
+
+
+def test_the_model_with_the_fewest_requests_is_put_to_sleep_first(models):
+    """Two busy models, room for two and a half: a third one's load would evict the less busy
+    of them, not the least recently used; and neither before its time slice."""
+    pool = ModelPool(
+        [
+            engine_config(models[name], served_model_name=name, **options())
+            for name in ("llama", "qwen", "mistral")
+        ],
+        MemoryConfig(),
+    )
+    largest = max(pool.footprint(name) for name in pool.slots)
+    pool.budget.total_bytes = int(largest * 2.5)
+    long_run = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    for name, count in (("llama", 3), ("qwen", 1)):
+        pool.command(name, "load", lambda result: None)
+        for i in range(count):
+            pool.add_request(name, f"{name}{i}", PROMPTS[i], long_run)
+    pool.step()
+    pool.slots["llama"].last_used = 0.0  # llama is the least recently used, yet the busiest
+    mistral = pool.slots["mistral"]
+    need = pool.footprint("mistral")
+    assert pool._victims(mistral, need, force=False) == (None, True)  # slices not yet over
+    for name in ("llama", "qwen"):
+        pool.slots[name].loaded_at -= pool.min_residency_s
+    victims, possible = pool._victims(mistral, need, force=False)
+    assert possible and [v.name for v in victims] == ["qwen"]

@@ -16,10 +16,11 @@ Policies, in one place:
   ``kv_cache_memory_bytes`` (or block count) if set, else its ``memory_share`` of the budget, else
   an equal share per configured model (all of the budget for a single model); never below one
   sequence of its context.
-- **Eviction.** A load or wake that does not fit puts the least recently used loaded model that
-  is not pinned to sleep (its running requests are preempted and resume after wake), then the
-  next, and unloads sleeping models that still hold memory; if everything evictable would not
-  make room, the load is refused with an error and nothing is evicted.
+- **Eviction.** A load or wake that does not fit puts the unpinned loaded model with the fewest
+  requests (then the least recently used) to sleep (its running requests are preempted and
+  resume after wake), then the next, and unloads sleeping models that still hold memory; a
+  model with requests is evicted only after its time slice (``min_residency_s``); if everything
+  evictable would not make room, the load is refused with an error and nothing is evicted.
 - **Idle.** A loaded model with an idle timeout and no requests for that long sleeps.
 - **Interleaving.** Every loaded model with work steps once per engine iteration, in a fixed
   order (round-robin). A step is bounded by its model's token budget, so one model's prefill
@@ -60,8 +61,11 @@ from ember.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 # A loaded model with requests keeps its memory at least this long before another model's
-# requests may evict it: the time slice of models that do not fit together.
-MIN_RESIDENCY_S = 2.0
+# requests may evict it: the time slice of models that do not fit together. A swap costs a
+# sleep and a wake (about 0.7 s for an 8B from pinned memory) and the recompute of the victim's
+# preempted requests (seconds at a full batch): the slice must dwarf it, or models that all
+# have traffic spend their time swapping (bench/results/README.md, "multi-model traffic").
+MIN_RESIDENCY_S = 10.0
 
 
 class ModelState(str, enum.Enum):
@@ -540,9 +544,13 @@ class ModelPool:
                 or now - other.loaded_at >= self.min_residency_s
             )
         ]
-        # Loaded models sleep first (least recently used first); sleeping ones are unloaded
-        # only if that is still not enough (their graphs and buffers are what they hold).
-        candidates.sort(key=lambda s: (s.state is ModelState.SLEEPING, s.last_used))
+        # Loaded models sleep first, those with the fewest requests first (the least work
+        # preempted, and the busiest models stay), then the least recently used; sleeping ones
+        # are unloaded only if that is still not enough (their graphs and buffers are what
+        # they hold).
+        candidates.sort(
+            key=lambda s: (s.state is ModelState.SLEEPING, s.request_count(), s.last_used)
+        )
         victims = []
         for other in candidates:
             if need <= free:
