@@ -5,7 +5,7 @@
 #   tools/gpu_run.sh OUTDIR [STAGE ...]       stages, run in the order given:
 #                                             tests step profile tune parity serve peer
 #                                             multi_wake multi_pair multi_traffic startup
-#                                             resilience multi_turn structured
+#                                             resilience multi_turn structured fp8
 #                                             (default: tests step parity serve peer)
 #
 # Needs, carried beside the tree (tools/prepare_gpu_assets.sh makes them here):
@@ -138,6 +138,32 @@ stage_serve() {  # the first size, then the pinned run (its ratio to the first),
   [ "$pinned" != 0 ] && serve_once "${pinned}_pinned" --num-prompts "$pinned" --server-cpus 0
   for n in "${sizes[@]:1}"; do
     serve_once "$n" --num-prompts "$n"
+  done
+}
+
+# FP8 (issue 42): the same 8B shape written as an FP8 checkpoint (compressed-tensors layout,
+# per-channel weight scales), its decode/prefill steps against the FP8 roofline, and ShareGPT at
+# concurrency 200 with FP8 weights, FP8 weights + FP8 KV cache, and bf16 beside them.
+FP8_MODEL=/tmp/$PRESET-fp8
+stage_fp8() {
+  make_model
+  if [ ! -f "$FP8_MODEL/config.json" ]; then
+    stamp "make-model $PRESET --quantization fp8"
+    limited $PY -m ember.cli bench make-model --preset "$PRESET" --out "$FP8_MODEL" \
+      --quantization fp8 --tokenizer-dir "$EMBER_TEST_TOKENIZER_DIR" || return 1
+  fi
+  stamp "bench step fp8 weights"
+  limited $PY -m ember.cli bench step --model "$FP8_MODEL" --out "$RES/step_fp8" \
+    --sections decode prefill --decode-batches 1 64 256 ${EMBER_STEP_ARGS:-}
+  stamp "bench step fp8 weights + fp8 kv"
+  limited $PY -m ember.cli bench step --model "$FP8_MODEL" --out "$RES/step_fp8_kv" \
+    --sections decode --decode-batches 1 64 256 --kv-cache-dtype fp8 ${EMBER_STEP_ARGS:-}
+  local n
+  for n in ${EMBER_FP8_PROMPTS:-1000}; do
+    MODEL=$FP8_MODEL serve_once "fp8_${n}" --num-prompts "$n"
+    SERVER_ARGS="$SERVER_ARGS --kv-cache-dtype fp8" MODEL=$FP8_MODEL \
+      serve_once "fp8_kv_${n}" --num-prompts "$n"
+    serve_once "bf16_${n}" --num-prompts "$n"
   done
 }
 
@@ -278,7 +304,7 @@ stage_structured() {  # a JSON-schema constraint against none, per output token,
 for stage in $STAGES; do
   case $stage in
     tests | step | profile | tune | parity | serve | peer | multi_wake | multi_pair | multi_traffic \
-      | startup | resilience | multi_turn | structured)
+      | startup | resilience | multi_turn | structured | fp8)
       "stage_$stage" ;;
     *) echo "unknown stage: $stage" ;;
   esac

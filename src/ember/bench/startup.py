@@ -125,6 +125,7 @@ def _run_scenario(
         model = args.s3_url
         flags += ["--download-dir", str(work / f"downloads-{time.monotonic_ns()}")]
     flags += ["--kernel-cache-dir", str(kernels)]
+    cached_kernels = _files_under(kernels)
     log_path = work / f"{scenario}.log"
     spec = LaunchSpec(
         model=model,
@@ -151,12 +152,18 @@ def _run_scenario(
         os.replace(kernels, kernel_dir)
     return {
         "command": command,
+        "kernel_cache": {"dir": str(kernels), "files_before": cached_kernels},
         "page_cache_dropped": dropped,
         "first_token_s": moments["first_token"],
         "moments_s": moments,
         "phases": phases_of(timeline, started),
         "timeline": timeline,
     }
+
+
+def _files_under(directory: Path) -> int:
+    """Files in a kernel cache directory (0 if it does not exist): says how warm a start was."""
+    return sum(1 for path in directory.rglob("*") if path.is_file()) if directory.exists() else 0
 
 
 def _first_token(base_url: str) -> float:
@@ -213,6 +220,9 @@ def format_scenario(name: str, result: dict[str, Any]) -> str:
     lines += [
         f"  {phase:<34} {start:7.2f} -> {end:7.2f} s" for phase, start, end in result["phases"]
     ]
+    cache = result.get("kernel_cache") or {}
+    if cache:
+        lines.append(f"  kernel cache {cache['dir']}: {cache['files_before']} files before start")
     for model, load in (result.get("timeline", {}).get("loads") or {}).items():
         if "kernels_compiled" in load:
             lines.append(

@@ -126,6 +126,18 @@ class CompileCounts:
                 self.compile_seconds += seconds
 
 
+def prime_cache_key() -> None:
+    """Compute Triton's own part of every kernel's cache key once, here: it hashes Triton's
+    sources and its 400 MB library on first use, unlocked, so compile threads that meet it
+    together would each hash it again. Best effort (a private function of Triton's)."""
+    try:
+        from triton.runtime.cache import triton_key
+
+        triton_key()
+    except Exception as exc:  # noqa: BLE001 - the compiles compute it themselves anyway
+        logger.debug("priming Triton's cache key failed: %r", exc)
+
+
 @contextmanager
 def compile_ahead(workers: int, counts: CompileCounts | None = None) -> Iterator[None]:
     """Within the block, `launch` queues compiles on ``workers`` threads and runs no kernel; on
@@ -133,6 +145,7 @@ def compile_ahead(workers: int, counts: CompileCounts | None = None) -> Iterator
     ``counts``: filled with what the pass compiled and what it found cached."""
     import triton
 
+    prime_cache_key()
     knobs = triton.knobs.compilation
     listener_before = knobs.listener
     if counts is not None:

@@ -69,6 +69,12 @@ def prepare(
     """Point Triton's cache at this GPU's directory and, for a model from an object store that
     carries kernels compiled for this GPU and these versions, fetch them first. Returns the
     directory (None: the user's ``TRITON_CACHE_DIR`` is used)."""
+    try:
+        from ember.kernels.triton_cache import use_relocatable_cache
+    except ImportError:  # no Triton: nothing compiles, nothing to cache
+        pass
+    else:
+        use_relocatable_cache()  # a directory published, fetched or moved keeps its kernels
     key = cache_key(device)
     directory = managed_dir(key, cache_root(root))
     if directory is None:
