@@ -38,6 +38,11 @@ def test_every_default_configuration_fits_an_h200():
     results = json.loads(done.stdout)
     cases = {(r["kernel"], r["case"]) for r in results}
     assert ("skinny_gemm", "gate_up m=1") in cases and ("stream_k_gemm", "gate_up m=128") in cases
+    # The fused MoE on each path its default table takes (by pair at T=1, grouped past it).
+    for case in ("gpt-oss-20b T=1", "qwen3-30b-a3b T=4096"):
+        assert ("gate_up_kernel", case) in cases
+    assert ("down_by_token_kernel", "qwen3-30b-a3b T=1") in cases
+    assert ("down_grouped_kernel", "gpt-oss-20b T=4096") in cases
     # The attention kernel as the planner launches it, its heaviest variants among them.
     attention = {r["case"]: r["constexprs"] for r in results if r["kernel"] == "paged_attention"}
     launches = {"decode split", "decode", "decode, full grid", "mixed decodes", "mixed chunks"}

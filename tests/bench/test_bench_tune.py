@@ -3,6 +3,8 @@ of the attention sweep computes what the engine's planned launch computes."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -79,3 +81,78 @@ def test_every_swept_attention_launch_computes_the_planned_attention(context):
         attend(inputs, out, launches, counters)
         torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4, msg=name)
     assert not counters.any()  # the split path leaves its arrival counters at zero
+
+
+# -- moe -------------------------------------------------------------------------------------
+
+
+def test_moe_paths_by_pair_at_decode_and_grouped_block_sizes_up_to_the_rows_per_expert():
+    from ember.bench.tune_moe import MOE_SHAPES, paths_for
+
+    qwen = MOE_SHAPES["qwen3-30b-a3b"]
+    assert set(paths_for(qwen, 1, 132)) == {"by_pair", "grouped_m16"}
+    # 4096 tokens x 8 over 128 experts: 256 rows an expert, every block size worth timing.
+    grouped = paths_for(qwen, 4096, 132)
+    assert set(grouped) == {f"grouped_m{m}" for m in (16, 32, 64, 128)}
+    assert all(t.block_m == int(name[9:]) and not t.by_pair for name, t in grouped.items())
+
+
+def test_moe_sweep_is_coordinate_descent_over_gate_up_then_down():
+    from ember.bench.tune_moe import STREAM_CANDIDATES, candidates, sweep_path, tiles_key
+    from ember.kernels.moe_tiles import MoeShape, default_moe_tiles
+
+    start = default_moe_tiles(MoeShape(8, 1024, 512, 2), 1)
+    target_gate_up, target_down = candidates(start)[2], candidates(start)[4]
+
+    def measure(tiles):  # fastest at the target tiles; 64-column gate/up tiles fail
+        if tiles.gate_up.block_n == 64:
+            return "OutOfResources: shared memory"
+        return 10.0 - (tiles.gate_up == target_gate_up) - (tiles.down == target_down)
+
+    best, times = sweep_path(measure, start, elem_bytes=2)
+    assert (best.gate_up, best.down) == (target_gate_up, target_down)
+    assert len(times) <= 1 + 2 * len(STREAM_CANDIDATES)
+    assert sum(isinstance(us, str) for us in times.values()) == 2  # both 64-column candidates
+    assert tiles_key(start) in times
+
+
+def test_moe_table_reads_back_into_the_tuning():
+    from ember.bench.tune_moe import MOE_SHAPES, measured_as_dict, measured_rows
+    from ember.kernels.moe_tiles import MeasuredMoeTiles, MoeTuning, default_moe_tiles
+
+    shape = MOE_SHAPES["gpt-oss-20b"]
+    tiles = default_moe_tiles(shape, 300)
+    table = [measured_as_dict(MeasuredMoeTiles(shape, 8, tiles))]
+    tuning = MoeTuning().with_measured(*measured_rows(json.loads(json.dumps(table))))
+    assert tuning.tiles_for(shape, 5) == tiles != default_moe_tiles(shape, 5)
+
+
+@pytest.mark.parametrize("tokens", [3, 40])
+def test_every_swept_moe_tiling_computes_the_reference(tokens):
+    """Each candidate the moe sweep times runs the kernels to the reference's result (Triton's
+    interpreter on the CPU, a tiny expert shape)."""
+    from helpers.moe_reference import moe_reference, moe_weights, routing
+
+    from ember.bench.tune_moe import paths_for, sweep_path
+    from ember.kernels.fused_moe import fused_moe
+    from ember.kernels.moe_tiles import MoeShape
+
+    shape = MoeShape(6, 64, 32, 2, elem_bytes=4)
+    gen = torch.Generator().manual_seed(tokens)
+    weights = moe_weights(6, 64, 32, gen, bias=True)
+    x = torch.randn(tokens, 64, generator=gen)
+    topk_ids, topk_weights = routing("random", tokens, 6, 2, gen)
+    expected = moe_reference(x, **weights, topk_weights=topk_weights, topk_ids=topk_ids)
+    ran = []
+
+    def measure(tiles):
+        out = fused_moe(x, **weights, topk_weights=topk_weights, topk_ids=topk_ids, tiles=tiles)
+        torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=1e-4)
+        ran.append(tiles)
+        return 1.0
+
+    paths = paths_for(shape, tokens, num_sms=132)
+    for tiles in paths.values():
+        sweep_path(measure, tiles, shape.elem_bytes)
+    assert any(t.by_pair for t in ran) == (tokens <= 16)
+    assert len({t.block_m for t in ran}) == len({t.block_m for t in paths.values()})

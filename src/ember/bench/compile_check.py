@@ -249,17 +249,93 @@ def _attention_configs(kv_fp8: bool) -> list[CompiledConfig]:
     return results
 
 
+# Token counts at which the fused MoE's default tiles take each path: by pair (a decode),
+# grouped on 16-row blocks, on tensor-core blocks (a prefill).
+_MOE_TOKENS = (1, 16, 4096)
+
+
+def moe_configs() -> list[CompiledConfig]:
+    """The fused MoE's kernels as its default table launches them (bf16, no biases: the
+    biases' loads come after the main loop) for each shape of `ember.bench.tune_moe`, and the
+    alignment where the path runs it (the sum over k stages nothing in shared memory)."""
+    from ember.bench.tune_moe import MOE_SHAPES
+    from ember.kernels.moe_align import _align_kernel
+    from ember.kernels.moe_gemm import (
+        _down_by_token_kernel,
+        _down_grouped_kernel,
+        _gate_up_kernel,
+    )
+    from ember.kernels.moe_tiles import MoeTuning, next_power_of_2
+
+    types = {
+        **{p: "*bf16" for p in ("x_ptr", "w_ptr", "bias_ptr", "out_ptr", "a_ptr")},
+        **{p: "*i32" for p in ("sorted_ids_ptr", "experts_ptr", "expert_of_block_ptr")},
+        **{p: "*i32" for p in ("ids_ptr", "used_blocks_ptr")},
+        "weights_ptr": "*fp32",
+    }
+    divisible = {*types, "inter", "hidden"} | {
+        f"stride_{s}" for s in ("xt", "we", "wn", "be", "om", "am", "ot")
+    }
+    results = []
+    for name, shape in MOE_SHAPES.items():
+        for tokens in _MOE_TOKENS:
+            tiles = MoeTuning().tiles_for(shape, tokens)
+            case = f"{name} T={tokens}"
+            base = {"HAS_BIAS": False, "DOT_PRECISION": "tf32"}
+            launches = []
+            for product, k in (("gate_up", shape.hidden), ("down", shape.intermediate)):
+                gemm = getattr(tiles, product)
+                common = {
+                    **base,
+                    "EVEN_K": k % gemm.block_k == 0,
+                    "BLOCK_M": tiles.block_m,
+                    "BLOCK_N": gemm.block_n,
+                    "BLOCK_K": gemm.block_k,
+                    "STAGES": gemm.stages,
+                }
+                if product == "gate_up":
+                    kernel = _gate_up_kernel
+                    constexprs = {
+                        **common,
+                        "TOP_K": shape.top_k,
+                        "BY_PAIR": tiles.by_pair,
+                        "ACTIVATION": 0,
+                        "GROUP_M": gemm.group_m,
+                    }
+                elif tiles.by_pair:
+                    kernel = _down_by_token_kernel
+                    slots = next_power_of_2(shape.top_k)
+                    constexprs = {**common, "TOP_K": shape.top_k, "SLOTS": slots}
+                else:
+                    kernel = _down_grouped_kernel
+                    constexprs = {**common, "GROUP_M": gemm.group_m}
+                launches.append((kernel, constexprs, gemm.num_warps))
+            if not tiles.by_pair:
+                experts = next_power_of_2(shape.num_experts)
+                align = {
+                    "BLOCK_M": tiles.block_m,
+                    "EXPERTS": experts,
+                    "CHUNK": max(16, min(1024, 4096 // experts)),
+                }
+                launches.append((_align_kernel, align, 8 if experts >= 64 else 4))
+            for kernel, constexprs, warps in launches:
+                shared = compile_for_sm90(kernel, types, divisible, constexprs, warps)
+                kernel_name = kernel.fn.__name__.strip("_")
+                results.append(CompiledConfig(kernel_name, case, constexprs, warps, shared))
+    return results
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", action="store_true", help="one JSON list on stdout")
     args = parser.parse_args(argv)
-    results = skinny_gemm_configs() + stream_k_gemm_configs() + attention_configs()
+    results = skinny_gemm_configs() + stream_k_gemm_configs() + attention_configs() + moe_configs()
     if args.json:
         print(json.dumps([{**asdict(r), "fits": r.fits} for r in results]))
     else:
         for r in results:
             verdict = "fits" if r.fits else "DOES NOT FIT"
-            print(f"{r.kernel:16} {r.case:26} {r.shared_bytes / 1024:6.0f} KiB  {verdict}")
+            print(f"{r.kernel:22} {r.case:26} {r.shared_bytes / 1024:6.0f} KiB  {verdict}")
         print(f"limit {SM90_SHARED_MEMORY_LIMIT / 1024:.0f} KiB per block (sm_90)")
     return 0 if all(r.fits for r in results) else 1
 

@@ -13,6 +13,8 @@ route there now beside what measured fastest:
   float32 partial sums that the norm adds up. `LinearRoutes.split_k_*`.
 - ``stream_k``: gate/up past the skinny GEMM's rows, cuBLAS then SiLU-and-mul against the
   one-wave stream-K kernel. `LinearRoutes.stream_k_rows`.
+- ``moe``: the fused MoE's paths and tiles per expert shape (``--moe-shapes``, not the preset)
+  and token count, against the chosen experts' bytes (`ember.bench.tune_moe`). `MoeTuning`.
 
 GEMMs are timed as a decode step runs them: layer after layer of distinct weights replayed from
 one CUDA graph, so no weight stays in L2 (`ember.bench.roofline.sequence_seconds`). Attention is
@@ -31,8 +33,9 @@ import torch
 
 from ember.bench.make_model import PRESETS
 from ember.bench.roofline import gpu_seconds, measure_ceilings, sequence_seconds
+from ember.bench.tune_moe import MOE_SHAPES, MOE_TOKENS, bench_moe
 
-SECTIONS = ("gemm", "attention", "split_k", "stream_k")
+SECTIONS = ("gemm", "attention", "split_k", "stream_k", "moe")
 
 # -- rows ------------------------------------------------------------------------------------
 
@@ -544,6 +547,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=list(SECTIONS),
         help="what to sweep (default: all), in this order",
     )
+    parser.add_argument(
+        "--moe-shapes",
+        nargs="+",
+        choices=sorted(MOE_SHAPES),
+        default=sorted(MOE_SHAPES),
+        help="the expert shapes the moe section sweeps",
+    )
+    parser.add_argument(
+        "--moe-tokens",
+        nargs="+",
+        type=int,
+        default=list(MOE_TOKENS),
+        help="the token counts the moe section sweeps",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -563,6 +580,9 @@ def run(args: argparse.Namespace) -> int:
         "attention": lambda: bench_attention_tiles(args.preset, hbm),
         "split_k": lambda: bench_split_k(args.preset),
         "stream_k": lambda: bench_stream_k(args.preset),
+        "moe": lambda: bench_moe(
+            {name: MOE_SHAPES[name] for name in args.moe_shapes}, hbm, args.moe_tokens
+        ),
     }
     for name in args.sections:
         result[name] = sweeps[name]()

@@ -2,7 +2,8 @@
 
 Which kernel runs a linear product at which size, at which step sizes the kernels launch with
 programmatic dependent launch, and how attention splits and tiles (`AttentionTuning`) are
-measured answers, not constants of the kernels: a model instance builds its `KernelTuning` once
+measured answers, not constants of the kernels; so are the fused MoE's paths and tiles per expert
+shape and token count (`MoeTuning`). A model instance builds its `KernelTuning` once
 for its device and passes it down to the ops it launches, so two models of different shapes in
 one process (or a GPU whose answers differ) each route by their own table. The defaults are the
 H200's; each names the command that measures it again (a "step A/B": `ember bench step` on the
@@ -17,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ember.kernels.attention_plan import AttentionTuning
+from ember.kernels.moe_tiles import MoeTuning
 
 # The skinny GEMM's largest M: its tiles hold at most this many rows (`ember.kernels.skinny_gemm`).
 SKINNY_GEMM_MAX_ROWS = 64
@@ -53,13 +55,15 @@ class LinearRoutes:
 
 @dataclass(frozen=True)
 class KernelTuning:
-    """A GPU's tables: linear routes, attention's splits and tiles, the decode step sizes (rows)
-    that launch with PDL under ``--programmatic-launch auto``, and the most rows a forward pass
-    runs with deferred RMSNorms (past the skinny GEMM, cuBLAS runs both forms alike and the
-    plain one measured faster)."""
+    """A GPU's tables: linear routes, attention's splits and tiles, the fused MoE's paths and
+    tiles, the decode step sizes (rows) that launch with PDL under ``--programmatic-launch
+    auto``, and the most rows a forward pass runs with deferred RMSNorms (past the skinny GEMM,
+    cuBLAS runs both forms alike and the plain one measured faster)."""
 
     linear: LinearRoutes = field(default_factory=LinearRoutes)
     attention: AttentionTuning = field(default_factory=AttentionTuning)
+    # Chosen by `ember bench tune --sections moe` (its heuristics until a shape is measured).
+    moe: MoeTuning = field(default_factory=MoeTuning)
     # Chosen by a step A/B of `--programmatic-launch off|on|auto` at batch 1-64
     # (bench/results/README.md, "PDL rows").
     pdl_rows: frozenset[int] = frozenset({1, 2, 4, 8, 16, 48, 64})
@@ -69,4 +73,5 @@ class KernelTuning:
     @classmethod
     def for_device(cls, device: torch.device) -> KernelTuning:
         """The table for ``device``: the H200's, with the device's SM count."""
-        return cls(attention=AttentionTuning.for_device(device))
+        attention = AttentionTuning.for_device(device)
+        return cls(attention=attention, moe=MoeTuning(num_sms=attention.num_sms))

@@ -65,6 +65,10 @@ class Ops:
     # (`ember.kernels.compile_ahead`); None: nothing to compile (the reference ops, or Triton's
     # CPU interpreter).
     compile_ahead: Callable[..., AbstractContextManager] | None = None
+    # (x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights [T, k], topk_ids [T, k],
+    # activation="silu", b13=None, b2=None) -> [T, H] in x's dtype: the routed experts' weighted
+    # sum (docs/CONTRACTS.md, "Fused MoE"). None: no MoE op on these ops.
+    moe_experts: Callable[..., torch.Tensor] | None = None
 
     def launches_with_pdl(self, rows: int) -> bool:
         """Whether a step of ``rows`` tokens launches its kernels with PDL."""
@@ -118,6 +122,7 @@ def triton_ops(
     require_triton()
     from ember.kernels import activation, argmax, rmsnorm, sampling
     from ember.kernels.compile_ahead import compile_ahead, kernels_interpreted
+    from ember.kernels.fused_moe import fused_moe
     from ember.kernels.linear import LinearRouter
 
     if programmatic_launch not in PDL_MODES:
@@ -155,6 +160,9 @@ def triton_ops(
         linear_parts=chained(router.linear_parts),
         add_parts_rms_norm=chained(rmsnorm.add_parts_rms_norm),
         compile_ahead=None if kernels_interpreted() else compile_ahead,
+        # The fused MoE kernels, their paths and tiles from the device's table; plain launches
+        # (no PDL in them yet: a step's chain waits at them as at a cuBLAS kernel).
+        moe_experts=partial(fused_moe, tuning=tuning.moe),
     )
 
 

@@ -1,0 +1,286 @@
+"""`ember bench tune --sections moe`: the fused MoE's paths and tiles per expert shape and token
+count, the rows of `ember.kernels.moe_tiles.MoeTuning`.
+
+For each shape of ``--moe-shapes`` and token count of ``--moe-tokens`` (uniformly random
+routing), every path that can serve the count (by pair up to `BY_PAIR_MAX_TOKENS`; grouped on
+each block size that fits the rows per expert) is timed whole, `fused_moe` replayed from a CUDA
+graph with L2 flushed before each call (`ember.bench.roofline.gpu_seconds`: a decode step's
+layers never find their experts in L2). A coordinate sweep per path: gate/up's tile candidates
+with down's tiles held at the heuristics', then down's with gate/up's best. Each row reports
+the floor (the chosen experts' weight bytes, and x and out, over the measured HBM copy rate),
+the heuristics' time, the best and its tiles; at grouped sizes also the two products alone
+against torch's grouped GEMM (``torch._grouped_mm``) on the same blocks, which says whether a
+library path would pay at large prefills. The section's ``table`` holds the best tiles as
+`MeasuredMoeTiles` rows (`measured_rows` reads them back into a `MoeTuning`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from functools import partial
+
+import torch
+
+from ember.kernels.moe_tiles import (
+    GemmTiles,
+    MeasuredMoeTiles,
+    MoeShape,
+    MoeTiles,
+    MoeTuning,
+    default_moe_tiles,
+    fit_shared_memory,
+)
+
+# Expert shapes of the MoE models ember serves: (E, H, I, k), bf16.
+MOE_SHAPES = {
+    "gpt-oss-20b": MoeShape(num_experts=32, hidden=2880, intermediate=2880, top_k=4),
+    "qwen3-30b-a3b": MoeShape(num_experts=128, hidden=2048, intermediate=768, top_k=8),
+}
+MOE_TOKENS = (1, 2, 4, 8, 16, 64, 256, 1024, 4096)
+BY_PAIR_MAX_TOKENS = 16
+BLOCK_MS = (16, 32, 64, 128)
+# Weight-stream candidates (decode): (block_n, block_k, stages, num_warps).
+STREAM_CANDIDATES = (
+    (16, 128, 4, 4),
+    (16, 256, 4, 4),
+    (32, 128, 4, 4),
+    (32, 256, 3, 4),
+    (64, 128, 4, 4),
+    (64, 256, 3, 8),
+)
+# Tensor-core candidates (prefill): (block_n, block_k, stages, num_warps, group_m).
+GEMM_CANDIDATES = (
+    (64, 64, 4, 4, 8),
+    (64, 64, 3, 8, 8),
+    (128, 64, 3, 8, 8),
+    (128, 64, 4, 8, 1),
+    (64, 128, 3, 8, 8),
+)
+
+
+def block_ms_for(shape: MoeShape, tokens: int) -> list[int]:
+    """Block sizes worth timing: up to the first whose rows cover the mean rows per expert."""
+    rows = tokens * shape.top_k / shape.num_experts
+    sizes = []
+    for block_m in BLOCK_MS:
+        sizes.append(block_m)
+        if block_m >= rows:
+            break
+    return sizes
+
+
+def paths_for(shape: MoeShape, tokens: int, num_sms: int) -> dict[str, MoeTiles]:
+    """The heuristic tiles of each path that can serve ``tokens``, by name."""
+    paths = {}
+    if tokens <= BY_PAIR_MAX_TOKENS:
+        by_pair = MoeTuning(num_sms=num_sms, by_pair_max_tokens=tokens)
+        paths["by_pair"] = default_moe_tiles(shape, tokens, by_pair)
+    grouped_only = MoeTuning(num_sms=num_sms, by_pair_max_tokens=0)
+    grouped = default_moe_tiles(shape, tokens, grouped_only)
+    for block_m in block_ms_for(shape, tokens):
+        tiles = grouped if grouped.block_m == block_m else _grouped_tiles(grouped, block_m)
+        paths[f"grouped_m{block_m}"] = fit_shared_memory(tiles, shape.elem_bytes)
+    return paths
+
+
+def _grouped_tiles(tiles: MoeTiles, block_m: int) -> MoeTiles:
+    """The heuristics' tiles for another block size: tensor-core tiles past 16 rows."""
+    if block_m == 16 or tiles.block_m > 16:
+        return replace(tiles, block_m=block_m)
+    warps = 4 if block_m <= 32 else 8
+    return MoeTiles(False, block_m, GemmTiles(64, 64, 4, warps, 8), GemmTiles(64, 64, 4, warps, 8))
+
+
+def candidates(tiles: MoeTiles) -> list[GemmTiles]:
+    """The product tiles swept for a path: weight-stream ones at 16 rows, tensor-core above."""
+    if tiles.block_m <= 16:
+        return [GemmTiles(*c) for c in STREAM_CANDIDATES]
+    return [GemmTiles(*c) for c in GEMM_CANDIDATES]
+
+
+def selected_bytes(shape: MoeShape, topk_ids: torch.Tensor) -> int:
+    """Bytes a step must move: each chosen expert's w13 and w2 once, x in and out out."""
+    experts = int(torch.unique(topk_ids).numel())
+    weights = experts * 3 * shape.hidden * shape.intermediate * shape.elem_bytes
+    return weights + 2 * topk_ids.shape[0] * shape.hidden * shape.elem_bytes
+
+
+def expert_weights(shape: MoeShape, seed: int = 0, device: str = "cuda") -> dict:
+    """Random bf16 ``w13`` and ``w2`` of ``shape``, scaled to keep products near unit size."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    e, h, i = shape.num_experts, shape.hidden, shape.intermediate
+    return {
+        "w13": (torch.randn(e, 2 * i, h, generator=g, device=device) / h**0.5).to(torch.bfloat16),
+        "w2": (torch.randn(e, h, i, generator=g, device=device) / i**0.5).to(torch.bfloat16),
+    }
+
+
+def token_inputs(shape: MoeShape, tokens: int, seed: int = 0, device: str = "cuda") -> dict:
+    """``x`` in bf16 and a routing uniformly random over distinct experts."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    scores = torch.rand(tokens, shape.num_experts, generator=g, device=device)
+    weights, ids = scores.topk(shape.top_k, dim=1)
+    x = torch.randn(tokens, shape.hidden, generator=g, device=device).to(torch.bfloat16)
+    return {
+        "x": x,
+        "topk_weights": weights / weights.sum(1, keepdim=True),
+        "topk_ids": ids.to(torch.int32),
+    }
+
+
+def _run_moe(inputs: dict, tiles: MoeTiles, tuning: MoeTuning) -> None:
+    from ember.kernels.fused_moe import fused_moe
+
+    fused_moe(**inputs, tiles=tiles, tuning=tuning)
+
+
+def sweep_path(measure, tiles: MoeTiles, elem_bytes: int) -> tuple[MoeTiles, dict[str, object]]:
+    """Coordinate sweep of one path from ``tiles``: gate/up's candidates, then down's with
+    gate/up's best; ``measure(tiles)`` gives µs (or why it failed). Returns the best tiles
+    and every timing by `tiles_key`."""
+    from ember.bench.tune import fastest
+
+    times: dict[str, object] = {}
+
+    def timed(trial: MoeTiles) -> object:
+        key = tiles_key(trial)
+        if key not in times:
+            times[key] = measure(trial)
+        return times[key]
+
+    best = tiles
+    timed(best)
+    for product in ("gate_up", "down"):
+        trials = {tiles_key(best): best}
+        for gemm in candidates(tiles):
+            trial = fit_shared_memory(replace(best, **{product: gemm}), elem_bytes)
+            trials[tiles_key(trial)] = trial
+        winner = fastest({key: timed(trial) for key, trial in trials.items()})
+        if winner is not None:
+            best = trials[winner]
+    return best, times
+
+
+def tiles_key(tiles: MoeTiles) -> str:
+    return f"m{tiles.block_m}_gu_{tiles.gate_up.name()}_dn_{tiles.down.name()}"
+
+
+def _products_us(inputs: dict, tiles: MoeTiles, tuning: MoeTuning) -> dict[str, object]:
+    """µs of the grouped path's two products alone, Triton's and torch's grouped GEMM's, on
+    the same aligned blocks (the alignment, gathers and sum left out of both)."""
+    from ember.bench.roofline import gpu_seconds
+    from ember.bench.tune import _us
+    from ember.kernels.moe_align import align_pairs
+    from ember.kernels.moe_gemm import down_grouped, gate_up_grouped
+
+    x, w13, w2 = inputs["x"], inputs["w13"], inputs["w2"]
+    ids = inputs["topk_ids"].reshape(-1).contiguous()
+    weights = inputs["topk_weights"].reshape(-1).contiguous()
+    k = inputs["topk_ids"].shape[1]
+    blocks = align_pairs(ids, w13.shape[0], tiles.block_m, tuning.align_kernel_max_pairs)
+    parts = torch.empty(ids.numel(), x.shape[1], dtype=x.dtype, device=x.device)
+
+    def triton_products() -> None:
+        inter = gate_up_grouped(x, w13, None, blocks, k, "silu", tiles.gate_up)
+        down_grouped(inter, w2, None, weights, blocks, tiles.down, parts)
+
+    # torch's grouped GEMM on the same rows: x gathered into sorted order, each expert's run
+    # ending at its padded end.
+    pairs = ids.numel()
+    rows = blocks.sorted_ids.long()
+    x_sorted = x[torch.where(rows < pairs, rows // k, 0)]
+    counts = torch.bincount(ids.long(), minlength=w13.shape[0])
+    ends = ((counts + tiles.block_m - 1) // tiles.block_m * tiles.block_m).cumsum(0).int()
+    # The activation is left out of this side: a lower bound for a library path.
+    hidden_rows = torch.randn(rows.numel(), w2.shape[2], device=x.device).to(x.dtype)
+
+    def library_products() -> None:
+        torch._grouped_mm(x_sorted, w13.transpose(1, 2), offs=ends)
+        torch._grouped_mm(hidden_rows, w2.transpose(1, 2), offs=ends)
+
+    return {
+        "triton_products_us": _us(gpu_seconds, triton_products),
+        "grouped_mm_products_us": _us(gpu_seconds, library_products),
+    }
+
+
+def bench_moe_point(
+    name: str, shape: MoeShape, weights: dict, tokens: int, hbm_bytes_per_s: float, tuning
+) -> tuple[dict, MoeTiles | None]:
+    """One (shape, tokens) row: µs of each path on its heuristic tiles and on its sweep's
+    best, against the selected-bytes floor; and the best tiles of all."""
+    from ember.bench.roofline import gpu_seconds
+    from ember.bench.tune import _us, fastest
+
+    inputs = {**weights, **token_inputs(shape, tokens)}
+    floor_us = selected_bytes(shape, inputs["topk_ids"]) / hbm_bytes_per_s * 1e6
+
+    def measure(tiles: MoeTiles) -> object:
+        return _us(gpu_seconds, partial(_run_moe, inputs, tiles, tuning))
+
+    best_by_path, us_by_path = {}, {}
+    for path, tiles in paths_for(shape, tokens, tuning.num_sms).items():
+        best, times = sweep_path(measure, tiles, shape.elem_bytes)
+        best_by_path[path] = best
+        us_by_path[path] = {"default": times[tiles_key(tiles)], **times}
+    winner = fastest({p: us_by_path[p][tiles_key(b)] for p, b in best_by_path.items()})
+    best = best_by_path.get(winner)
+    table_tiles = tuning.tiles_for(shape, tokens)
+    row = {
+        "shape": name,
+        **shape._asdict(),
+        "tokens": tokens,
+        "floor_us": floor_us,
+        "table_tiles": table_tiles.as_dict(),
+        "table_us": measure(table_tiles),
+        "best_path": winner,
+        "best_tiles": best.as_dict() if best else None,
+        "best_us": us_by_path[winner][tiles_key(best)] if best else None,
+        "us_by_path": us_by_path,
+    }
+    if best is not None:
+        row["best_over_floor"] = row["best_us"] / floor_us
+        if not best.by_pair:
+            row.update(_products_us(inputs, best, tuning))
+    return row, best
+
+
+def bench_moe(
+    shapes: dict[str, MoeShape], hbm_bytes_per_s: float, tokens=MOE_TOKENS
+) -> dict[str, object]:
+    """`bench_moe_point` over ``shapes`` x ``tokens``; ``table``: each point's best tiles as
+    `MeasuredMoeTiles` rows (`measured_rows` reads them back)."""
+    from ember.bench.tune import _print_row
+    from ember.kernels.tuning import KernelTuning
+
+    tuning = KernelTuning.for_device(torch.device("cuda")).moe
+    rows, table = [], []
+    for name, shape in shapes.items():
+        weights = expert_weights(shape)
+        for count in tokens:
+            row, best = bench_moe_point(name, shape, weights, count, hbm_bytes_per_s, tuning)
+            rows.append(row)
+            _print_row(row, "us_by_path")
+            if best is not None:
+                table.append(measured_as_dict(MeasuredMoeTiles(shape, count, best)))
+        del weights
+        torch.cuda.empty_cache()
+    return {"rows": rows, "table": table}
+
+
+def measured_as_dict(row: MeasuredMoeTiles) -> dict:
+    return {
+        "shape": row.shape._asdict(),
+        "max_tokens": row.max_tokens,
+        "tiles": row.tiles.as_dict(),
+    }
+
+
+def measured_rows(table: list[dict]) -> tuple[MeasuredMoeTiles, ...]:
+    """The ``table`` of a tune.json's moe section as `MoeTuning.measured` rows (each bound up
+    to the next measured count: a row serves the counts from its predecessor's up to its
+    own)."""
+    return tuple(
+        MeasuredMoeTiles(MoeShape(**r["shape"]), r["max_tokens"], MoeTiles.from_dict(r["tiles"]))
+        for r in table
+    )

@@ -1,0 +1,103 @@
+"""The fused MoE experts on the GPU: `fused_moe`, the Triton ops' ``moe_experts``.
+
+``out[t] = sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t])`` with
+``expert_e(x) = (act(x @ gate_e.T + bg) * (x @ up_e.T + bu)) @ w2_e.T + b2_e`` (the contract:
+docs/CONTRACTS.md, "Fused MoE"). Routing is data-dependent but nothing here reads it on the
+host: every buffer is sized by the token count alone and every grid is fixed by it, so a
+decode step captures it in a CUDA graph and replays it under any routing.
+
+The device's `MoeTuning` picks, per shape and token count, the path and tiles
+(`ember.kernels.moe_tiles`): by pair at decode (two launches, each program streaming one chosen
+expert's rows, so a step reads only the chosen experts' weights), grouped past it (alignment,
+two grouped GEMMs, the sum over k; `ember.kernels.moe_gemm`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ember.kernels.moe_align import align_pairs
+from ember.kernels.moe_gemm import (
+    ACTIVATIONS,
+    down_by_token,
+    down_grouped,
+    gate_up_by_pair,
+    gate_up_grouped,
+    sum_over_top_k,
+)
+from ember.kernels.moe_tiles import MoeShape, MoeTiles, MoeTuning
+
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def moe_shape(x: torch.Tensor, w13: torch.Tensor, topk_ids: torch.Tensor) -> MoeShape:
+    """The `MoeShape` a call on these operands looks its tiles up by."""
+    num_experts, two_inter, hidden = w13.shape
+    return MoeShape(num_experts, hidden, two_inter // 2, topk_ids.shape[1], x.element_size())
+
+
+def _check_operands(x, w13, w2, topk_weights, topk_ids, activation, b13, b2) -> None:
+    tokens, hidden = x.shape
+    num_experts, two_inter, w13_hidden = w13.shape
+    inter = two_inter // 2
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {tuple(ACTIVATIONS)}, not {activation!r}")
+    if x.dtype not in _DTYPES or w13.dtype != x.dtype or w2.dtype != x.dtype:
+        raise ValueError(f"x, w13 and w2 must share a dtype of {_DTYPES}")
+    if two_inter % 2 or w13_hidden != hidden or w2.shape != (num_experts, hidden, inter):
+        raise ValueError(
+            f"want w13 [E, 2I, {hidden}] and w2 [E, {hidden}, I]; got {tuple(w13.shape)} and "
+            f"{tuple(w2.shape)}"
+        )
+    if topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != tokens:
+        raise ValueError(
+            f"topk_ids {tuple(topk_ids.shape)} and topk_weights {tuple(topk_weights.shape)} "
+            f"must both be [{tokens}, k]"
+        )
+    if b13 is not None and b13.shape != (num_experts, two_inter):
+        raise ValueError(f"b13 must be [{num_experts}, {two_inter}], got {tuple(b13.shape)}")
+    if b2 is not None and b2.shape != (num_experts, hidden):
+        raise ValueError(f"b2 must be [{num_experts}, {hidden}], got {tuple(b2.shape)}")
+    for name, t in (("x", x), ("w13", w13), ("w2", w2), ("b13", b13), ("b2", b2)):
+        if t is not None and t.stride(-1) != 1:
+            raise ValueError(f"{name}'s last dim must be contiguous")
+
+
+def fused_moe(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    activation: str = "silu",
+    b13: torch.Tensor | None = None,
+    b2: torch.Tensor | None = None,
+    *,
+    tuning: MoeTuning | None = None,
+    tiles: MoeTiles | None = None,
+) -> torch.Tensor:
+    """The MoE experts of ``x [T, H]``: ``w13 [E, 2I, H]`` (gate rows, then up rows), ``w2
+    [E, H, I]``, optional biases ``b13 [E, 2I]`` and ``b2 [E, H]``; routing ``topk_ids`` int
+    ``[T, k]`` (experts in ``[0, E)``) and ``topk_weights [T, k]``; ``activation`` "silu" or
+    "swiglu_oai". Returns ``[T, H]`` in ``x``'s dtype. ``tiles`` (else ``tuning``'s for the
+    shape and T; else the heuristics) choose the path and tiles."""
+    _check_operands(x, w13, w2, topk_weights, topk_ids, activation, b13, b2)
+    tokens, hidden = x.shape
+    top_k = topk_ids.shape[1]
+    out = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
+    if tokens == 0:
+        return out
+    tuning = tuning or MoeTuning()
+    tiles = tiles or tuning.tiles_for(moe_shape(x, w13, topk_ids), tokens)
+    ids = topk_ids.reshape(-1).to(torch.int32).contiguous()
+    weights = topk_weights.reshape(-1).contiguous()
+    if tiles.by_pair:
+        inter = gate_up_by_pair(x, w13, b13, ids, top_k, activation, tiles.gate_up)
+        return down_by_token(inter, w2, b2, ids, weights, top_k, tiles.down, out)
+    blocks = align_pairs(ids, w13.shape[0], tiles.block_m, tuning.align_kernel_max_pairs)
+    inter = gate_up_grouped(x, w13, b13, blocks, top_k, activation, tiles.gate_up)
+    if top_k == 1:  # pair rows are token rows
+        return down_grouped(inter, w2, b2, weights, blocks, tiles.down, out)
+    parts = torch.empty(tokens * top_k, hidden, dtype=x.dtype, device=x.device)
+    down_grouped(inter, w2, b2, weights, blocks, tiles.down, parts)
+    return sum_over_top_k(parts, top_k, out)

@@ -1,0 +1,466 @@
+"""The fused MoE's products: gate/up with the activation in the epilogue, and down with the
+routing weights, on either path of `ember.kernels.moe_tiles`.
+
+Grouped path (on `ember.kernels.moe_align.MoeBlocks`): a program takes one block of
+``block_m`` rows (pairs of one expert) and one column tile. `gate_up_grouped` gathers the
+block's token rows of ``x``, multiplies them by the expert's gate and up rows in the same
+program and stores ``act(gate) * up`` at the block's rows of the intermediate (sorted order,
+``[max_blocks * block_m, I]``); `down_grouped` reads those rows contiguously and stores each
+pair's weighted expert output at its pair row of ``[T * k, H]``; `sum_over_top_k` adds each
+token's k rows in slot order (deterministic: no atomics). Programs run row block by row block
+(``group_m`` blocks sweep the column tiles together), so the used blocks, which come first,
+run first and the unused ones' programs, which exit at once, trail.
+
+By-pair path (decode): `gate_up_by_pair` runs one program per (pair, column tile), its one
+row padded to `tl.dot`'s 16, and stores the intermediate in pair order ``[T * k, I]``;
+`down_by_token` runs one program per (token, column tile) that walks the token's k experts in
+one pipelined loop and stores the sum itself: two launches, no alignment.
+
+Roundings (both paths): gate and up (bias added in fp32) rounded to the dtype, as a GEMM stores
+them; the activation from those, rounded (SiLU rounded before the product, as Hugging Face's
+``act_fn(gate) * up``); each expert's down output (bias added) rounded, times its routing
+weight, rounded; the k of a token summed in fp32 in slot order and rounded once.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ember.kernels.activation import silu_mul_rounded
+from ember.kernels.compile_ahead import launch
+from ember.kernels.moe_align import MoeBlocks
+from ember.kernels.moe_tiles import MIN_DOT_ROWS, GemmTiles
+
+# The activations `fused_moe` takes, by their kernel constant.
+ACTIVATIONS = {"silu": 0, "swiglu_oai": 1}
+# gpt-oss's clamped SwiGLU: gate <= limit, |up| <= limit, sigmoid's slope alpha (constexprs:
+# the kernels read them).
+SWIGLU_OAI_LIMIT = tl.constexpr(7.0)
+SWIGLU_OAI_ALPHA = tl.constexpr(1.702)
+# Columns a program of the sum over k adds: 16-byte accesses for 4 warps.
+_SUM_BLOCK = 1024
+
+
+@triton.jit
+def _activate(gate, up, ACTIVATION: tl.constexpr, dtype: tl.constexpr):
+    """``act(gate, up)`` in ``dtype`` from fp32 operands already rounded to it."""
+    if ACTIVATION == 0:
+        return silu_mul_rounded(gate, up, dtype)
+    gate = tl.minimum(gate, SWIGLU_OAI_LIMIT)
+    up = tl.minimum(tl.maximum(up, -SWIGLU_OAI_LIMIT), SWIGLU_OAI_LIMIT)
+    glu = gate * tl.sigmoid(SWIGLU_OAI_ALPHA * gate)
+    return ((up + 1.0) * glu).to(dtype)
+
+
+@triton.jit
+def _grouped_tile(num_blocks, tiles_n, GROUP_M: tl.constexpr):
+    """(row block, column tile) of this program: ``GROUP_M`` row blocks at a time sweep the
+    column tiles, row block fastest."""
+    pid = tl.program_id(0)
+    per_group = GROUP_M * tiles_n
+    first = (pid // per_group) * GROUP_M
+    size = tl.minimum(num_blocks - first, GROUP_M)
+    return first + (pid % per_group) % size, (pid % per_group) // size
+
+
+@triton.jit(do_not_specialize=["pairs", "num_blocks"])
+def _gate_up_kernel(
+    x_ptr,
+    w_ptr,
+    bias_ptr,
+    out_ptr,
+    sorted_ids_ptr,
+    experts_ptr,
+    pairs,
+    inter,
+    hidden,
+    num_blocks,
+    stride_xt,
+    stride_we,
+    stride_wn,
+    stride_be,
+    stride_om,
+    TOP_K: tl.constexpr,
+    BY_PAIR: tl.constexpr,
+    ACTIVATION: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    STAGES: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """``out[row] = act(x[token] @ gate_e.T + bg, x[token] @ up_e.T + bu)`` for BLOCK_N of the
+    I columns. Grouped: the rows of block ``b`` (``experts_ptr``: expert of each block, -1
+    unused). ``BY_PAIR``: one pair a program, row = pair (``experts_ptr``: the flat ids)."""
+    rows = tl.arange(0, BLOCK_M)
+    if BY_PAIR:
+        pid = tl.program_id(0)
+        block = pid % pairs  # the pair
+        tile_n = pid // pairs
+        pair = tl.where(rows == 0, block, pairs)
+        out_rows = pair
+    else:
+        block, tile_n = _grouped_tile(num_blocks, tl.cdiv(inter, BLOCK_N), GROUP_M)
+        out_rows = block * BLOCK_M + rows
+        pair = tl.load(sorted_ids_ptr + out_rows)
+    expert = tl.load(experts_ptr + block)
+    if expert < 0:
+        return
+    row_valid = pair < pairs
+    x_rows = x_ptr + (pair // TOP_K).to(tl.int64)[:, None] * stride_xt
+    cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    # The last column tile re-reads valid rows rather than masking its weight loads.
+    w_rows = cols % inter
+    w_expert = w_ptr + expert.to(tl.int64) * stride_we
+    gate_ptrs = w_expert + w_rows.to(tl.int64)[:, None] * stride_wn
+    up_ptrs = w_expert + (w_rows + inter).to(tl.int64)[:, None] * stride_wn
+    acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in tl.range(0, hidden, BLOCK_K, num_stages=STAGES):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        if EVEN_K:
+            x = tl.load(x_rows + ks[None, :], mask=row_valid[:, None], other=0.0)
+            w_gate = tl.load(gate_ptrs + ks[None, :])
+            w_up = tl.load(up_ptrs + ks[None, :])
+        else:
+            k_valid = ks[None, :] < hidden
+            x = tl.load(x_rows + ks[None, :], mask=row_valid[:, None] & k_valid, other=0.0)
+            w_gate = tl.load(gate_ptrs + ks[None, :], mask=k_valid, other=0.0)
+            w_up = tl.load(up_ptrs + ks[None, :], mask=k_valid, other=0.0)
+        acc_gate = tl.dot(x, tl.trans(w_gate), acc_gate, input_precision=DOT_PRECISION)
+        acc_up = tl.dot(x, tl.trans(w_up), acc_up, input_precision=DOT_PRECISION)
+    if HAS_BIAS:
+        bias = bias_ptr + expert.to(tl.int64) * stride_be
+        acc_gate += tl.load(bias + w_rows).to(tl.float32)[None, :]
+        acc_up += tl.load(bias + inter + w_rows).to(tl.float32)[None, :]
+    dtype = out_ptr.dtype.element_ty
+    gate = acc_gate.to(dtype).to(tl.float32)
+    up = acc_up.to(dtype).to(tl.float32)
+    result = _activate(gate, up, ACTIVATION, dtype)
+    mask = row_valid[:, None] & (cols < inter)[None, :]
+    tl.store(out_ptr + out_rows.to(tl.int64)[:, None] * stride_om + cols[None, :], result, mask)
+
+
+@triton.jit(do_not_specialize=["pairs", "num_blocks"])
+def _down_grouped_kernel(
+    a_ptr,
+    w_ptr,
+    bias_ptr,
+    weights_ptr,
+    out_ptr,
+    sorted_ids_ptr,
+    expert_of_block_ptr,
+    pairs,
+    hidden,
+    inter,
+    num_blocks,
+    stride_am,
+    stride_we,
+    stride_wn,
+    stride_be,
+    stride_om,
+    HAS_BIAS: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    STAGES: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """``out[pair] = round(a[row] @ w2_e.T + b2_e) * weight[pair]`` for the rows of one block
+    and BLOCK_N of the H columns; ``out`` rows are pairs (``[T, k, H]``)."""
+    block, tile_n = _grouped_tile(num_blocks, tl.cdiv(hidden, BLOCK_N), GROUP_M)
+    expert = tl.load(expert_of_block_ptr + block)
+    if expert < 0:
+        return
+    rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ids_ptr + rows)
+    row_valid = pair < pairs
+    a_rows = a_ptr + rows.to(tl.int64)[:, None] * stride_am
+    cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    w_rows = cols % hidden
+    w_ptrs = w_ptr + expert.to(tl.int64) * stride_we + w_rows.to(tl.int64)[:, None] * stride_wn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in tl.range(0, inter, BLOCK_K, num_stages=STAGES):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        if EVEN_K:
+            a = tl.load(a_rows + ks[None, :], mask=row_valid[:, None], other=0.0)
+            w = tl.load(w_ptrs + ks[None, :])
+        else:
+            k_valid = ks[None, :] < inter
+            a = tl.load(a_rows + ks[None, :], mask=row_valid[:, None] & k_valid, other=0.0)
+            w = tl.load(w_ptrs + ks[None, :], mask=k_valid, other=0.0)
+        acc = tl.dot(a, tl.trans(w), acc, input_precision=DOT_PRECISION)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + expert.to(tl.int64) * stride_be + w_rows).to(tl.float32)[None, :]
+    dtype = out_ptr.dtype.element_ty
+    routing = tl.load(weights_ptr + pair, mask=row_valid, other=0.0).to(tl.float32)
+    result = (acc.to(dtype).to(tl.float32) * routing[:, None]).to(dtype)
+    mask = row_valid[:, None] & (cols < hidden)[None, :]
+    tl.store(out_ptr + pair.to(tl.int64)[:, None] * stride_om + cols[None, :], result, mask)
+
+
+@triton.jit(do_not_specialize=["tokens"])
+def _down_by_token_kernel(
+    a_ptr,
+    w_ptr,
+    bias_ptr,
+    ids_ptr,
+    weights_ptr,
+    out_ptr,
+    tokens,
+    hidden,
+    inter,
+    stride_am,
+    stride_we,
+    stride_wn,
+    stride_be,
+    stride_ot,
+    TOP_K: tl.constexpr,
+    SLOTS: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    STAGES: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """``out[t] = sum_j round(round(a[t*k+j] @ w2_e.T + b2_e) * weight[t*k+j])`` for BLOCK_N of
+    the H columns, e = the j-th expert of token t. The k experts' K steps run as one pipelined
+    loop (one per expert would drain the pipeline k times, a memory latency each); an expert's
+    sum leaves the accumulator at its last K step."""
+    pid = tl.program_id(0)
+    token = pid % tokens
+    tile_n = pid // tokens
+    rows = tl.arange(0, BLOCK_M)
+    first_row = rows == 0
+    cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    w_rows = cols % hidden
+    w_row_offsets = w_rows.to(tl.int64)[:, None] * stride_wn
+    k_blocks = tl.cdiv(inter, BLOCK_K)
+    # The token's experts and weights in registers: an expert id loaded inside the loop, to
+    # address the weights, kept Triton from pipelining their loads.
+    slots = tl.arange(0, SLOTS)
+    slot_valid = slots < TOP_K
+    token_pairs = token * TOP_K + slots
+    experts = tl.load(ids_ptr + token_pairs, mask=slot_valid, other=0).to(tl.int64)
+    routing = tl.load(weights_ptr + token_pairs, mask=slot_valid, other=0.0).to(tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    dtype = out_ptr.dtype.element_ty
+    for step in tl.range(0, TOP_K * k_blocks, num_stages=STAGES):
+        slot = step // k_blocks
+        k0 = (step - slot * k_blocks) * BLOCK_K
+        expert = tl.sum(tl.where(slots == slot, experts, 0))
+        pair = (token * TOP_K + slot).to(tl.int64)
+        ks = k0 + tl.arange(0, BLOCK_K)
+        a_ptrs = a_ptr + pair * stride_am + ks[None, :] + rows[:, None] * 0
+        w_ptrs = w_ptr + expert * stride_we + w_row_offsets + ks[None, :]
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=first_row[:, None], other=0.0)
+            w = tl.load(w_ptrs)
+        else:
+            k_valid = ks[None, :] < inter
+            a = tl.load(a_ptrs, mask=first_row[:, None] & k_valid, other=0.0)
+            w = tl.load(w_ptrs, mask=k_valid, other=0.0)
+        acc = tl.dot(a, tl.trans(w), acc, input_precision=DOT_PRECISION)
+        last = k0 + BLOCK_K >= inter
+        expert_out = acc
+        if HAS_BIAS:
+            bias = tl.load(bias_ptr + expert * stride_be + w_rows).to(tl.float32)
+            expert_out += bias[None, :]
+        weight = tl.sum(tl.where(slots == slot, routing, 0.0))
+        weighted = (expert_out.to(dtype).to(tl.float32) * weight).to(dtype).to(tl.float32)
+        total += tl.where(last, weighted, 0.0)
+        acc = tl.where(last, 0.0, acc)
+    mask = first_row[:, None] & (cols < hidden)[None, :]
+    offsets = token.to(tl.int64) * stride_ot + rows[:, None] * 0 + cols[None, :]
+    tl.store(out_ptr + offsets, total.to(dtype), mask)
+
+
+@triton.jit
+def _sum_over_top_k_kernel(
+    parts_ptr, out_ptr, hidden, stride_pp, stride_ot, TOP_K: tl.constexpr, BLOCK: tl.constexpr
+):
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < hidden
+    total = tl.zeros([BLOCK], dtype=tl.float32)
+    for slot in tl.static_range(TOP_K):
+        row = parts_ptr + (token * TOP_K + slot) * stride_pp
+        total += tl.load(row + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + token * stride_ot + cols, total.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # fp32 weights must not silently drop to tf32 on the tensor cores.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _tile_args(tiles: GemmTiles, k: int) -> dict:
+    return {
+        "EVEN_K": k % tiles.block_k == 0,
+        "BLOCK_N": tiles.block_n,
+        "BLOCK_K": tiles.block_k,
+        "STAGES": tiles.stages,
+        "num_warps": tiles.num_warps,
+    }
+
+
+def _launch_gate_up(
+    x, w13, b13, out, sorted_ids, experts, num_blocks, top_k, activation, tiles, block_m, by_pair
+):
+    pairs = x.shape[0] * top_k
+    inter = w13.shape[1] // 2
+    tiles_n = triton.cdiv(inter, tiles.block_n)
+    grid = (pairs if by_pair else num_blocks) * tiles_n
+    launch(
+        _gate_up_kernel,
+        (grid,),
+        x,
+        w13,
+        b13 if b13 is not None else w13,
+        out,
+        sorted_ids,
+        experts,
+        pairs,
+        inter,
+        x.shape[1],
+        num_blocks,
+        x.stride(0),
+        w13.stride(0),
+        w13.stride(1),
+        b13.stride(0) if b13 is not None else 0,
+        out.stride(0),
+        TOP_K=top_k,
+        BY_PAIR=by_pair,
+        ACTIVATION=ACTIVATIONS[activation],
+        HAS_BIAS=b13 is not None,
+        BLOCK_M=block_m,
+        GROUP_M=tiles.group_m,
+        DOT_PRECISION=_dot_precision(w13.dtype),
+        **_tile_args(tiles, x.shape[1]),
+    )
+
+
+def gate_up_by_pair(x, w13, b13, ids, top_k, activation, tiles: GemmTiles) -> torch.Tensor:
+    """``[T * k, I]`` in pair order: ``act`` of each pair's gate and up products."""
+    out = torch.empty(ids.numel(), w13.shape[1] // 2, dtype=x.dtype, device=x.device)
+    _launch_gate_up(
+        x, w13, b13, out, ids, ids, 0, top_k, activation, tiles, MIN_DOT_ROWS, by_pair=True
+    )
+    return out
+
+
+def gate_up_grouped(
+    x, w13, b13, blocks: MoeBlocks, top_k, activation, tiles: GemmTiles
+) -> torch.Tensor:
+    """``[max_blocks * block_m, I]`` in sorted order (padding rows left unwritten)."""
+    rows = blocks.sorted_ids.numel()
+    out = torch.empty(rows, w13.shape[1] // 2, dtype=x.dtype, device=x.device)
+    _launch_gate_up(
+        x,
+        w13,
+        b13,
+        out,
+        blocks.sorted_ids,
+        blocks.expert_of_block,
+        blocks.expert_of_block.numel(),
+        top_k,
+        activation,
+        tiles,
+        blocks.block_m,
+        by_pair=False,
+    )
+    return out
+
+
+def down_grouped(
+    a, w2, b2, weights, blocks: MoeBlocks, tiles: GemmTiles, out: torch.Tensor
+) -> torch.Tensor:
+    """``out [T * k, H]``: each pair's expert output times its routing weight."""
+    pairs, hidden = out.shape
+    num_blocks = blocks.expert_of_block.numel()
+    launch(
+        _down_grouped_kernel,
+        (num_blocks * triton.cdiv(hidden, tiles.block_n),),
+        a,
+        w2,
+        b2 if b2 is not None else w2,
+        weights,
+        out,
+        blocks.sorted_ids,
+        blocks.expert_of_block,
+        pairs,
+        hidden,
+        a.shape[1],
+        num_blocks,
+        a.stride(0),
+        w2.stride(0),
+        w2.stride(1),
+        b2.stride(0) if b2 is not None else 0,
+        out.stride(0),
+        HAS_BIAS=b2 is not None,
+        BLOCK_M=blocks.block_m,
+        GROUP_M=tiles.group_m,
+        DOT_PRECISION=_dot_precision(w2.dtype),
+        **_tile_args(tiles, a.shape[1]),
+    )
+    return out
+
+
+def down_by_token(
+    a, w2, b2, ids, weights, top_k, tiles: GemmTiles, out: torch.Tensor
+) -> torch.Tensor:
+    """``out [T, H]``: each token's k weighted expert outputs, summed in slot order."""
+    tokens, hidden = out.shape
+    launch(
+        _down_by_token_kernel,
+        (tokens * triton.cdiv(hidden, tiles.block_n),),
+        a,
+        w2,
+        b2 if b2 is not None else w2,
+        ids,
+        weights,
+        out,
+        tokens,
+        hidden,
+        a.shape[1],
+        a.stride(0),
+        w2.stride(0),
+        w2.stride(1),
+        b2.stride(0) if b2 is not None else 0,
+        out.stride(0),
+        TOP_K=top_k,
+        SLOTS=triton.next_power_of_2(top_k),
+        HAS_BIAS=b2 is not None,
+        BLOCK_M=MIN_DOT_ROWS,
+        DOT_PRECISION=_dot_precision(w2.dtype),
+        **_tile_args(tiles, a.shape[1]),
+    )
+    return out
+
+
+def sum_over_top_k(parts: torch.Tensor, top_k: int, out: torch.Tensor) -> torch.Tensor:
+    """``out[t] = sum_j parts[t * k + j]`` in fp32, slot by slot, rounded once."""
+    tokens, hidden = out.shape
+    launch(
+        _sum_over_top_k_kernel,
+        (tokens, triton.cdiv(hidden, _SUM_BLOCK)),
+        parts,
+        out,
+        hidden,
+        parts.stride(0),
+        out.stride(0),
+        TOP_K=top_k,
+        BLOCK=_SUM_BLOCK,
+        num_warps=4,
+    )
+    return out

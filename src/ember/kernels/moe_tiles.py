@@ -1,0 +1,191 @@
+"""How the fused MoE kernels launch for a shape and a token count, decided without Triton.
+
+`MoeTuning` is one GPU's table (held in the device's `KernelTuning`, so two models of different
+shapes in one process each look up their own rows): tiles that `ember bench tune --sections moe`
+measured per `MoeShape` and token count, and heuristics where it measured nothing. A launch's
+`MoeTiles` say which of the two paths runs (`ember.kernels.fused_moe`):
+
+- by pair (decode): one program per (pair, column tile) for gate/up and per (token, column
+  tile) for down, which sums the token's k experts itself: two launches, no alignment, and
+  each program streams one expert's weight rows, as a decode GEMV does;
+- grouped: pairs aligned into blocks of ``block_m`` rows of one expert (`ember.kernels.moe_align`),
+  one grouped GEMM for gate/up with the activation fused, one for down with the routing weights
+  applied, and a sum over k.
+
+Importable without Triton (the CPU path and the tests read the tables).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import NamedTuple
+
+from ember.kernels.tiles import SHARED_MEMORY_BUDGET, shrink_to_fit
+
+# `tl.dot`'s fewest rows: a by-pair program's one row is padded to it.
+MIN_DOT_ROWS = 16
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+class MoeShape(NamedTuple):
+    """A MoE layer's experts: ``w13 [E, 2I, H]``, ``w2 [E, H, I]``, ``top_k`` experts a token,
+    weights of ``elem_bytes`` an element."""
+
+    num_experts: int
+    hidden: int
+    intermediate: int
+    top_k: int
+    elem_bytes: int = 2
+
+
+@dataclass(frozen=True)
+class GemmTiles:
+    """One of the two products' tiles. ``block_n``: output columns a program stores (for
+    gate/up, columns of each half: it reads ``2 * block_n`` weight rows); ``group_m``: grouped
+    path only, row blocks that sweep the column tiles together (their weight tiles shared in
+    L2)."""
+
+    block_n: int
+    block_k: int
+    stages: int
+    num_warps: int
+    group_m: int = 1
+
+    def name(self) -> str:
+        return f"n{self.block_n}_k{self.block_k}_s{self.stages}_w{self.num_warps}_g{self.group_m}"
+
+
+@dataclass(frozen=True)
+class MoeTiles:
+    """A launch of the fused MoE: the path (``by_pair``), the rows of an aligned block
+    (grouped path; by pair, `MIN_DOT_ROWS`) and each product's tiles."""
+
+    by_pair: bool
+    block_m: int
+    gate_up: GemmTiles
+    down: GemmTiles
+
+    def as_dict(self) -> dict:
+        return {
+            "by_pair": self.by_pair,
+            "block_m": self.block_m,
+            "gate_up": vars(self.gate_up).copy(),
+            "down": vars(self.down).copy(),
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> MoeTiles:
+        return cls(d["by_pair"], d["block_m"], GemmTiles(**d["gate_up"]), GemmTiles(**d["down"]))
+
+
+class MeasuredMoeTiles(NamedTuple):
+    """A row of the table: the tiles for ``shape`` at up to ``max_tokens`` tokens (the rows of
+    one shape are read in increasing ``max_tokens``; the first that covers a count wins)."""
+
+    shape: MoeShape
+    max_tokens: int
+    tiles: MoeTiles
+
+
+@dataclass(frozen=True)
+class MoeTuning:
+    """One GPU's MoE table; the defaults are heuristics, replaced by ``measured`` rows from
+    `ember bench tune --sections moe` where a shape has them."""
+
+    num_sms: int = 132
+    # Up to this many tokens the by-pair path runs: each pair's expert rows are streamed by
+    # their own programs, so tokens sharing an expert read it again (from L2 when they run
+    # together); past it the grouped path reads each chosen expert once.
+    by_pair_max_tokens: int = 4
+    # Pairs (tokens x k) up to which the one-program alignment kernel runs; past it torch's
+    # stable sort (more launches, but parallel). Both are capturable.
+    align_kernel_max_pairs: int = 2048
+    shared_memory_budget: int = SHARED_MEMORY_BUDGET
+    measured: tuple[MeasuredMoeTiles, ...] = field(default=())
+
+    def tiles_for(self, shape: MoeShape, tokens: int) -> MoeTiles:
+        """The measured tiles for ``shape`` at ``tokens``, else `default_moe_tiles`."""
+        rows = sorted((r for r in self.measured if r.shape == shape), key=lambda r: r.max_tokens)
+        for row in rows:
+            if tokens <= row.max_tokens:
+                return row.tiles
+        return default_moe_tiles(shape, tokens, self)
+
+    def with_measured(self, *rows: MeasuredMoeTiles) -> MoeTuning:
+        """This table with ``rows`` added (ahead of any earlier row of the same shape and
+        token bound)."""
+        keys = {(r.shape, r.max_tokens) for r in rows}
+        kept = tuple(r for r in self.measured if (r.shape, r.max_tokens) not in keys)
+        return replace(self, measured=kept + tuple(rows))
+
+
+def default_moe_tiles(shape: MoeShape, tokens: int, tuning: MoeTuning | None = None) -> MoeTiles:
+    """Heuristic tiles. Decode-sized launches are weight streams: column tiles narrow enough
+    that the programs reading the chosen experts fill the GPU twice over, long K steps in
+    several stages, in half an SM's shared memory (two programs an SM keep loads in flight
+    across a program's tail). Larger ones are compute-bound grouped GEMMs on tensor-core
+    tiles, with ``group_m`` row blocks sharing each weight tile."""
+    tuning = tuning or MoeTuning()
+    pairs = tokens * shape.top_k
+    budget = tuning.shared_memory_budget
+    if tokens <= tuning.by_pair_max_tokens:
+        tiles = MoeTiles(
+            by_pair=True,
+            block_m=MIN_DOT_ROWS,
+            gate_up=_stream_tiles(shape.intermediate, shape.hidden, pairs, tuning.num_sms),
+            down=_stream_tiles(shape.hidden, shape.intermediate, tokens, tuning.num_sms),
+        )
+        return fit_shared_memory(tiles, shape.elem_bytes, budget // 2)
+    rows_per_expert = pairs / shape.num_experts
+    block_m = next((m for m in (16, 32, 64) if rows_per_expert <= m * 1.5), 128)
+    if block_m == 16:  # one or two tokens an expert: still a weight stream
+        blocks = min(pairs, shape.num_experts)
+        gate_up = _stream_tiles(shape.intermediate, shape.hidden, blocks, tuning.num_sms)
+        down = _stream_tiles(shape.hidden, shape.intermediate, blocks, tuning.num_sms)
+        tiles = MoeTiles(False, block_m, gate_up, down)
+        return fit_shared_memory(tiles, shape.elem_bytes, budget // 2)
+    warps = 4 if block_m <= 32 else 8
+    gate_up = GemmTiles(64, 64, 4, warps, group_m=8)
+    down = GemmTiles(128 if block_m >= 64 else 64, 64, 4, warps, group_m=8)
+    return fit_shared_memory(MoeTiles(False, block_m, gate_up, down), shape.elem_bytes, budget)
+
+
+def _stream_tiles(cols: int, k: int, row_programs: int, num_sms: int) -> GemmTiles:
+    """Tiles of a weight stream over ``cols`` output columns by ``row_programs`` programs a
+    column tile: the widest of 64, 32, 16 columns whose programs fill two waves."""
+    block_n = 64
+    while block_n > 16 and row_programs * cdiv(cols, block_n) < 2 * num_sms:
+        block_n //= 2
+    block_k = min(256 if k >= 2048 else 128, max(16, next_power_of_2(k)))
+    return GemmTiles(block_n, block_k, stages=4, num_warps=4)
+
+
+def shared_memory_estimate(rows: int, tiles: GemmTiles, elem_bytes: int, gated: bool) -> int:
+    """Bytes of the pipelined x and weight tiles (two weight tiles when ``gated``), what Triton
+    stages in shared memory."""
+    weight_rows = tiles.block_n * (2 if gated else 1)
+    return (rows + weight_rows) * tiles.block_k * elem_bytes * tiles.stages
+
+
+def fit_shared_memory(
+    tiles: MoeTiles, elem_bytes: int, budget: int = SHARED_MEMORY_BUDGET
+) -> MoeTiles:
+    """Halve BLOCK_K (to 32), then drop stages (to 2), until each product's tiles fit."""
+
+    def fit(gemm: GemmTiles, gated: bool) -> GemmTiles:
+        config = shrink_to_fit(
+            {"block_k": gemm.block_k, "stages": gemm.stages},
+            lambda c: shared_memory_estimate(tiles.block_m, replace(gemm, **c), elem_bytes, gated),
+            [("block_k", 32, True), ("stages", 2, False)],
+            budget,
+        )
+        return replace(gemm, **config)
+
+    return replace(tiles, gate_up=fit(tiles.gate_up, True), down=fit(tiles.down, False))

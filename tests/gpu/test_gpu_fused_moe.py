@@ -1,0 +1,116 @@
+"""The fused MoE kernels compiled on the GPU: bf16 at the gpt-oss-20b and Qwen3-30B-A3B expert
+shapes against the plain reference, on both paths and each block size the table picks; and a
+CUDA graph captured once and replayed under routings that change between replays (one that
+sends every token to one expert among them).
+
+Skipped without a CUDA GPU; `tools/gpu_run.sh` runs these on the H200.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers.moe_reference import moe_reference
+
+from ember.bench.tune_moe import MOE_SHAPES, expert_weights
+from ember.kernels.fused_moe import fused_moe
+from ember.kernels.moe_tiles import MoeTuning
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+
+@pytest.fixture(scope="module", params=sorted(MOE_SHAPES))
+def experts(request):
+    """(shape, weights with biases for gpt-oss, activation) on the GPU, made once a shape."""
+    shape = MOE_SHAPES[request.param]
+    weights = expert_weights(shape, seed=1)
+    gpt_oss = request.param.startswith("gpt-oss")
+    if gpt_oss:
+        g = torch.Generator(device="cuda").manual_seed(2)
+        e, h, i = shape.num_experts, shape.hidden, shape.intermediate
+        weights["b13"] = (torch.randn(e, 2 * i, generator=g, device="cuda") / 4).bfloat16()
+        weights["b2"] = (torch.randn(e, h, generator=g, device="cuda") / 4).bfloat16()
+    yield shape, weights, "swiglu_oai" if gpt_oss else "silu"
+    del weights
+    torch.cuda.empty_cache()
+
+
+def random_routing(tokens: int, num_experts: int, top_k: int, seed: int):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    scores = torch.rand(tokens, num_experts, generator=g, device="cuda")
+    weights, ids = scores.softmax(1).topk(top_k, dim=1)
+    return ids.to(torch.int32), weights / weights.sum(1, keepdim=True)
+
+
+def assert_near_reference(out, x, weights, topk_ids, topk_weights, activation):
+    expected = moe_reference(
+        x,
+        **weights,
+        topk_weights=topk_weights,
+        topk_ids=topk_ids,
+        activation=activation,
+        compute_dtype=torch.float32,
+    )
+    error = (out.float() - expected).norm() / expected.norm()
+    assert error < 1e-2, f"relative error {error:.2e}"
+    torch.testing.assert_close(out.float(), expected, atol=0.1, rtol=0.05)
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 24, 300])
+def test_bf16_matches_the_reference_on_the_default_table(experts, tokens):
+    """T = 1 and 3 take the by-pair path, 24 grouped on 16-row blocks, 300 on larger ones."""
+    shape, weights, activation = experts
+    g = torch.Generator(device="cuda").manual_seed(tokens)
+    x = torch.randn(tokens, shape.hidden, generator=g, device="cuda").bfloat16()
+    topk_ids, topk_weights = random_routing(tokens, shape.num_experts, shape.top_k, tokens)
+    out = fused_moe(
+        x, **weights, topk_weights=topk_weights, topk_ids=topk_ids, activation=activation
+    )
+    assert_near_reference(out, x, weights, topk_ids, topk_weights, activation)
+
+
+@pytest.mark.parametrize("by_pair_max_tokens", [8, 0])
+def test_a_captured_graph_follows_the_routing_of_each_replay(experts, by_pair_max_tokens):
+    """One capture at 8 tokens (by pair, then grouped), replayed under three routings written
+    into its input buffers: random, every token on the same k experts, and random again."""
+    shape, weights, activation = experts
+    tokens, k = 8, shape.top_k
+    tuning = MoeTuning(by_pair_max_tokens=by_pair_max_tokens)
+    x = torch.randn(tokens, shape.hidden, device="cuda").bfloat16()
+    topk_ids, topk_weights = random_routing(tokens, shape.num_experts, k, seed=0)
+
+    def run():
+        return fused_moe(
+            x,
+            **weights,
+            topk_weights=topk_weights,
+            topk_ids=topk_ids,
+            activation=activation,
+            tuning=tuning,
+        )
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        run()  # compile before capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
+
+    one_expert = torch.arange(k, dtype=torch.int32, device="cuda").expand(tokens, k) + 3
+    routings = [
+        random_routing(tokens, shape.num_experts, k, seed=1),
+        (one_expert, torch.full((tokens, k), 1.0 / k, device="cuda")),
+        random_routing(tokens, shape.num_experts, k, seed=2),
+    ]
+    for ids, routing_weights in routings:
+        topk_ids.copy_(ids)
+        topk_weights.copy_(routing_weights)
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        assert_near_reference(out, x, weights, topk_ids, topk_weights, activation)
+        torch.testing.assert_close(out, run(), atol=0, rtol=0)  # the eager launch's bits

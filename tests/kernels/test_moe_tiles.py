@@ -1,0 +1,76 @@
+"""The fused MoE's table: which path and tiles a shape and token count get, from measured rows
+or the heuristics, and that the heuristics' tiles fit an SM."""
+
+from __future__ import annotations
+
+import torch
+
+from ember.kernels.moe_tiles import (
+    GemmTiles,
+    MeasuredMoeTiles,
+    MoeShape,
+    MoeTiles,
+    MoeTuning,
+    cdiv,
+    default_moe_tiles,
+    shared_memory_estimate,
+)
+from ember.kernels.tiles import SHARED_MEMORY_BUDGET
+from ember.kernels.tuning import KernelTuning
+
+GPT_OSS = MoeShape(32, 2880, 2880, 4)
+QWEN3 = MoeShape(128, 2048, 768, 8)
+
+
+def test_decode_runs_by_pair_and_larger_steps_grouped_on_growing_blocks():
+    tuning = MoeTuning(by_pair_max_tokens=4)
+    assert [tuning.tiles_for(QWEN3, t).by_pair for t in (1, 4, 5)] == [True, True, False]
+    # Rows per expert: 0.5 at 8 tokens, 16 at 256, 64 at 1024, 256 at 4096.
+    assert [tuning.tiles_for(QWEN3, t).block_m for t in (8, 256, 1024, 4096)] == [16, 16, 64, 128]
+
+
+def test_decode_streams_fill_the_gpu_twice_over_where_16_columns_allow():
+    for shape in (GPT_OSS, QWEN3):
+        tiles = default_moe_tiles(shape, 1, MoeTuning(num_sms=132))
+        programs = shape.top_k * cdiv(shape.intermediate, tiles.gate_up.block_n)
+        assert programs >= 2 * 132 or tiles.gate_up.block_n == 16
+    # Fewer SMs: wider columns serve.
+    assert default_moe_tiles(QWEN3, 1, MoeTuning(num_sms=8)).gate_up.block_n == 64
+
+
+def test_heuristic_tiles_fit_shared_memory():
+    for shape in (GPT_OSS, QWEN3, GPT_OSS._replace(elem_bytes=4)):
+        for tokens in (1, 4, 16, 64, 256, 1024, 8192):
+            tiles = default_moe_tiles(shape, tokens)
+            streams = tiles.block_m == 16
+            budget = SHARED_MEMORY_BUDGET // 2 if streams else SHARED_MEMORY_BUDGET
+            for gemm, gated in ((tiles.gate_up, True), (tiles.down, False)):
+                assert shared_memory_estimate(tiles.block_m, gemm, shape.elem_bytes, gated) <= (
+                    budget
+                ), (shape, tokens, gemm)
+
+
+def test_measured_rows_win_up_to_their_bound_then_the_heuristics():
+    tiles = MoeTiles(False, 32, GemmTiles(32, 64, 3, 4, 2), GemmTiles(64, 64, 3, 4, 2))
+    wider = MoeTiles(False, 64, GemmTiles(64, 64, 3, 8, 8), GemmTiles(128, 64, 3, 8, 8))
+    tuning = MoeTuning().with_measured(
+        MeasuredMoeTiles(QWEN3, 64, wider), MeasuredMoeTiles(QWEN3, 16, tiles)
+    )
+    assert tuning.tiles_for(QWEN3, 10) == tiles
+    assert tuning.tiles_for(QWEN3, 16) == tiles
+    assert tuning.tiles_for(QWEN3, 17) == wider
+    assert tuning.tiles_for(QWEN3, 65) == default_moe_tiles(QWEN3, 65)
+    assert tuning.tiles_for(GPT_OSS, 10) == default_moe_tiles(GPT_OSS, 10)
+    # A row for the same shape and bound replaces the earlier one.
+    replaced = tuning.with_measured(MeasuredMoeTiles(QWEN3, 16, wider))
+    assert replaced.tiles_for(QWEN3, 10) == wider and len(replaced.measured) == 2
+
+
+def test_tiles_round_trip_through_a_dict():
+    tiles = MoeTiles(True, 16, GemmTiles(16, 256, 4, 4), GemmTiles(32, 128, 3, 4, 1))
+    assert MoeTiles.from_dict(tiles.as_dict()) == tiles
+
+
+def test_the_device_table_carries_the_sm_count():
+    tuning = KernelTuning.for_device(torch.device("cpu"))
+    assert tuning.moe.num_sms == tuning.attention.num_sms == 132
