@@ -1,0 +1,47 @@
+"""MXFP4 weights (OCP microscaling FP4), as gpt-oss's published checkpoints store their experts.
+
+A tensor ``W`` [..., rows, cols] is stored as two: ``*_blocks`` uint8 [..., rows, cols / 32, 16],
+each byte two FP4 (e2m1) codes, the low nibble the even column; and ``*_scales`` uint8
+[..., rows, cols / 32], one power-of-two exponent (e8m0, bias 127) per 32 columns. A value is
+``E2M1[code] * 2 ** (scale - 127)``. ember dequantizes at load into the model's dtype; every
+value of the format is exact in bfloat16 (a 2-bit mantissa times a power of two).
+"""
+
+from __future__ import annotations
+
+import torch
+
+BLOCK_COLUMNS = 32  # columns sharing one scale
+_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # codes 0-7; 8-15 are their negatives
+_SCALE_BIAS = 127
+# Rows decoded at once: bounds the int64 index and float32 temporaries to tens of MB.
+_ROWS_PER_CHUNK = 1 << 14
+
+
+def dequantize_mxfp4(
+    blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16
+) -> torch.Tensor:
+    """``W`` [..., rows, cols] in ``dtype`` from its MXFP4 ``blocks`` and ``scales``.
+    ValueError when their shapes do not pair."""
+    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
+        raise ValueError(
+            f"MXFP4 blocks and scales must be uint8, got {blocks.dtype} and {scales.dtype}"
+        )
+    if blocks.dim() < 2 or blocks.shape[:-1] != scales.shape or blocks.shape[-1] != 16:
+        raise ValueError(
+            f"MXFP4 blocks {tuple(blocks.shape)} do not pair with scales {tuple(scales.shape)} "
+            "(expected blocks [..., groups, 16] and scales [..., groups])"
+        )
+    *lead, groups, _ = blocks.shape
+    packed = blocks.reshape(-1, groups * 16)
+    exponents = scales.reshape(-1, groups).to(torch.int32) - _SCALE_BIAS
+    codes = torch.tensor(_E2M1_VALUES, dtype=torch.float32, device=blocks.device)
+    table = torch.cat((codes, -codes))
+    out = torch.empty(packed.shape[0], groups * BLOCK_COLUMNS, dtype=dtype, device=blocks.device)
+    for start in range(0, packed.shape[0], _ROWS_PER_CHUNK):
+        rows = packed[start : start + _ROWS_PER_CHUNK]
+        values = torch.stack((table[(rows & 0x0F).long()], table[(rows >> 4).long()]), dim=-1)
+        values = values.view(rows.shape[0], groups, BLOCK_COLUMNS)
+        scaled = torch.ldexp(values, exponents[start : start + rows.shape[0], :, None])
+        out[start : start + rows.shape[0]] = scaled.view(rows.shape[0], -1).to(dtype)
+    return out.view(*lead, groups * BLOCK_COLUMNS)
