@@ -2,7 +2,8 @@
 
 Pinning is slow (about 2 s for 4 GiB at once on the H200's host), so the chunks are pinned on
 several threads while the first ones are already being copied into, and a chunk a woken model
-gives back is kept for the next model that sleeps: only the first sleeps pay for pinning. The
+gives back is kept for the next model that sleeps: only the first sleeps pay for pinning, and
+not even those where the pool pins ahead (`reserve`) because its models cannot all fit. The
 copies go on several CUDA streams (a copy engine each way). On a CPU device the chunks are plain
 memory and the copies synchronous.
 """
@@ -49,6 +50,22 @@ class HostStash:
             return True
         missing = max(0, self._chunks_for(nbytes) - len(self._free)) * self.chunk_bytes
         return self.allocated_bytes + missing <= self.limit_bytes
+
+    def reserve(self, nbytes: int, device: torch.device) -> int:
+        """Pin chunks now, within the limit, so that a later `store` of ``nbytes`` from
+        ``device`` pins nothing; returns the bytes pinned. Nothing to do off a GPU."""
+        if device.type != "cuda":
+            return 0
+        count = self._chunks_for(nbytes) - len(self._free)
+        if self.limit_bytes is not None:
+            count = min(count, (self.limit_bytes - self.allocated_bytes) // self.chunk_bytes)
+        if count <= 0:
+            return 0
+        with ThreadPoolExecutor(PIN_THREADS, thread_name_prefix="pin") as pinning:
+            chunks = list(pinning.map(lambda _: self._new_chunk(True), range(count)))
+        self._free.extend(chunks)
+        self.allocated_bytes += count * self.chunk_bytes
+        return count * self.chunk_bytes
 
     def store(self, source: torch.Tensor) -> Stashed | None:
         """Copy the flat byte tensor ``source`` to host chunks and wait for the copies; None

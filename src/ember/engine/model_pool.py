@@ -151,6 +151,14 @@ def device_is_broken(exc: BaseException) -> bool:
     return "AcceleratorError" in text or "CUDA error" in text or "CUBLAS_STATUS" in text
 
 
+def _log_pinning(done: Future) -> None:
+    exc = done.exception()
+    if exc is not None:  # the first sleeps pin as they go instead
+        logger.warning("pinning host memory ahead for sleeping models failed: %r", exc)
+    else:
+        logger.info("pinned %.1f GB of host memory ahead for sleeping models", done.result() / 1e9)
+
+
 class ModelPool:
     """The configured models of one engine, by served name."""
 
@@ -174,6 +182,7 @@ class ModelPool:
         self._device: torch.device | None = None
         self.stash = HostStash(memory.sleep_host_memory_bytes)
         self._owner: dict[str, _Slot] = {}  # request id -> its model's slot
+        self._pinning: Future | None = None  # host memory pinned ahead (`_pin_ahead`)
         self._rejections: list[Rejection] = []
         self._updates: list[RequestUpdate] = []
         self.states_changed = True
@@ -456,6 +465,29 @@ class ModelPool:
                 )
                 continue
             self._bring_up(slot)
+        self._pin_ahead()
+
+    def _pin_ahead(self) -> None:
+        """Where the configured models cannot all be loaded at once, models will sleep: pin
+        host memory for the largest one's weights now, on the worker (after the preloads, before
+        any sleep), so that no sleep waits seconds for pinning. Only under an explicit
+        ``sleep_host_memory_bytes``: the user set the host memory sleeping models may take."""
+        evictable = [
+            slot for slot in self.slots.values() if slot.plan is not None and not slot.policy.pinned
+        ]
+        total = self.budget.total_bytes
+        if (
+            self.memory.sleep_host_memory_bytes is None
+            or self._device is None
+            or self._device.type != "cuda"
+            or not evictable
+            or total is None
+            or sum(self._footprint(slot) for slot in self.slots.values() if slot.plan) <= total
+        ):
+            return
+        largest = max(slot.plan.weight_bytes for slot in evictable)
+        self._pinning = self._executor.submit(self.stash.reserve, largest, self._device)
+        self._pinning.add_done_callback(_log_pinning)
 
     def wait_transitions(self) -> None:
         """Block until every transition in flight is done (start-up, tests, shutdown)."""
