@@ -11,7 +11,14 @@ SUPPORTED_ARCHITECTURES = (
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "MixtralForCausalLM",
 )
+
+# Architectures whose decoder layers route each token to a few of many MLPs (ember.models.moe).
+MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
+# Those with a q/k RMSNorm per head (Qwen3's attention).
+_QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 
 
 # How a step's Triton kernels launch (ember.kernels.pdl): programmatic dependent launch at the
@@ -55,6 +62,17 @@ class ModelConfig:
     rope_scaling: RopeScaling | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Mixture of experts (0 experts: every layer's MLP is dense). Each token goes to
+    # ``num_experts_per_tok`` experts of ``moe_intermediate_size``; ``norm_topk_prob``: their
+    # routing weights are renormalised to sum to 1. Qwen3-MoE keeps a dense MLP (of
+    # ``intermediate_size``) in ``mlp_only_layers`` and in layers not a multiple of
+    # ``decoder_sparse_step`` (counting from 1).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    mlp_only_layers: tuple[int, ...] = ()
+    decoder_sparse_step: int = 1
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
@@ -85,14 +103,23 @@ class ModelConfig:
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in _QK_NORM_ARCHITECTURES,
             rope_scaling=_rope_scaling(cfg),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            **(_moe_fields(arch, cfg) if arch in MOE_ARCHITECTURES else {}),
         )
 
     def with_eos(self, eos_ids: tuple[int, ...]) -> ModelConfig:
         return dataclasses.replace(self, eos_token_ids=eos_ids)
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether decoder layer ``layer`` (from 0) routes to experts; as transformers decides."""
+        return (
+            self.num_experts > 0
+            and layer not in self.mlp_only_layers
+            and (layer + 1) % self.decoder_sparse_step == 0
+        )
 
     @property
     def q_size(self) -> int:
@@ -101,6 +128,33 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+
+def _moe_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """The mixture-of-experts fields of a config.json. Mixtral's experts are of
+    ``intermediate_size`` and always renormalised; Qwen3-MoE's are of ``moe_intermediate_size``.
+    transformers 5 saves Qwen3-MoE's expert count as ``num_local_experts`` (Mixtral's name),
+    the published configs as ``num_experts``."""
+    num_experts = cfg.get("num_local_experts", cfg.get("num_experts"))
+    if num_experts is None:
+        raise ValueError(f"{arch} config has no num_experts / num_local_experts")
+    fields = {
+        "num_experts": int(num_experts),
+        "num_experts_per_tok": int(cfg["num_experts_per_tok"]),
+    }
+    if arch == "MixtralForCausalLM":
+        return {
+            **fields,
+            "moe_intermediate_size": int(cfg["intermediate_size"]),
+            "norm_topk_prob": True,
+        }
+    return {
+        **fields,
+        "moe_intermediate_size": int(cfg["moe_intermediate_size"]),
+        "norm_topk_prob": bool(cfg.get("norm_topk_prob", False)),
+        "mlp_only_layers": tuple(int(i) for i in cfg.get("mlp_only_layers") or ()),
+        "decoder_sparse_step": int(cfg.get("decoder_sparse_step") or 1),
+    }
 
 
 def _rope_params(cfg: dict[str, Any]) -> dict[str, Any]:

@@ -27,6 +27,8 @@ TINY_ARCHITECTURES = (
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "MixtralForCausalLM",
 )
 SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_VOCAB_SIZE = 49152
@@ -38,6 +40,17 @@ _DEFAULT_ROPE_THETA = {
     "MistralForCausalLM": 10000.0,
     "Qwen2ForCausalLM": 1000000.0,
     "Qwen3ForCausalLM": 1000000.0,
+    "Qwen3MoeForCausalLM": 1000000.0,
+    "MixtralForCausalLM": 1000000.0,
+}
+# Eight experts, two per token: a few tokens leave some experts without any.
+_TINY_MOE_FIELDS = {
+    "Qwen3MoeForCausalLM": {
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+    },
+    "MixtralForCausalLM": {"num_local_experts": 8, "num_experts_per_tok": 2},
 }
 
 
@@ -144,8 +157,9 @@ def tiny_config(arch: str, *, tie: bool = False, llama3_rope: bool = False, **ov
         "pad_token_id": SMOLLM2_EOS_ID,
         "dtype": "float32",
     }
-    if arch == "MistralForCausalLM":
+    if arch in ("MistralForCausalLM", "MixtralForCausalLM"):
         fields["sliding_window"] = None  # ember serves full attention only
+    fields.update(_TINY_MOE_FIELDS.get(arch, {}))
     fields.update(overrides)
     config_class = getattr(transformers, arch.replace("ForCausalLM", "Config"))
     config = config_class(**fields)
@@ -162,12 +176,15 @@ def make_tiny_model(
     llama3_rope: bool = False,
     max_shard_size: str | int | None = None,
     tokenizer_cache_dir: Path | None = None,
+    stacked_experts: bool = False,
     **overrides: Any,
 ) -> Path:
     """Build and save a tiny random `arch` model with SmolLM2's tokenizer; return its directory.
 
     `tie` ties the LM head to the embeddings; `llama3_rope` (Llama only) adds llama3 RoPE
-    scaling; `max_shard_size` (e.g. "2MB") saves sharded weights with an index; `overrides`
+    scaling; `max_shard_size` (e.g. "2MB") saves sharded weights with an index;
+    `stacked_experts` saves a mixture of experts' weights stacked per layer, as transformers 5
+    holds them, instead of one tensor per expert (`save_original_format=False`); `overrides`
     are config fields (e.g. num_hidden_layers=3). The same arguments give the same weights.
     """
     import transformers
@@ -179,7 +196,9 @@ def make_tiny_model(
         torch.manual_seed(seed)
         model = getattr(transformers, arch)(config).to(torch.float32).eval()
     _randomise_norms_and_biases(model, seed)
-    save_kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+    save_kwargs: dict[str, Any] = {"save_original_format": not stacked_experts}
+    if max_shard_size is not None:
+        save_kwargs["max_shard_size"] = max_shard_size
     model.save_pretrained(out, **save_kwargs)
     for item in smollm2_tokenizer_dir(tokenizer_cache_dir).iterdir():
         shutil.copy2(item, out / item.name)

@@ -147,12 +147,13 @@ def _greedy_tokens(path, device, backend, dtype="float32"):
     return [o.outputs[0].token_ids for o in outs], llm
 
 
-@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen3ForCausalLM"])
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen3ForCausalLM", "MixtralForCausalLM"])
 def test_the_deferred_reference_gives_the_plain_tokens_and_folds_only_where_it_can(
     tmp_path, monkeypatch, arch
 ):
     """The deferred form's data flow in plain PyTorch (fast, no interpreter): same tokens; a
-    model with a q/k norm between projection and attention keeps the plain form."""
+    model with a q/k norm between projection and attention, or with a mixture of experts,
+    keeps the plain form."""
     path = make_tiny_model(arch, tmp_path)
     plain, _ = _greedy_tokens(path, "cpu", "reference")
     instance_module = importlib.import_module("ember.engine.model_instance")

@@ -25,7 +25,8 @@ from safetensors.torch import load_file, save_file
 from ember import LLM
 from ember.config import ModelConfig
 from ember.engine.model_instance import ModelInstance
-from ember.models.llama import LlamaForCausalLM
+from ember.models.checkpoint_layout import CheckpointLayout
+from ember.models.registry import model_class
 from ember.weights.finite_check import first_non_finite
 from ember.weights.gguf_file import GGUFFile
 
@@ -115,6 +116,27 @@ def test_a_config_dimension_that_disagrees_with_the_tensors(model_dir, no_alloca
         load(model_dir)
 
 
+@pytest.fixture(scope="module")
+def tiny_moe(tmp_path_factory) -> Path:
+    return make_tiny_model("MixtralForCausalLM", tmp_path_factory.mktemp("tiny-moe") / "m")
+
+
+def test_a_missing_expert_is_named_with_its_file(tiny_moe, tmp_path, no_allocation):
+    model_dir = Path(shutil.copytree(tiny_moe, tmp_path / "m"))
+    tensor = "model.layers.1.block_sparse_moe.experts.5.w3.weight"
+    file = edit_weights(model_dir, lambda weights: weights.pop(tensor))
+    with pytest.raises(ValueError, match=names(file, tensor) + ", which MixtralForCausalLM reads"):
+        load(model_dir)
+
+
+def test_experts_beyond_the_configs_count_are_extra(tiny_moe, tmp_path, no_allocation):
+    model_dir = Path(shutil.copytree(tiny_moe, tmp_path / "m"))
+    edit_config(model_dir, num_local_experts=6)
+    tensor = r"'model\.layers\.\d\.block_sparse_moe\.(gate\.weight|experts\.[67]\.w\d\.weight)'"
+    with pytest.raises(ValueError, match=tensor + r" (is not a tensor that|has shape)"):
+        load(model_dir)
+
+
 @pytest.mark.timeout(20, func_only=True)
 def test_a_config_claiming_far_more_layers_fails_at_once(model_dir, no_allocation):
     """Everything a load builds is sized from the config: checked first, a billion layers cost
@@ -139,14 +161,35 @@ def test_tensors_the_model_ignores_are_neither_missing_nor_extra(model_dir):
 def test_the_layout_is_what_the_loader_places(arch, tie):
     """Every tensor the layout names has a place of its shape in the model, and together they
     fill every parameter: the planning check and the loader agree."""
-    cfg = ModelConfig.from_hf_dict(tiny_config(arch, tie=tie).to_dict())
-    layout = LlamaForCausalLM.checkpoint_layout(cfg)
-    model = LlamaForCausalLM(cfg, _PlainNormOps(), None)
-    placer = model.weight_placer()
+    check_layout_fills_the_model(tiny_config(arch, tie=tie).to_dict())
+
+
+@pytest.mark.parametrize(
+    ("arch", "fields"),
+    [("Qwen3MoeForCausalLM", {"mlp_only_layers": [1]}), ("MixtralForCausalLM", {})],
+)
+@pytest.mark.parametrize("stacked", [False, True], ids=["per-expert", "stacked"])
+def test_the_experts_layout_in_either_form_is_what_the_loader_places(arch, fields, stacked):
+    """Experts stored one tensor each or stacked per layer fill the same parameters (a
+    Qwen3-MoE layer in mlp_only_layers reads a dense MLP instead)."""
+    stored = ["model.layers.0.mlp.experts.gate_up_proj"] if stacked else []
+    layout = check_layout_fills_the_model(tiny_config(arch, **fields).to_dict(), stored)
+    names = set(layout.names())
+    assert ("model.layers.0.mlp.experts.down_proj" in names) == stacked
+    if arch == "Qwen3MoeForCausalLM":
+        assert "model.layers.1.mlp.down_proj.weight" in names
+        assert not any(name.startswith("model.layers.1.mlp.experts") for name in names)
+
+
+def check_layout_fills_the_model(hf_config: dict, stored_names=()) -> CheckpointLayout:
+    cfg = ModelConfig.from_hf_dict(hf_config)
+    cls = model_class(cfg.architecture)
+    layout = cls.checkpoint_layout(cfg, stored_names)
+    placer = cls(cfg, _PlainNormOps(), None).weight_placer()
     for name in layout.names():
-        shape = layout.shared.get(name) or layout.per_layer[name.split(".", 3)[3]]
-        placer.target(name, shape).zero_()
+        placer.target(name, layout.shape_of(name)).zero_()
     placer.finish()  # raises if a parameter was left unfilled
+    return layout
 
 
 class _PlainNormOps:

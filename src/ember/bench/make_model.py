@@ -5,7 +5,9 @@ tokenizer) with the shape of a real model, and nothing may be downloaded. The to
 SmolLM2's, rebuilt from the GGUF file we ship; its ids fit in every preset's vocabulary.
 Output-projection rows past the tokenizer's ids are zero, so greedy decoding (whose random
 logits have a positive maximum) stays on ids that decode to text, as a real model's would;
-the GEMM keeps the preset's full shape and cost.
+the GEMM keeps the preset's full shape and cost. A preset names its architecture where it is
+not Llama's; the tensors written are those ember reads for it (its `CheckpointLayout`), a
+mixture of experts' one tensor per expert, as transformers saves them.
 """
 
 from __future__ import annotations
@@ -59,6 +61,46 @@ PRESETS: dict[str, dict] = {
             "original_max_position_embeddings": 8192,
         },
     },
+    "qwen3-30b-a3b": {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "hidden_size": 2048,
+        "intermediate_size": 6144,
+        "moe_intermediate_size": 768,
+        "num_hidden_layers": 48,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "head_dim": 128,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "vocab_size": 151936,
+        "max_position_embeddings": 40960,
+        "rope_theta": 1000000.0,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False,
+    },
+    # Mixtral-8x7B-v0.1's shapes, but for its vocabulary: padded from 32000 ids to the
+    # tokenizer's 49152 (0.14 B parameters more of 46.7 B), so every id the tokenizer makes is
+    # in the model's vocabulary.
+    "mixtral-8x7b": {
+        "architectures": ["MixtralForCausalLM"],
+        "model_type": "mixtral",
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
+        "vocab_size": TOKENIZER_VOCAB,
+        "max_position_embeddings": 32768,
+        "rope_theta": 1000000.0,
+        "sliding_window": None,
+        "tie_word_embeddings": False,
+    },
     "tiny": {
         "hidden_size": 256,
         "intermediate_size": 768,
@@ -70,7 +112,51 @@ PRESETS: dict[str, dict] = {
         "rope_theta": 10000.0,
         "tie_word_embeddings": True,
     },
+    "tiny-qwen3-moe": {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "hidden_size": 256,
+        "intermediate_size": 768,
+        "moe_intermediate_size": 128,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "num_experts": 16,
+        "num_experts_per_tok": 4,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [0],
+        "vocab_size": 49152,
+        "max_position_embeddings": 8192,
+        "rope_theta": 1000000.0,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": True,
+    },
+    "tiny-mixtral": {
+        "architectures": ["MixtralForCausalLM"],
+        "model_type": "mixtral",
+        "hidden_size": 256,
+        "intermediate_size": 384,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
+        "vocab_size": 49152,
+        "max_position_embeddings": 8192,
+        "rope_theta": 1000000.0,
+        "sliding_window": None,
+        "tie_word_embeddings": True,
+    },
 }
+
+# The presets whose every MLP is dense (the others are mixtures of experts).
+DENSE_PRESETS = tuple(
+    name
+    for name, preset in PRESETS.items()
+    if not any(key in preset for key in ("num_experts", "num_local_experts"))
+)
 
 _SHARD_BYTES = 4 << 30
 
@@ -91,28 +177,14 @@ def hf_config(preset: str) -> dict:
 
 
 def tensor_shapes(cfg: dict) -> list[tuple[str, tuple[int, ...]]]:
-    """HF names and shapes of every tensor of a Llama checkpoint with this config."""
-    h, i, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
-    d = h // cfg["num_attention_heads"]
-    kv = cfg["num_key_value_heads"] * d
-    shapes = [("model.embed_tokens.weight", (v, h))]
-    for layer in range(cfg["num_hidden_layers"]):
-        p = f"model.layers.{layer}"
-        shapes += [
-            (f"{p}.input_layernorm.weight", (h,)),
-            (f"{p}.self_attn.q_proj.weight", (h, h)),
-            (f"{p}.self_attn.k_proj.weight", (kv, h)),
-            (f"{p}.self_attn.v_proj.weight", (kv, h)),
-            (f"{p}.self_attn.o_proj.weight", (h, h)),
-            (f"{p}.post_attention_layernorm.weight", (h,)),
-            (f"{p}.mlp.gate_proj.weight", (i, h)),
-            (f"{p}.mlp.up_proj.weight", (i, h)),
-            (f"{p}.mlp.down_proj.weight", (h, i)),
-        ]
-    shapes.append(("model.norm.weight", (h,)))
-    if not cfg["tie_word_embeddings"]:
-        shapes.append(("lm_head.weight", (v, h)))
-    return shapes
+    """HF names and shapes of every tensor of a checkpoint with this config: those ember reads
+    for its architecture."""
+    from ember.config import ModelConfig
+    from ember.models.registry import model_class
+
+    model_config = ModelConfig.from_hf_dict(cfg)
+    layout = model_class(model_config.architecture).checkpoint_layout(model_config)
+    return [(name, layout.shape_of(name)) for name in layout.names()]
 
 
 def random_tensor(name: str, shape: tuple[int, ...], gen: torch.Generator, device: str):

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from ember.bench.make_model import PRESETS
+from ember.bench.make_model import DENSE_PRESETS, PRESETS
 from ember.bench.roofline import gpu_seconds, measure_ceilings, sequence_seconds
 from ember.bench.tune_moe import MOE_SHAPES, MOE_TOKENS, bench_moe
 
@@ -66,11 +66,12 @@ def linear_shapes(preset: str) -> list[tuple[str, int, int]]:
     """(name, N, K) of every distinct linear layer of a make-model preset."""
     cfg = PRESETS[preset]
     hidden, inter = cfg["hidden_size"], cfg["intermediate_size"]
-    head_dim = hidden // cfg["num_attention_heads"]
-    qkv = hidden + 2 * cfg["num_key_value_heads"] * head_dim
+    shape = AttentionShape.of(preset)
+    q_size = shape.num_q_heads * shape.head_dim
+    qkv = q_size + 2 * shape.num_kv_heads * shape.head_dim
     return [
         ("qkv", qkv, hidden),
-        ("o", hidden, hidden),
+        ("o", hidden, q_size),
         ("gate_up", 2 * inter, hidden),
         ("down", hidden, inter),
         ("lm_head", cfg["vocab_size"], hidden),
@@ -88,7 +89,8 @@ class AttentionShape:
     def of(cls, preset: str) -> AttentionShape:
         cfg = PRESETS[preset]
         heads = cfg["num_attention_heads"]
-        return cls(heads, cfg["num_key_value_heads"], cfg["hidden_size"] // heads)
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+        return cls(heads, cfg["num_key_value_heads"], head_dim)
 
 
 def decode_inputs(
@@ -535,9 +537,10 @@ def bench_stream_k(preset: str, rows=STREAM_K_ROWS, configs=STREAM_K_CONFIGS) ->
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--preset",
-        choices=sorted(PRESETS),
+        choices=sorted(DENSE_PRESETS),
         default="llama-3.1-8b",
-        help="the model shape whose layers are swept",
+        help="the model shape whose layers are swept (dense: a mixture of experts' expert "
+        "products are not these GEMMs)",
     )
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     parser.add_argument(

@@ -141,7 +141,7 @@ class ModelPlan:
         """Room kept for the largest step's activations and logits, and on a GPU the CUDA
         graphs' pool: an estimate, charged to the model while it is loaded."""
         cfg, limits = self.model_config, self.limits
-        per_token = 2 * cfg.intermediate_size + cfg.q_size + 2 * cfg.kv_size + 3 * cfg.hidden_size
+        per_token = _mlp_activations(cfg) + cfg.q_size + 2 * cfg.kv_size + 3 * cfg.hidden_size
         # x2: an op's input and output are alive together; logits are fp32, plus a processed copy.
         step = 2 * limits.max_num_batched_tokens * per_token * self.elem_bytes
         logits = 2 * limits.max_num_seqs * cfg.vocab_size * 4
@@ -162,6 +162,17 @@ class ModelPlan:
             close()
 
 
+def _mlp_activations(cfg: ModelConfig) -> int:
+    """Elements one token's MLP holds at once: gate and up of a dense MLP; of a mixture of
+    experts, the router's logits and, for each of its experts, gate and up, their product and
+    the expert's output before the weighted sum (a fused kernel's scratch)."""
+    dense = 2 * cfg.intermediate_size
+    if cfg.num_experts == 0:
+        return dense
+    per_expert = 3 * cfg.moe_intermediate_size + cfg.hidden_size
+    return max(dense, cfg.num_experts + cfg.num_experts_per_tok * per_expert)
+
+
 class _NoOps:
     """Stands in for `Ops` when a model is built only to count its parameters."""
 
@@ -179,7 +190,9 @@ def plan_model(config: EngineConfig, checkpoint: Checkpoint | None = None) -> Mo
     device = resolve_device(config.device)
     model_config = ModelConfig.from_hf_dict(ckpt.hf_config)
     headers = ckpt.tensor_headers()
-    layout = model_class(model_config.architecture).checkpoint_layout(model_config)
+    layout = model_class(model_config.architecture).checkpoint_layout(
+        model_config, [header.name for header in headers]
+    )
     check_fits(layout, headers)
     tokenizer = Tokenizer.from_checkpoint(ckpt)
     model_config = _with_generation_eos(model_config, ckpt, tokenizer)

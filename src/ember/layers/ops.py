@@ -32,6 +32,10 @@ class Ops:
     # (x, gate_up_weight, row_norm=None) -> [T, I]: silu_and_mul(linear(x, gate_up_weight)), as
     # one op so a backend may fuse the activation into the product's epilogue.
     gate_up_silu: Callable[..., torch.Tensor]
+    # (x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights float32 [T, k], topk_ids int32
+    # [T, k], activation="silu", b13=None, b2=None) -> [T, H] in x's dtype: each token's routed
+    # experts, weighted and summed (docs/CONTRACTS.md, "Mixture of experts").
+    moe_experts: Callable[..., torch.Tensor]
     sample: Callable[..., torch.Tensor]
     # [B, V] float32, bfloat16 or float16 -> int64 [B]: the first maximum of each row
     # (all-greedy batches).
@@ -91,6 +95,7 @@ def reference_ops(defer_norms: bool = False, split_k_parts: int = 1) -> Ops:
         fused_add_rms_norm=ref.fused_add_rms_norm_reference,
         silu_and_mul=ref.silu_and_mul_reference,
         gate_up_silu=ref.gate_up_silu_reference,
+        moe_experts=ref.moe_experts_reference,
         sample=ref.sample_reference,
         greedy_argmax=partial(torch.argmax, dim=-1),
         capturable=False,
@@ -124,6 +129,7 @@ def triton_ops(
     from ember.kernels.compile_ahead import compile_ahead, kernels_interpreted
     from ember.kernels.fused_moe import fused_moe
     from ember.kernels.linear import LinearRouter
+    from ember.layers.reference_ops import moe_experts_reference as reference_moe_experts
 
     if programmatic_launch not in PDL_MODES:
         raise ValueError(
@@ -146,6 +152,9 @@ def triton_ops(
         fused_add_rms_norm=chained(rmsnorm.fused_add_rms_norm),
         silu_and_mul=chained(activation.silu_and_mul),
         gate_up_silu=chained(router.gate_up_silu),
+        # The reference until the fused MoE kernel lands: it reads the chosen experts' ids on
+        # the host, so a MoE model on this path cannot be captured in a CUDA graph yet.
+        moe_experts=reference_moe_experts,
         sample=sampling.sample,
         greedy_argmax=argmax.greedy_argmax,
         capturable=True,

@@ -342,6 +342,61 @@ def gate_up_silu_reference(
 
 
 # ---------------------------------------------------------------------------------------------
+# Mixture of experts (docs/CONTRACTS.md, "Mixture of experts")
+
+# gpt-oss's clamped SwiGLU ("swiglu_oai"): the gate's ceiling, the up projection's bound, and the
+# sigmoid's slope.
+SWIGLU_OAI_LIMIT = 7.0
+SWIGLU_OAI_ALPHA = 1.702
+MOE_ACTIVATIONS = ("silu", "swiglu_oai")
+
+
+def expert_activation(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
+    """An expert's gated activation of its ``gate`` and ``up`` projections, in their dtype and
+    in transformers' order: "silu" ``silu(gate) * up``; "swiglu_oai" (gpt-oss) with the gate
+    clamped to at most 7 and up to [-7, 7], ``(up + 1) * (gate * sigmoid(1.702 * gate))``."""
+    if activation == "silu":
+        return torch.nn.functional.silu(gate) * up
+    if activation == "swiglu_oai":
+        gate = gate.clamp(max=SWIGLU_OAI_LIMIT)
+        up = up.clamp(min=-SWIGLU_OAI_LIMIT, max=SWIGLU_OAI_LIMIT)
+        return (up + 1) * (gate * torch.sigmoid(gate * SWIGLU_OAI_ALPHA))
+    raise ValueError(f"unknown expert activation {activation!r}; choose one of {MOE_ACTIVATIONS}")
+
+
+def moe_experts_reference(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    activation: str = "silu",
+    b13: torch.Tensor | None = None,
+    b2: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``[T, H]`` in ``x``'s dtype: each token's routed experts' outputs, weighted and summed.
+
+    ``w13 [E, 2I, H]`` (gate rows, then up rows), ``w2 [E, H, I]``, optional biases
+    ``b13 [E, 2I]``, ``b2 [E, H]``; ``topk_ids`` int32 and ``topk_weights`` float32 ``[T, k]``.
+    One expert at a time, only those some token chose (their ids read on the host): the
+    expert's products and activation in the model's dtype as transformers computes them, each
+    output times its float32 weight, summed in float32 in expert order, rounded once."""
+    inter = w2.shape[-1]
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for expert in torch.unique(topk_ids).tolist():
+        tokens, slots = (topk_ids == expert).nonzero(as_tuple=True)
+        gate_up = torch.nn.functional.linear(x[tokens], w13[expert])
+        if b13 is not None:
+            gate_up = gate_up + b13[expert]
+        act = expert_activation(gate_up[:, :inter], gate_up[:, inter:], activation)
+        y = torch.nn.functional.linear(act, w2[expert])
+        if b2 is not None:
+            y = y + b2[expert]
+        out.index_add_(0, tokens, y.float() * topk_weights[tokens, slots, None])
+    return out.to(x.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
 # Sampling
 
 _MASK32 = 0xFFFFFFFF

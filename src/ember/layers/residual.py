@@ -64,6 +64,18 @@ def add_sub_block_output(
     return ResidualStream(stream.hidden, stream.eps, pending=product(x, weight))
 
 
+def add_sub_block_result(ops: Ops, stream: ResidualStream, out: torch.Tensor) -> ResidualStream:
+    """A sub-block's exit whose output ``out`` [T, H] is already computed (a mixture of experts'
+    weighted sum has no last projection to fuse the add into): added now with its statistics
+    (deferred), or left pending for the next fused add + norm kernel (plain)."""
+    if stream.row_norm is not None:
+        parts = ops.add_and_sum_squares(stream.hidden, out)
+        return ResidualStream(
+            stream.hidden, stream.eps, row_norm=_row_norm(parts, stream.hidden, stream.eps)
+        )
+    return ResidualStream(stream.hidden, stream.eps, pending=out)
+
+
 def final_norm(ops: Ops, stream: ResidualStream, norm_weight: torch.Tensor) -> torch.Tensor:
     """The final RMSNorm of the stream (its weight is never folded: the output projection may be
     tied to the embeddings)."""

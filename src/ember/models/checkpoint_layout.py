@@ -22,39 +22,53 @@ LAYER_PREFIX = "model.layers."
 _LAYER_NAME = re.compile(re.escape(LAYER_PREFIX) + r"(\d+)\.(.+)")
 
 
+def _none(layer: int) -> Mapping[str, tuple[int, ...]]:
+    return {}
+
+
 @dataclass(frozen=True)
 class CheckpointLayout:
     """The checkpoint tensors (Hugging Face names) a model reads, with their shapes: ``shared``
     by full name, ``per_layer`` by the name after ``model.layers.{i}.`` for each of
-    ``num_layers`` layers. ``ignores(name)``: a tensor a checkpoint may hold that the model does
-    not read (RoPE's ``inv_freq``, a tied model's head)."""
+    ``num_layers`` layers, and ``layer_specific(i)`` (the same way) those of layer i alone (a
+    mixture-of-experts model's experts, or its dense MLP). ``ignores(name)``: a tensor a
+    checkpoint may hold that the model does not read (RoPE's ``inv_freq``, a tied model's
+    head)."""
 
     architecture: str
     num_layers: int
     shared: Mapping[str, tuple[int, ...]]
     per_layer: Mapping[str, tuple[int, ...]]
     ignores: Callable[[str], bool]
+    layer_specific: Callable[[int], Mapping[str, tuple[int, ...]]] = _none
 
     def names(self) -> Iterator[str]:
         """Every tensor the model reads, layer by layer; lazy, so that a reader stopping at the
         first one absent pays for the layers the checkpoint holds, not those the config claims."""
         yield from self.shared
         for layer in range(self.num_layers):
-            for suffix in self.per_layer:
+            for suffix in (*self.per_layer, *self.layer_specific(layer)):
                 yield f"{LAYER_PREFIX}{layer}.{suffix}"
 
-    def problem_with(self, name: str, shape: tuple[int, ...]) -> str | None:
-        """Why the checkpoint tensor ``name`` of ``shape`` has no place here, or None."""
+    def shape_of(self, name: str) -> tuple[int, ...] | None:
+        """The shape the model reads tensor ``name`` as, or None if it reads no such tensor."""
         if match := _LAYER_NAME.fullmatch(name):
             layer, suffix = int(match[1]), match[2]
             if layer >= self.num_layers:
-                return (
-                    f"belongs to layer {layer}, but the config has num_hidden_layers="
-                    f"{self.num_layers}"
-                )
-            expected = self.per_layer.get(suffix)
-        else:
-            expected = self.shared.get(name)
+                return None
+            shape = self.per_layer.get(suffix)
+            return shape if shape is not None else self.layer_specific(layer).get(suffix)
+        return self.shared.get(name)
+
+    def problem_with(self, name: str, shape: tuple[int, ...]) -> str | None:
+        """Why the checkpoint tensor ``name`` of ``shape`` has no place here, or None."""
+        match = _LAYER_NAME.fullmatch(name)
+        if match and int(match[1]) >= self.num_layers:
+            return (
+                f"belongs to layer {match[1]}, but the config has num_hidden_layers="
+                f"{self.num_layers}"
+            )
+        expected = self.shape_of(name)
         if expected is None:
             return f"is not a tensor that {self.architecture} reads"
         if tuple(shape) != expected:

@@ -3,12 +3,13 @@
 Llama 3.x and SmolLM2 (LlamaForCausalLM), Mistral (same graph), Qwen2 (q/k/v bias) and Qwen3
 (per-head q/k RMSNorm, explicit head_dim). q/k/v and gate/up are fused into single GEMMs at load
 time; the linear products, norms and activation go through the instance's `Ops`, attention
-through its `AttentionBackend`.
+through its `AttentionBackend`. A subclass may give a layer another MLP (`mlp_for_layer`): the
+mixture-of-experts models of `ember.models.llama_moe` reuse everything else.
 
 Where the ops defer the RMSNorm (`Ops.defer_norms`; not with a q/k/v bias or a q/k norm, which
-sit between the projection and its reader), each decoder norm's weight is folded into the
-projection it feeds at load and the residual stream runs in its deferred form
-(`ember.layers.residual`): no norm kernel inside the decoder. A pass of more rows than
+sit between the projection and its reader, nor in a mixture of experts: `can_defer_norms`),
+each decoder norm's weight is folded into the projection it feeds at load and the residual
+stream runs in its deferred form (`ember.layers.residual`): no norm kernel inside the decoder. A pass of more rows than
 `Ops.defer_norms_max_rows` runs the plain form on the same folded weights (the norms' weights are
 then ones), faster where cuBLAS takes the products (bench/results/README.md, "Deferred norms").
 """
@@ -16,7 +17,7 @@ then ones), faster where cuBLAS takes the products (bench/results/README.md, "De
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 
 import torch
 from torch import nn
@@ -73,7 +74,49 @@ _FUSED_SHARDS = {
 }
 
 
-def _ignored(cfg: ModelConfig, hf_name: str) -> bool:
+def shared_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The checkpoint tensors outside the decoder layers (HF names), with their shapes."""
+    hidden = cfg.hidden_size
+    shared = {
+        "model.embed_tokens.weight": (cfg.vocab_size, hidden),
+        "model.norm.weight": (hidden,),
+    }
+    if not cfg.tie_word_embeddings:
+        shared["lm_head.weight"] = (cfg.vocab_size, hidden)
+    return shared
+
+
+def attention_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """A decoder layer's norms and attention tensors (names after ``model.layers.{i}.``)."""
+    hidden = cfg.hidden_size
+    tensors = {
+        "input_layernorm.weight": (hidden,),
+        "post_attention_layernorm.weight": (hidden,),
+        "self_attn.q_proj.weight": (cfg.q_size, hidden),
+        "self_attn.k_proj.weight": (cfg.kv_size, hidden),
+        "self_attn.v_proj.weight": (cfg.kv_size, hidden),
+        "self_attn.o_proj.weight": (hidden, cfg.q_size),
+    }
+    if cfg.attention_bias:
+        tensors["self_attn.q_proj.bias"] = (cfg.q_size,)
+        tensors["self_attn.k_proj.bias"] = (cfg.kv_size,)
+        tensors["self_attn.v_proj.bias"] = (cfg.kv_size,)
+    if cfg.qk_norm:
+        tensors["self_attn.q_norm.weight"] = (cfg.head_dim,)
+        tensors["self_attn.k_norm.weight"] = (cfg.head_dim,)
+    return tensors
+
+
+def dense_mlp_tensors(hidden: int, inter: int) -> dict[str, tuple[int, ...]]:
+    """A dense gated MLP's tensors (names after ``model.layers.{i}.``)."""
+    return {
+        "mlp.gate_proj.weight": (inter, hidden),
+        "mlp.up_proj.weight": (inter, hidden),
+        "mlp.down_proj.weight": (hidden, inter),
+    }
+
+
+def is_ignored_tensor(cfg: ModelConfig, hf_name: str) -> bool:
     """A checkpoint tensor the model does not read: RoPE's inv_freq (some checkpoints store it;
     we compute our own), and the head of a model tied to its embeddings."""
     return "rotary_emb" in hf_name or (cfg.tie_word_embeddings and hf_name == "lm_head.weight")
@@ -151,10 +194,16 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, ops: Ops, attention: AttentionBackend) -> None:
+    """Pre-norm attention, then ``mlp``: a module called as ``mlp(stream, norm_weight)`` that
+    returns the stream with its output added or pending (the dense `MLP`, or a mixture of
+    experts)."""
+
+    def __init__(
+        self, cfg: ModelConfig, ops: Ops, attention: AttentionBackend, mlp: nn.Module
+    ) -> None:
         super().__init__()
         self.self_attn = Attention(cfg, ops, attention)
-        self.mlp = MLP(cfg, ops)
+        self.mlp = mlp
         self.input_layernorm = nn.Parameter(torch.ones(cfg.hidden_size))
         self.post_attention_layernorm = nn.Parameter(torch.ones(cfg.hidden_size))
 
@@ -178,12 +227,23 @@ class LlamaForCausalLM(nn.Module):
         self.cfg, self.ops = cfg, ops
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, ops, attention) for _ in range(cfg.num_layers)
+            DecoderLayer(cfg, ops, attention, self.mlp_for_layer(cfg, ops, i))
+            for i in range(cfg.num_layers)
         )
         self.norm = nn.Parameter(torch.ones(cfg.hidden_size))
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size))
-        self.defers_norms = ops.defer_norms and not cfg.attention_bias and not cfg.qk_norm
+        self.defers_norms = ops.defer_norms and self.can_defer_norms(cfg)
+
+    def mlp_for_layer(self, cfg: ModelConfig, ops: Ops, layer: int) -> nn.Module:
+        """The MLP of decoder layer ``layer``: the dense gated one here."""
+        return MLP(cfg, ops)
+
+    @staticmethod
+    def can_defer_norms(cfg: ModelConfig) -> bool:
+        """Whether the decoder norms may be folded into the projections they feed: not where
+        a q/k/v bias or a q/k norm sits between the projection and its reader."""
+        return not cfg.attention_bias and not cfg.qk_norm
 
     def forward(
         self,
@@ -215,36 +275,23 @@ class LlamaForCausalLM(nn.Module):
 
     # -- weights ---------------------------------------------------------------------------------
 
-    @staticmethod
-    def checkpoint_layout(cfg: ModelConfig) -> CheckpointLayout:
-        """The checkpoint tensors (HF names) a model of ``cfg`` reads, and their shapes."""
-        hidden, inter = cfg.hidden_size, cfg.intermediate_size
-        shared = {
-            "model.embed_tokens.weight": (cfg.vocab_size, hidden),
-            "model.norm.weight": (hidden,),
-        }
-        if not cfg.tie_word_embeddings:
-            shared["lm_head.weight"] = (cfg.vocab_size, hidden)
+    @classmethod
+    def checkpoint_layout(
+        cls, cfg: ModelConfig, stored_names: Collection[str] = ()
+    ) -> CheckpointLayout:
+        """The checkpoint tensors (HF names) a model of ``cfg`` reads, and their shapes.
+        ``stored_names``: the checkpoint's tensor names, for a subclass whose tensors may be
+        stored in more than one form (unused here)."""
         per_layer = {
-            "input_layernorm.weight": (hidden,),
-            "post_attention_layernorm.weight": (hidden,),
-            "self_attn.q_proj.weight": (cfg.q_size, hidden),
-            "self_attn.k_proj.weight": (cfg.kv_size, hidden),
-            "self_attn.v_proj.weight": (cfg.kv_size, hidden),
-            "self_attn.o_proj.weight": (hidden, cfg.q_size),
-            "mlp.gate_proj.weight": (inter, hidden),
-            "mlp.up_proj.weight": (inter, hidden),
-            "mlp.down_proj.weight": (hidden, inter),
+            **attention_tensors(cfg),
+            **dense_mlp_tensors(cfg.hidden_size, cfg.intermediate_size),
         }
-        if cfg.attention_bias:
-            per_layer["self_attn.q_proj.bias"] = (cfg.q_size,)
-            per_layer["self_attn.k_proj.bias"] = (cfg.kv_size,)
-            per_layer["self_attn.v_proj.bias"] = (cfg.kv_size,)
-        if cfg.qk_norm:
-            per_layer["self_attn.q_norm.weight"] = (cfg.head_dim,)
-            per_layer["self_attn.k_norm.weight"] = (cfg.head_dim,)
         return CheckpointLayout(
-            cfg.architecture, cfg.num_layers, shared, per_layer, functools.partial(_ignored, cfg)
+            cfg.architecture,
+            cfg.num_layers,
+            shared_tensors(cfg),
+            per_layer,
+            functools.partial(is_ignored_tensor, cfg),
         )
 
     def load_weights(
@@ -288,7 +335,7 @@ class LlamaForCausalLM(nn.Module):
                 norm.fill_(1.0)
 
     def _param_name(self, hf_name: str) -> tuple[str | None, int | None]:
-        if _ignored(self.cfg, hf_name):
+        if is_ignored_tensor(self.cfg, hf_name):
             return None, None
         name = hf_name.removeprefix("model.")
         if name == "lm_head.weight":
@@ -312,15 +359,21 @@ class LlamaForCausalLM(nn.Module):
         start = sum(sizes[:shard])
         return data.narrow(0, start, sizes[shard])
 
+    def _shard_count(self, name: str) -> int:
+        """How many checkpoint tensors fill parameter ``name`` shard by shard (0: one, whole)."""
+        if name.endswith((".qkv_proj.weight", ".qkv_proj.bias")):
+            return 3
+        if name.endswith(".gate_up_proj.weight"):
+            return 2
+        return 0
+
     def _check_all_loaded(self, params: dict[str, nn.Parameter], loaded: set[str]) -> None:
         missing = []
         for name in params:
-            if name.endswith((".qkv_proj.weight", ".qkv_proj.bias")):
-                wanted = [f"{name}#{i}" for i in range(3)]
-            elif name.endswith(".gate_up_proj.weight"):
-                wanted = [f"{name}#{i}" for i in range(2)]
-            else:
-                wanted = [name]
+            if name in loaded:  # whole, from one tensor
+                continue
+            count = self._shard_count(name)
+            wanted = [f"{name}#{i}" for i in range(count)] if count else [name]
             missing += [w for w in wanted if w not in loaded]
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")

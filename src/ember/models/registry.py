@@ -4,10 +4,16 @@ from __future__ import annotations
 
 import importlib
 
-from ember.config import SUPPORTED_ARCHITECTURES
+from ember.config import MOE_ARCHITECTURES, SUPPORTED_ARCHITECTURES
 
-# HF architecture name -> (module, class). The Llama file covers the whole family.
-_MODELS = {arch: ("ember.models.llama", "LlamaForCausalLM") for arch in SUPPORTED_ARCHITECTURES}
+# HF architecture name -> (module, class). The Llama file covers the dense family; its
+# mixture-of-experts members have a class each.
+_MODELS = {
+    arch: ("ember.models.llama_moe", arch)
+    if arch in MOE_ARCHITECTURES
+    else ("ember.models.llama", "LlamaForCausalLM")
+    for arch in SUPPORTED_ARCHITECTURES
+}
 
 
 def model_class(architecture: str) -> type:

@@ -1,0 +1,157 @@
+"""Llama-family decoders whose MLPs are mixtures of experts (`ember.models.moe`): Qwen3-MoE
+(Qwen3's attention with its q/k norm; layers in ``mlp_only_layers`` or off
+``decoder_sparse_step`` keep a dense MLP) and Mixtral (Mistral's attention, every layer
+sparse). Everything but the MLP is `ember.models.llama`'s.
+
+A checkpoint holds each layer's experts in one of two forms, and either loads into the stacked
+``w13`` / ``w2`` parameters:
+- one tensor per expert and projection, as transformers' ``save_pretrained`` writes them (and
+  the published checkpoints hold them): ``mlp.experts.{e}.gate_proj.weight`` / ``up_proj`` /
+  ``down_proj`` for Qwen3-MoE, ``block_sparse_moe.experts.{e}.w1.weight`` / ``w3`` / ``w2``
+  and ``block_sparse_moe.gate.weight`` for Mixtral;
+- stacked, as transformers 5 holds them in memory (``save_pretrained(...,
+  save_original_format=False)`` writes this): ``mlp.experts.gate_up_proj`` [E, 2I, H] (gate
+  rows, then up rows: the ops' layout already) and ``mlp.experts.down_proj`` [E, H, I], with the
+  router at ``mlp.gate.weight``.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from collections.abc import Collection, Mapping
+from types import MappingProxyType
+
+import torch
+from torch import nn
+
+from ember.config import ModelConfig
+from ember.layers.ops import Ops
+from ember.models.checkpoint_layout import CheckpointLayout
+from ember.models.llama import (
+    LlamaForCausalLM,
+    attention_tensors,
+    dense_mlp_tensors,
+    is_ignored_tensor,
+    shared_tensors,
+)
+from ember.models.moe import Routing, SparseMoeBlock
+
+# model.layers.{i}.{block}.experts.{e}.{projection}.weight
+_PER_EXPERT = re.compile(r"(model\.layers\.\d+)\.(\w+)\.experts\.(\d+)\.(\w+)\.weight")
+# model.layers.{i}.mlp.experts.{gate_up_proj | down_proj}
+_STACKED = re.compile(r"(model\.layers\.\d+)\.mlp\.experts\.(gate_up_proj|down_proj)")
+_STACKED_PARAMS = MappingProxyType({"gate_up_proj": "w13", "down_proj": "w2"})
+
+
+class MoeForCausalLM(LlamaForCausalLM):
+    """A Llama-family decoder with `SparseMoeBlock` MLPs where ``cfg.is_moe_layer``. A family
+    names its ``routing``, the block's name in its per-expert checkpoints (``block_name``), and
+    its experts' projections there (``expert_projections``: checkpoint name -> the parameter,
+    "w13" or "w2", and the half of w13 it fills: 0 gate, 1 up)."""
+
+    routing: Routing
+    block_name: str
+    expert_projections: Mapping[str, tuple[str, int]]
+
+    def mlp_for_layer(self, cfg: ModelConfig, ops: Ops, layer: int) -> nn.Module:
+        if cfg.is_moe_layer(layer):
+            return SparseMoeBlock(cfg, ops, self.routing)
+        return super().mlp_for_layer(cfg, ops, layer)
+
+    @staticmethod
+    def can_defer_norms(cfg: ModelConfig) -> bool:
+        """Never: the expert block reads the plain stream only (`ember.models.moe` says why)."""
+        return False
+
+    # -- weights ---------------------------------------------------------------------------------
+
+    @classmethod
+    def checkpoint_layout(
+        cls, cfg: ModelConfig, stored_names: Collection[str] = ()
+    ) -> CheckpointLayout:
+        """The checkpoint tensors a model of ``cfg`` reads: its experts stacked if
+        ``stored_names`` (the checkpoint's) holds a stacked expert tensor, else one by one."""
+        stacked = any(_STACKED.fullmatch(name) for name in stored_names)
+        experts = _stacked_tensors(cfg) if stacked else cls._per_expert_tensors(cfg)
+        dense = dense_mlp_tensors(cfg.hidden_size, cfg.intermediate_size)
+        return CheckpointLayout(
+            cfg.architecture,
+            cfg.num_layers,
+            shared_tensors(cfg),
+            attention_tensors(cfg),
+            functools.partial(is_ignored_tensor, cfg),
+            layer_specific=functools.partial(_mlp_tensors, cfg, experts, dense),
+        )
+
+    @classmethod
+    def _per_expert_tensors(cls, cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+        hidden, inter = cfg.hidden_size, cfg.moe_intermediate_size
+        shapes = {"w13": (inter, hidden), "w2": (hidden, inter)}
+        tensors = {f"{cls.block_name}.gate.weight": (cfg.num_experts, hidden)}
+        for expert in range(cfg.num_experts):
+            for projection, (param, _) in cls.expert_projections.items():
+                name = f"{cls.block_name}.experts.{expert}.{projection}.weight"
+                tensors[name] = shapes[param]
+        return tensors
+
+    def _param_name(self, hf_name: str) -> tuple[str | None, int | None]:
+        if match := _PER_EXPERT.fullmatch(hf_name):
+            layer, block, expert, projection = match[1], match[2], int(match[3]), match[4]
+            place = self.expert_projections.get(projection)
+            if block != self.block_name or place is None or expert >= self.cfg.num_experts:
+                return hf_name, None  # no such parameter: the placer refuses it by name
+            param, half = place
+            shard = 2 * expert + half if param == "w13" else expert
+            return f"{layer.removeprefix('model.')}.mlp.{param}", shard
+        if match := _STACKED.fullmatch(hf_name):
+            return f"{match[1].removeprefix('model.')}.mlp.{_STACKED_PARAMS[match[2]]}", None
+        return super()._param_name(hf_name.replace(f".{self.block_name}.", ".mlp."))
+
+    def _shard_view(self, data: torch.Tensor, name: str, shard: int) -> torch.Tensor:
+        if name.endswith(".w13"):  # shard 2e: expert e's gate rows, 2e + 1: its up rows
+            inter = self.cfg.moe_intermediate_size
+            return data[shard // 2].narrow(0, (shard % 2) * inter, inter)
+        if name.endswith(".w2"):
+            return data[shard]
+        return super()._shard_view(data, name, shard)
+
+    def _shard_count(self, name: str) -> int:
+        if name.endswith(".w13"):
+            return 2 * self.cfg.num_experts
+        if name.endswith(".w2"):
+            return self.cfg.num_experts
+        return super()._shard_count(name)
+
+
+def _stacked_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    experts, hidden, inter = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    return {
+        "mlp.gate.weight": (experts, hidden),
+        "mlp.experts.gate_up_proj": (experts, 2 * inter, hidden),
+        "mlp.experts.down_proj": (experts, hidden, inter),
+    }
+
+
+def _mlp_tensors(
+    cfg: ModelConfig,
+    experts: Mapping[str, tuple[int, ...]],
+    dense: Mapping[str, tuple[int, ...]],
+    layer: int,
+) -> Mapping[str, tuple[int, ...]]:
+    """Layer ``layer``'s MLP tensors: its experts' or its dense MLP's."""
+    return experts if cfg.is_moe_layer(layer) else dense
+
+
+class Qwen3MoeForCausalLM(MoeForCausalLM):
+    routing = Routing.QWEN3_MOE
+    block_name = "mlp"
+    expert_projections = MappingProxyType(
+        {"gate_proj": ("w13", 0), "up_proj": ("w13", 1), "down_proj": ("w2", 0)}
+    )
+
+
+class MixtralForCausalLM(MoeForCausalLM):
+    routing = Routing.MIXTRAL
+    block_name = "block_sparse_moe"
+    expert_projections = MappingProxyType({"w1": ("w13", 0), "w3": ("w13", 1), "w2": ("w2", 0)})

@@ -1,0 +1,82 @@
+"""A mixture-of-experts MLP: a router picks each token's experts and their weights, and
+`Ops.moe_experts` runs them.
+
+The routing is computed here, one variant per model family (`Routing`, `route`); the experts'
+weights are stacked per layer as the ops read them (docs/CONTRACTS.md, "Mixture of experts"):
+``w13`` [E, 2I, H] (gate rows, then up rows) and ``w2`` [E, H, I].
+
+The block reads the residual stream in its plain form only. The deferred form (norm weights
+folded into the projections, each row's 1/rms applied by the projection's reader) would need
+x/rms materialised for the router and the experts (`moe_experts` takes no row statistics:
+1/rms must reach the gate and up products before the activation), which costs what the norm
+kernel it replaces costs, and folding the norm into the router would round its logits unlike
+the checkpoint's, which can flip a near tie between experts. So MoE models never defer
+(`ember.models.llama_moe`).
+"""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+from torch import nn
+
+from ember.config import ModelConfig
+from ember.layers.ops import Ops
+from ember.layers.residual import ResidualStream, add_sub_block_result, sub_block_input
+from ember.models.llama import Projection
+
+
+class Routing(enum.Enum):
+    """How a model family turns router logits into each token's experts and weights."""
+
+    # Softmax over all experts (float32), the top k, renormalised to sum to 1; the weights stay
+    # float32 (transformers' MixtralTopKRouter).
+    MIXTRAL = "mixtral"
+    # Softmax over all experts (float32), the top k, renormalised iff ``norm_topk_prob``; the
+    # weights rounded to the logits' dtype, as transformers' Qwen3MoeTopKRouter returns them.
+    QWEN3_MOE = "qwen3_moe"
+    # To come as branches of `route`: gpt-oss (the top k of the logits, with the router's bias,
+    # then a softmax over those k) and Llama 4 (the sigmoid of the top-1 logit; its shared
+    # expert is a dense MLP beside the block).
+
+
+def route(
+    routing: Routing, logits: torch.Tensor, top_k: int, norm_topk_prob: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(topk_weights, topk_ids)`` of router ``logits`` [T, E] (the model's dtype): float32 and
+    int32, both [T, top_k], the experts in descending order of probability."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if routing is Routing.MIXTRAL:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    elif routing is Routing.QWEN3_MOE:
+        if norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights.to(logits.dtype).float()
+    else:
+        raise ValueError(f"no routing for {routing}")
+    return weights, ids.to(torch.int32)
+
+
+class SparseMoeBlock(nn.Module):
+    """The MLP of a decoder layer as ``num_experts`` gated experts, ``num_experts_per_tok`` per
+    token: ``gate`` (the router, [E, H], no bias), ``w13`` and ``w2`` (the stacked experts)."""
+
+    def __init__(self, cfg: ModelConfig, ops: Ops, routing: Routing) -> None:
+        super().__init__()
+        self.ops, self.routing = ops, routing
+        self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
+        experts, hidden, inter = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.gate = Projection(hidden, experts, bias=False)
+        self.w13 = nn.Parameter(torch.empty(experts, 2 * inter, hidden))
+        self.w2 = nn.Parameter(torch.empty(experts, hidden, inter))
+
+    def forward(self, stream: ResidualStream, norm_weight: torch.Tensor) -> ResidualStream:
+        x, row_norm, stream = sub_block_input(self.ops, stream, norm_weight)
+        if row_norm is not None:
+            raise ValueError("a mixture-of-experts block reads the plain residual stream only")
+        logits = self.ops.linear(x, self.gate.weight)
+        weights, ids = route(self.routing, logits, self.top_k, self.norm_topk_prob)
+        out = self.ops.moe_experts(x, self.w13, self.w2, weights, ids)
+        return add_sub_block_result(self.ops, stream, out)

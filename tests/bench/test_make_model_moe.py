@@ -1,0 +1,55 @@
+"""`ember bench make-model`'s mixture-of-experts presets: the real ones have their models'
+published parameter counts (every expert counted), the tiny ones load and generate; as
+transformers reads them too."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from ember import LLM, SamplingParams
+from ember.bench.make_model import DENSE_PRESETS, PRESETS, hf_config, make_model
+from ember.config import ModelConfig
+from ember.models.registry import model_class
+
+pytestmark = pytest.mark.slow
+
+
+def parameter_count(preset: str) -> int:
+    cfg = ModelConfig.from_hf_dict(hf_config(preset))
+    with torch.device("meta"):
+        model = model_class(cfg.architecture)(cfg, SimpleNamespace(defer_norms=False), None)
+    return sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize(
+    ("preset", "billions"),
+    # Qwen3-30B-A3B: 30.5 B. Mixtral-8x7B: 46.7 B, plus 0.14 B for the padded vocabulary.
+    [("qwen3-30b-a3b", 30.5), ("mixtral-8x7b", 46.7 + 0.14)],
+)
+def test_real_presets_have_their_models_parameter_counts(preset, billions):
+    assert parameter_count(preset) / 1e9 == pytest.approx(billions, rel=5e-3)
+    assert preset not in DENSE_PRESETS
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen3-moe", "tiny-mixtral"])
+def test_tiny_presets_load_and_generate_as_transformers_does(preset, tmp_path):
+    import transformers
+
+    out = make_model(preset, tmp_path / preset, device="cpu")
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == PRESETS[preset]["architectures"]
+    llm = LLM(str(out), dtype="float32", max_model_len=128)
+    prompt = [5, 9, 14, 3, 77, 21, 8]
+    ours = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=6))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        out, dtype=torch.float32, experts_implementation="eager"
+    )
+    with torch.no_grad():
+        theirs = hf.generate(
+            torch.tensor([prompt]), max_new_tokens=6, do_sample=False, pad_token_id=0
+        )
+    assert ours[0].outputs[0].token_ids == theirs[0, len(prompt) :].tolist()

@@ -1,0 +1,60 @@
+"""`ember.models.moe.route`: each family's experts and weights for a token, as transformers'
+router modules pick them, in float32 and bfloat16."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ember.models.moe import Routing, route
+
+transformers = pytest.importorskip("transformers")
+
+T, H, E, K = 40, 16, 8, 3
+
+
+def hf_router(routing: Routing, norm_topk_prob: bool, dtype: torch.dtype):
+    if routing is Routing.MIXTRAL:
+        config = transformers.MixtralConfig(
+            hidden_size=H, num_local_experts=E, num_experts_per_tok=K
+        )
+        module = transformers.models.mixtral.modeling_mixtral.MixtralTopKRouter(config)
+    else:
+        config = transformers.Qwen3MoeConfig(
+            hidden_size=H, num_experts=E, num_experts_per_tok=K, norm_topk_prob=norm_topk_prob
+        )
+        module = transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeTopKRouter(config)
+    g = torch.Generator().manual_seed(0)
+    module.weight.data.copy_(torch.randn(E, H, generator=g) * 0.3)
+    return module.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(
+    ("routing", "norm_topk_prob"),
+    [(Routing.MIXTRAL, True), (Routing.QWEN3_MOE, False), (Routing.QWEN3_MOE, True)],
+    ids=["mixtral", "qwen3-moe", "qwen3-moe-norm-topk"],
+)
+def test_route_picks_what_transformers_picks(routing, norm_topk_prob, dtype):
+    hf = hf_router(routing, norm_topk_prob, dtype)
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(1)).to(dtype)
+    with torch.no_grad():
+        logits, hf_weights, hf_ids = hf(x)
+    weights, ids = route(routing, logits, K, norm_topk_prob)
+    assert weights.dtype == torch.float32 and ids.dtype == torch.int32
+    assert weights.shape == ids.shape == (T, K)
+    assert torch.equal(ids.long(), hf_ids)
+    assert torch.equal(weights, hf_weights.float())  # the same values, rounded alike
+    sums = weights.sum(-1)
+    if norm_topk_prob:
+        torch.testing.assert_close(sums, torch.ones(T), atol=1e-2, rtol=0)
+    else:  # the top k's share of the probability, not renormalised
+        assert (sums < 0.9).any()
+
+
+def test_qwen3_moe_weights_are_rounded_to_the_logits_dtype():
+    logits = torch.randn(T, E, generator=torch.Generator().manual_seed(2)).bfloat16()
+    weights, _ = route(Routing.QWEN3_MOE, logits, K, True)
+    assert torch.equal(weights, weights.bfloat16().float())
+    mixtral, _ = route(Routing.MIXTRAL, logits, K, True)
+    assert not torch.equal(mixtral, mixtral.bfloat16().float())  # Mixtral's stay float32
