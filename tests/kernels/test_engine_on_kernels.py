@@ -35,9 +35,6 @@ def test_triton_backend_matches_reference_backend(arch, tmp_path, device, gen):
             dtype="float32",  # bf16 rounding differs between the paths: tokens may flip on a GPU
             max_num_batched_tokens=16,
             kv_cache_memory_bytes=64 << 20,
-            # Until the fused MoE kernel lands, the Triton ops run the experts' reference, which
-            # reads the chosen experts' ids on the host: no CUDA graph can hold it.
-            enforce_eager=arch == "MixtralForCausalLM",
         )
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
         outputs[backend] = [o.outputs[0].token_ids for o in outs]

@@ -34,7 +34,8 @@ class Ops:
     gate_up_silu: Callable[..., torch.Tensor]
     # (x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights float32 [T, k], topk_ids int32
     # [T, k], activation="silu", b13=None, b2=None) -> [T, H] in x's dtype: each token's routed
-    # experts, weighted and summed (docs/CONTRACTS.md, "Mixture of experts").
+    # experts, weighted and summed (docs/CONTRACTS.md, "Mixture of experts"; the Triton ops'
+    # kernels: "Fused MoE").
     moe_experts: Callable[..., torch.Tensor]
     sample: Callable[..., torch.Tensor]
     # [B, V] float32, bfloat16 or float16 -> int64 [B]: the first maximum of each row
@@ -69,10 +70,6 @@ class Ops:
     # (`ember.kernels.compile_ahead`); None: nothing to compile (the reference ops, or Triton's
     # CPU interpreter).
     compile_ahead: Callable[..., AbstractContextManager] | None = None
-    # (x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights [T, k], topk_ids [T, k],
-    # activation="silu", b13=None, b2=None) -> [T, H] in x's dtype: the routed experts' weighted
-    # sum (docs/CONTRACTS.md, "Fused MoE"). None: no MoE op on these ops.
-    moe_experts: Callable[..., torch.Tensor] | None = None
 
     def launches_with_pdl(self, rows: int) -> bool:
         """Whether a step of ``rows`` tokens launches its kernels with PDL."""
@@ -129,7 +126,6 @@ def triton_ops(
     from ember.kernels.compile_ahead import compile_ahead, kernels_interpreted
     from ember.kernels.fused_moe import fused_moe
     from ember.kernels.linear import LinearRouter
-    from ember.layers.reference_ops import moe_experts_reference as reference_moe_experts
 
     if programmatic_launch not in PDL_MODES:
         raise ValueError(
@@ -152,9 +148,6 @@ def triton_ops(
         fused_add_rms_norm=chained(rmsnorm.fused_add_rms_norm),
         silu_and_mul=chained(activation.silu_and_mul),
         gate_up_silu=chained(router.gate_up_silu),
-        # The reference until the fused MoE kernel lands: it reads the chosen experts' ids on
-        # the host, so a MoE model on this path cannot be captured in a CUDA graph yet.
-        moe_experts=reference_moe_experts,
         sample=sampling.sample,
         greedy_argmax=argmax.greedy_argmax,
         capturable=True,
