@@ -5,7 +5,7 @@
 #   tools/gpu_run.sh OUTDIR [STAGE ...]       stages, run in the order given:
 #                                             tests step profile tune parity serve peer
 #                                             multi_wake multi_pair multi_traffic startup
-#                                             resilience multi_turn structured fp8
+#                                             resilience multi_turn structured fp8 moe
 #                                             (default: tests step parity serve peer)
 #
 # Needs, carried beside the tree (tools/prepare_gpu_assets.sh makes them here):
@@ -167,6 +167,19 @@ stage_fp8() {
   done
 }
 
+# Mixture of experts (issue 45): the fused MoE kernels' GPU tests, then their tiles and paths
+# timed per expert shape against the chosen experts' bytes (`ember bench tune --sections moe`;
+# EMBER_MOE_SHAPES picks the shapes, one a call fits the time).
+stage_moe() {
+  stamp "GPU tests: fused MoE"
+  limited $PY -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_fused_moe.py \
+    > "$RES/gpu_tests_moe.log" 2>&1
+  tail -n 20 "$RES/gpu_tests_moe.log"
+  stamp "bench tune moe"
+  limited $PY -m ember.cli bench tune --sections moe --out "$RES" \
+    ${EMBER_MOE_SHAPES:+--moe-shapes $EMBER_MOE_SHAPES}
+}
+
 stage_peer() {
   make_model
   local n=${EMBER_PEER_PROMPTS:-1000}
@@ -304,7 +317,7 @@ stage_structured() {  # a JSON-schema constraint against none, per output token,
 for stage in $STAGES; do
   case $stage in
     tests | step | profile | tune | parity | serve | peer | multi_wake | multi_pair | multi_traffic \
-      | startup | resilience | multi_turn | structured | fp8)
+      | startup | resilience | multi_turn | structured | fp8 | moe)
       "stage_$stage" ;;
     *) echo "unknown stage: $stage" ;;
   esac
