@@ -38,6 +38,7 @@ def test_every_default_configuration_fits_an_h200():
     results = json.loads(done.stdout)
     cases = {(r["kernel"], r["case"]) for r in results}
     assert ("skinny_gemm", "gate_up m=1") in cases and ("stream_k_gemm", "gate_up m=128") in cases
+    assert ("skinny_gemm", "gate_up m=64, fp8 weights") in cases  # FP8 tiles, widened to bf16
     # The attention kernel as the planner launches it, its heaviest variants among them.
     attention = {r["case"]: r["constexprs"] for r in results if r["kernel"] == "paged_attention"}
     launches = {"decode split", "decode", "decode, full grid", "mixed decodes", "mixed chunks"}

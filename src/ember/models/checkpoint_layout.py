@@ -14,12 +14,22 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ember.weights.checkpoint import TensorHeader
 
 LAYER_PREFIX = "model.layers."
 _LAYER_NAME = re.compile(re.escape(LAYER_PREFIX) + r"(\d+)\.(.+)")
+
+# A tensor's expected shape, or the shapes it may take (an FP8 scale: ``[]`` or ``[1]``).
+Shape = tuple[int, ...]
+Shapes = Shape | frozenset[Shape]
+
+
+def layer_of(name: str) -> int | None:
+    """The decoder layer a checkpoint tensor belongs to (``model.layers.{i}.``), or None."""
+    match = _LAYER_NAME.fullmatch(name)
+    return int(match[1]) if match is not None else None
 
 
 @dataclass(frozen=True)
@@ -27,13 +37,16 @@ class CheckpointLayout:
     """The checkpoint tensors (Hugging Face names) a model reads, with their shapes: ``shared``
     by full name, ``per_layer`` by the name after ``model.layers.{i}.`` for each of
     ``num_layers`` layers. ``ignores(name)``: a tensor a checkpoint may hold that the model does
-    not read (RoPE's ``inv_freq``, a tied model's head)."""
+    not read (RoPE's ``inv_freq``, a tied model's head). ``optional_per_layer``: tensors a layer
+    may hold, read when present (an FP8 checkpoint's activation and KV-cache scales). A shape
+    given as a frozenset lists the shapes a tensor may take."""
 
     architecture: str
     num_layers: int
-    shared: Mapping[str, tuple[int, ...]]
-    per_layer: Mapping[str, tuple[int, ...]]
+    shared: Mapping[str, Shapes]
+    per_layer: Mapping[str, Shapes]
     ignores: Callable[[str], bool]
+    optional_per_layer: Mapping[str, Shapes] = field(default_factory=dict)
 
     def names(self) -> Iterator[str]:
         """Every tensor the model reads, layer by layer; lazy, so that a reader stopping at the
@@ -52,12 +65,16 @@ class CheckpointLayout:
                     f"belongs to layer {layer}, but the config has num_hidden_layers="
                     f"{self.num_layers}"
                 )
-            expected = self.per_layer.get(suffix)
+            expected = self.per_layer.get(suffix, self.optional_per_layer.get(suffix))
         else:
             expected = self.shared.get(name)
         if expected is None:
             return f"is not a tensor that {self.architecture} reads"
-        if tuple(shape) != expected:
+        if isinstance(expected, frozenset):
+            if tuple(shape) not in expected:
+                wanted = " or ".join(str(s) for s in sorted(expected))
+                return f"has shape {tuple(shape)}, but the config gives it {wanted}"
+        elif tuple(shape) != expected:
             return f"has shape {tuple(shape)}, but the config gives it {expected}"
         return None
 
