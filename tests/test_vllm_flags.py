@@ -121,6 +121,14 @@ def test_a_kv_cache_dtype_outside_the_choices_is_a_usage_error(value, no_serving
     assert all(choice in error for choice in ("'auto'", "'fp8'", "'fp8_e4m3'"))
 
 
+def test_quantization_fp8_reaches_every_served_model():
+    """vLLM's flag: FP8 weights for every model (a .gguf one dequantized, then quantized)."""
+    config = config_of("a=x", "b=y.gguf", "--quantization", "fp8")
+    assert [spec.engine.quantization for spec in config.models] == ["fp8", "fp8"]
+    assert [spec.engine.quantization for spec in config_of("a=x", "-q", "fp8").models] == ["fp8"]
+    assert [spec.engine.quantization for spec in config_of("a=x").models] == [None]
+
+
 def test_prefix_caching_is_on_unless_turned_off():
     (on,) = config_of().models
     (off,) = config_of("--no-enable-prefix-caching").models

@@ -19,7 +19,9 @@
 # EMBER_BENCH_PRESET=tiny EMBER_SERVE_PROMPTS=8 EMBER_PINNED_PROMPTS=8 EMBER_PEER_PROMPTS=4
 # EMBER_PEER_DEVICE=cpu EMBER_SERVE_OUTPUT_LEN=8 EMBER_MT_CONVERSATIONS=8 EMBER_MT_OUTPUT_LEN=16):
 #   EMBER_STEP_ARGS (e.g. "--sections attention"), EMBER_TUNE_ARGS (e.g. "--sections split_k stream_k"),
-#   EMBER_BENCH_PRESET (llama-3.1-8b), EMBER_GPU_TESTS ("tests/gpu tests/kernels"),
+#   EMBER_BENCH_PRESET (llama-3.1-8b), EMBER_BENCH_QUANTIZATION (unset; fp8: the benchmarks'
+#   checkpoint with FP8 linear weights, llm-compressor's layout), EMBER_GPU_TESTS
+#   ("tests/gpu tests/kernels"),
 #   EMBER_SERVE_PROMPTS ("1000 4000"), EMBER_PINNED_PROMPTS (1000), EMBER_PEER_PROMPTS (1000),
 #   EMBER_PEER_DEVICE (cuda), EMBER_SERVE_OUTPUT_LEN (unset), EMBER_MT_CONVERSATIONS (200),
 #   EMBER_MT_OUTPUT_LEN (256: the most tokens a multi-turn answer asks for),
@@ -52,7 +54,8 @@ export PYTHONPATH=/tmp/site:${EMBER_SRC:-$ROOT/src}:$ROOT/tests
 export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
 export EMBER_TEST_TOKENIZER_DIR=$ROOT/.gpu_assets/tokenizer
 PRESET=${EMBER_BENCH_PRESET:-llama-3.1-8b}
-MODEL=/tmp/$PRESET-random
+QUANTIZATION=${EMBER_BENCH_QUANTIZATION:-}
+MODEL=/tmp/$PRESET-random${QUANTIZATION:+-$QUANTIZATION}
 # A command the device kills loses the archive; each step here gets what is left of the budget.
 DEADLINE=$(( $(date +%s) + ${EMBER_RUN_SECONDS:-570} ))
 limited() {
@@ -71,9 +74,10 @@ $PY -c "import fastapi, uvicorn, msgspec, zmq, gguf, aiohttp, llguidance, ember.
 
 make_model() {
   if [ ! -f "$MODEL/config.json" ]; then
-    stamp "make-model $PRESET"
+    stamp "make-model $PRESET ${QUANTIZATION}"
     limited $PY -m ember.cli bench make-model --preset "$PRESET" --out "$MODEL" \
-      --tokenizer-dir "$EMBER_TEST_TOKENIZER_DIR" || exit 1
+      --tokenizer-dir "$EMBER_TEST_TOKENIZER_DIR" ${QUANTIZATION:+--quantization "$QUANTIZATION"} \
+      || exit 1
   fi
 }
 
@@ -144,7 +148,7 @@ stage_serve() {  # the first size, then the pinned run (its ratio to the first),
 # FP8 (issue 42): the same 8B shape written as an FP8 checkpoint (compressed-tensors layout,
 # per-channel weight scales), its decode/prefill steps against the FP8 roofline, and ShareGPT at
 # concurrency 200 with FP8 weights, FP8 weights + FP8 KV cache, and bf16 beside them.
-FP8_MODEL=/tmp/$PRESET-fp8
+FP8_MODEL=/tmp/$PRESET-random-fp8
 stage_fp8() {
   make_model
   if [ ! -f "$FP8_MODEL/config.json" ]; then

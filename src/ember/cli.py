@@ -21,6 +21,7 @@ from ember.config import (
     ENGINE_OPTIONS,
     MEMORY_OPTIONS,
     PDL_MODES,
+    QUANTIZATION_CHOICES,
     MemoryConfig,
     engine_config,
     memory_config,
@@ -358,6 +359,8 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
         options["decode_rope_in_attention"] = False
     if getattr(args, "separate_norms", False):
         options["defer_norms"] = False
+    if options.get("quantization") not in (None, *QUANTIZATION_CHOICES):
+        del options["quantization"]  # gguf: what a .gguf model does anyway; others refused
     return options
 
 

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ember.quantization import Fp8Scheme
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -29,6 +32,10 @@ PDL_MODES = ("auto", "on", "off")
 # "fp8" and "fp8_e4m3" (vLLM's names for one format) are float8 e4m3 with per-layer scales.
 FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3")
 KV_CACHE_DTYPES = ("auto", *FP8_KV_CACHE_DTYPES)
+
+# What `EngineConfig.quantization` may ask for (vLLM's name): "fp8" quantizes the decoder's linear
+# layers to float8 e4m3 as they load, unless the checkpoint holds FP8 weights already.
+QUANTIZATION_CHOICES = ("fp8",)
 
 
 @dataclass(frozen=True)
@@ -73,6 +80,10 @@ class ModelConfig:
     norm_topk_prob: bool = False
     mlp_only_layers: tuple[int, ...] = ()
     decoder_sparse_step: int = 1
+    # The decoder's linear layers in float8 e4m3 (`ember.quantization`); None: the model's dtype.
+    # Set when the model is planned, from the checkpoint's quantization_config and the engine's
+    # `quantization` option.
+    fp8: Fp8Scheme | None = None
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
@@ -297,6 +308,15 @@ class EngineConfig:
     defer_norms: bool = True
     overlap: bool | None = None  # None: overlap CPU and GPU work when on a GPU
     policy: ModelPolicy = field(default_factory=ModelPolicy)
+    # One of QUANTIZATION_CHOICES, or None: the checkpoint as it is (FP8 weights stay FP8).
+    quantization: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.quantization is not None and self.quantization not in QUANTIZATION_CHOICES:
+            raise ValueError(
+                f"quantization must be one of {', '.join(QUANTIZATION_CHOICES)} (or left out), "
+                f"not {self.quantization!r}"
+            )
 
     @property
     def asks_for_triton(self) -> bool:

@@ -10,7 +10,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from ember.config import KV_CACHE_DTYPES
+from ember.config import KV_CACHE_DTYPES, QUANTIZATION_CHOICES
 from ember.server.config import CorsConfig
 from ember.server.tool_calls.registry import PARSER_NAMES
 
@@ -40,7 +40,10 @@ def add_vllm_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument(
         "--quantization",
         "-q",
-        help="only gguf, for .gguf models (they carry their own quantization); others are refused",
+        help="fp8: the linear layers' weights in float8 e4m3 with a scale per output channel, "
+        "quantized as they load (a checkpoint of FP8 weights, compressed-tensors or "
+        "quant_method fp8, loads as it is without the flag); gguf, for .gguf models, is what "
+        "they do anyway; others are refused",
     )
     model.add_argument(
         "--kv-cache-dtype",
@@ -136,11 +139,13 @@ def check_vllm_flags(args: argparse.Namespace, sources: Sequence[str | None]) ->
             "--load-format", "safetensors needs every model to be a model directory, not a .gguf"
         )
     quantization = getattr(args, "quantization", None)
-    if quantization is not None and not (quantization == "gguf" and all(gguf)):
+    accepted = quantization in QUANTIZATION_CHOICES or (quantization == "gguf" and all(gguf))
+    if quantization is not None and not accepted:
         raise RefusedFlag(
             "--quantization",
-            f"{quantization} is not available; ember serves a checkpoint in its own dtype, and "
-            "a .gguf file with the quantization it carries (no flag needed)",
+            f"{quantization} is not available; ember serves fp8 (quantized at load), a "
+            "checkpoint in its own dtype (FP8 ones too, no flag needed), and a .gguf file with "
+            "the quantization it carries",
         )
     notes += _generation_config_notes(getattr(args, "generation_config", None))
     if getattr(args, "tensor_parallel_size", None) not in (None, 1):

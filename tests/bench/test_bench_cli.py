@@ -28,6 +28,51 @@ def test_make_model_writes_a_loadable_checkpoint(tmp_path):
     assert len(tokens.token_ids) == 4
 
 
+def test_make_model_writes_fp8_weights_in_the_compressed_tensors_layout(tmp_path):
+    """As llm-compressor's FP8_DYNAMIC: each decoder projection in float8 e4m3 with a bf16 scale
+    per output row, the embeddings in bf16; ember loads it as an FP8 checkpoint, and the step
+    benchmark's roofline reads its projections at one byte an element."""
+    from safetensors.torch import load_file
+
+    from ember.bench.roofline import Ceilings
+    from ember.bench.step_bench import StepBench
+    from ember.config import engine_config
+    from ember.engine.model_instance import ModelInstance
+
+    paths = {}
+    for form, flags in (("bf16", []), ("fp8", ["--quantization", "fp8"])):
+        paths[form] = tmp_path / form
+        argv = ["bench", "make-model", "--preset", "tiny", "--out", str(paths[form])]
+        assert main([*argv, "--device", "cpu", *flags]) == 0
+    config = json.loads((paths["fp8"] / "config.json").read_text())["quantization_config"]
+    assert config["quant_method"] == "compressed-tensors" and config["ignore"] == ["lm_head"]
+    weights = load_file(str(paths["fp8"] / "model-00001-of-00001.safetensors"))
+    plain = load_file(str(paths["bf16"] / "model-00001-of-00001.safetensors"))
+    name = "model.layers.2.mlp.down_proj"
+    weight, scale = weights[f"{name}.weight"], weights[f"{name}.weight_scale"]
+    assert weight.dtype == torch.float8_e4m3fn and scale.dtype == torch.bfloat16
+    assert scale.shape == (weight.shape[0], 1)
+    assert weights["model.embed_tokens.weight"].dtype == torch.bfloat16
+    dequantized = weight.float() * scale.float()
+    # e4m3 keeps 3 bits (rounded to half a step, 2**-4 of a value), and subnormal steps of
+    # 2**-9 of a row's scale.
+    subnormal_step = float(scale.max()) * 2**-9
+    expected = plain[f"{name}.weight"].float()
+    torch.testing.assert_close(dequantized, expected, atol=subnormal_step, rtol=2**-4)
+    benches = {}
+    for form, path in paths.items():
+        options = {"device": "cpu", "max_model_len": 128, "num_gpu_blocks_override": 16}
+        instance = ModelInstance(engine_config(str(path), **options))
+        benches[form] = StepBench(instance, Ceilings(hbm_bytes_per_s=1e11, bf16_flops_per_s=1e12))
+    fp8_model = benches["fp8"].inst.model
+    assert fp8_model.cfg.fp8 is not None and fp8_model.cfg.fp8.from_checkpoint
+    assert benches["fp8"].matmul_params == benches["bf16"].matmul_params
+    linear = sum(p.numel() for n, p in fp8_model.named_parameters() if n.endswith("_proj.weight"))
+    rows = sum(p.numel() for n, p in fp8_model.named_parameters() if n.endswith("weight_scale"))
+    # On the CPU the model runs in float32: each projection weight saves three bytes an element.
+    assert benches["bf16"].weight_bytes - benches["fp8"].weight_bytes == 3 * linear - 4 * rows
+
+
 def test_structured_output_bench_compares_both_modes_on_the_tiny_preset(tmp_path, capsys):
     out = tmp_path / "structured.json"
     args = ["--preset", "tiny", "--device", "cpu", "--batches", "1,3", "--max-tokens", "6"]

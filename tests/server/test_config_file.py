@@ -121,6 +121,14 @@ def test_a_models_kv_cache_dtype_overrides_the_flag(write):
     assert (a.engine.cache.kv_cache_dtype, b.engine.cache.kv_cache_dtype) == ("fp8", "fp8_e4m3")
 
 
+def test_a_models_quantization_overrides_the_flag(write):
+    path = write('[[models]]\nname = "a"\nsource = "x"\nquantization = "fp8"\n')
+    b, a = config_of("b=y", "--config", path).models
+    assert (a.engine.quantization, b.engine.quantization) == ("fp8", None)
+    b, a = config_of("b=y", "--config", path, "--quantization", "fp8").models
+    assert a.engine.quantization == b.engine.quantization == "fp8"
+
+
 def test_command_line_models_come_first_then_the_files(write):
     path = write('[[models]]\nname = "b"\nsource = "y"\n')
     config = config_of("a=x", "z", "--config", path)
@@ -175,6 +183,10 @@ def test_an_unknown_key_names_the_key_and_the_file(write, text, message):
         (
             '[[models]]\nsource = "x"\nkv_cache_dtype = "fp8_e5m2"\n',
             "kv_cache_dtype must be one of auto, fp8, fp8_e4m3, not 'fp8_e5m2'",
+        ),
+        (
+            '[[models]]\nsource = "x"\nquantization = "awq"\n',
+            "quantization must be one of fp8, not 'awq'",
         ),
         ('[[models]]\nsource = "x"\naliases = "y"\n', "'aliases' must be a list of names"),
         ("[[models]]\nsource = 3\n", "source must be a string"),

@@ -9,6 +9,7 @@ region) fails once the weights have landed.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -26,7 +27,9 @@ from ember import LLM
 from ember.config import ModelConfig
 from ember.engine.model_instance import ModelInstance
 from ember.models.checkpoint_layout import CheckpointLayout
+from ember.models.llama import LlamaForCausalLM
 from ember.models.registry import model_class
+from ember.quantization import Fp8Scheme
 from ember.weights.finite_check import first_non_finite
 from ember.weights.gguf_file import GGUFFile
 
@@ -190,6 +193,34 @@ def check_layout_fills_the_model(hf_config: dict, stored_names=()) -> Checkpoint
         placer.target(name, layout.shape_of(name)).zero_()
     placer.finish()  # raises if a parameter was left unfilled
     return layout
+
+
+@pytest.mark.parametrize("arch", TINY_ARCHITECTURES)
+@pytest.mark.parametrize("weight_scales", ["tensor", "channel"])
+def test_an_fp8_layout_is_what_the_loader_places(arch, weight_scales):
+    """An FP8 checkpoint's layout: every projection's weight (float8) and scale have a place,
+    and the optional input and KV-cache scales are taken too."""
+    plain = ModelConfig.from_hf_dict(tiny_config(arch).to_dict())
+    cfg = dataclasses.replace(plain, fp8=Fp8Scheme(True, weight_scales))
+    layout = LlamaForCausalLM.checkpoint_layout(cfg)
+    model = LlamaForCausalLM(cfg, _PlainNormOps(), None)
+    placer = model.weight_placer()
+    optional = [f"model.layers.1.{suffix}" for suffix in layout.optional_per_layer]
+    for name in [*layout.names(), *optional]:
+        shape = layout.shared.get(name)
+        if shape is None:
+            suffix = name.split(".", 3)[3]
+            shape = layout.per_layer.get(suffix) or layout.optional_per_layer[suffix]
+        if isinstance(shape, frozenset):  # a scale: [1] per tensor, [out, 1] per channel
+            shape = max(shape)
+        dtype = torch.float8_e4m3fn if name.endswith("_proj.weight") else torch.float32
+        placer.target(name, shape, dtype).copy_(torch.full(shape, 0.5))
+    placer.finish()
+    attention = model.layers[1].self_attn
+    assert attention.k_scale == attention.v_scale == 0.5
+    assert torch.equal(
+        attention.qkv_proj.weight_scale, torch.full((cfg.q_size + 2 * cfg.kv_size,), 0.5)
+    )
 
 
 class _PlainNormOps:

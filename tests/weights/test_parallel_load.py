@@ -96,6 +96,45 @@ def test_load_casts_to_the_targets_dtype_and_skips_unused_tensors(tmp_path):
     assert seen == list(range(1, len(tensors) + 1))  # skipped tensors count as landed
 
 
+def test_a_grouped_load_lands_each_group_before_asking_for_the_next(tmp_path):
+    """Groups load in the order they first appear in the file, each landed and handed to
+    ``after_group`` before the next group's targets are asked for: every group can reuse one
+    scratch. Here the file interleaves the groups (``a.0, a.1, a.2, b.0, ...``)."""
+    generator = torch.Generator().manual_seed(3)
+    tensors = {
+        f"{part}.{group}": torch.randn(50, 7, generator=generator)
+        for part in ("a", "b")
+        for group in range(3)
+    }
+    path = tmp_path / "w.safetensors"
+    save_file(tensors, str(path))
+    scratch = {"a": torch.empty(50, 7), "b": torch.empty(50, 7)}
+    events, landed, seen = [], {}, []
+
+    def target_for(extent):
+        events.append(extent.name)
+        return scratch[extent.name.split(".")[0]]
+
+    def after_group():
+        group = events[-1].split(".")[1]
+        events.append(f"after {group}")
+        landed.update({f"{part}.{group}": t.clone() for part, t in scratch.items()})
+
+    load_extents(
+        read_extents(path),
+        target_for,
+        torch.device("cpu"),
+        read_threads=2,
+        chunk_bytes=512,
+        on_tensor=seen.append,
+        group_of=lambda extent: extent.name.split(".")[1],
+        after_group=after_group,
+    )
+    assert events == [e for g in "012" for e in (f"a.{g}", f"b.{g}", f"after {g}")]
+    assert all(torch.equal(landed[name], tensor) for name, tensor in tensors.items())
+    assert seen == list(range(1, len(tensors) + 1))
+
+
 def test_a_file_truncated_after_its_header_was_read_fails_by_name(tmp_path):
     path = tmp_path / "w.safetensors"
     tensors = mixed_file(path)
@@ -154,9 +193,12 @@ def test_a_checkpoints_extents_cover_every_shard(tmp_path):
     assert {e.name: e.shape for e in extents} == {n: tuple(t.shape) for n, t in expected.items()}
 
 
-def test_the_model_loads_the_same_weights_as_through_iter_tensors(tmp_path):
+@pytest.mark.parametrize("quantization", [None, "fp8"])
+def test_the_model_loads_the_same_weights_as_through_iter_tensors(tmp_path, quantization):
+    """Also quantized at load: a layer at a time in the parallel loader (its tensors across
+    shards), a tensor at a time through the iterator."""
     path = make_tiny_model("LlamaForCausalLM", tmp_path / "m", max_shard_size="200KB")
-    llm = LLM(str(path), device="cpu", max_model_len=64, max_num_seqs=4)
+    llm = LLM(str(path), device="cpu", max_model_len=64, max_num_seqs=4, quantization=quantization)
     model = llm.instance.model
     reference = llm.instance._allocate_model(zeroed=True)
     reference.load_weights(HFDirCheckpoint(path).iter_tensors(torch.float32))

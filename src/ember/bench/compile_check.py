@@ -29,6 +29,8 @@ _PRESET = "llama-3.1-8b"
 _GATED_SHAPE = "gate_up"
 # Row counts at which the skinny GEMM's default tiles change (see its default_config).
 _GEMM_ROWS = (1, 16, 32, 64)
+# Of those, the ones compiled over FP8 weights too (the same tiles; the fewest and most rows).
+_FP8_GEMM_ROWS = (1, 64)
 
 
 @dataclass(frozen=True)
@@ -67,9 +69,11 @@ def compile_for_sm90(
     return compiled.metadata.shared
 
 
-def skinny_gemm_config(name: str, m: int, config: dict[str, int]) -> CompiledConfig:
+def skinny_gemm_config(
+    name: str, m: int, config: dict[str, int], fp8: bool = False
+) -> CompiledConfig:
     """The skinny GEMM as the engine launches it for the projection ``name`` at ``m`` rows,
-    on ``config`` (its tiles)."""
+    on ``config`` (its tiles); ``fp8``: over an FP8 weight and its row scales."""
     from ember.kernels.skinny_gemm import _skinny_gemm_kernel
 
     gated = name == _GATED_SHAPE
@@ -78,6 +82,7 @@ def skinny_gemm_config(name: str, m: int, config: dict[str, int]) -> CompiledCon
     row_norm = name in ("qkv", "gate_up")  # the deferred RMSNorm's readers
     constexprs = {
         "HAS_BIAS": False,
+        "W_SCALED": fp8,
         "ADD_TO_OUT": name in ("o", "down"),
         "GATED": gated,
         "ROW_NORM": row_norm,
@@ -90,12 +95,15 @@ def skinny_gemm_config(name: str, m: int, config: dict[str, int]) -> CompiledCon
     pointers = ("x_ptr", "w_ptr", "bias_ptr", "out_ptr")
     types = {
         **{p: "*bf16" for p in pointers},
+        "w_ptr": "*fp8e4nv" if fp8 else "*bf16",
+        "w_scale_ptr": "*fp32",
         "parts_ptr": "*fp32",
         "norm_parts_ptr": "*fp32",
         "eps": "fp32",
     }
     divisible = {
         *pointers,
+        "w_scale_ptr",
         "parts_ptr",
         "norm_parts_ptr",
         "N",
@@ -105,18 +113,21 @@ def skinny_gemm_config(name: str, m: int, config: dict[str, int]) -> CompiledCon
         "stride_om",
     }
     shared = compile_for_sm90(_skinny_gemm_kernel, types, divisible, constexprs, num_warps)
-    return CompiledConfig("skinny_gemm", f"{name} m={m}", constexprs, num_warps, shared)
+    case = f"{name} m={m}" + (", fp8 weights" if fp8 else "")
+    return CompiledConfig("skinny_gemm", case, constexprs, num_warps, shared)
 
 
 def skinny_gemm_configs() -> list[CompiledConfig]:
-    """Every 8B projection at each row count where its default tiles change."""
+    """Every 8B projection at each row count where its default tiles change, and over FP8
+    weights (which take the bf16 tiles) at the fewest and the most rows."""
     from ember.bench.tune import linear_shapes
     from ember.kernels.skinny_gemm import default_config
 
     return [
-        skinny_gemm_config(name, m, default_config(m, n, k, 2, gated=name == _GATED_SHAPE))
+        skinny_gemm_config(name, m, default_config(m, n, k, 2, gated=name == _GATED_SHAPE), fp8)
+        for fp8, rows in ((False, _GEMM_ROWS), (True, _FP8_GEMM_ROWS))
         for name, n, k in linear_shapes(_PRESET)
-        for m in _GEMM_ROWS
+        for m in rows
     ]
 
 

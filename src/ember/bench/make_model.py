@@ -8,6 +8,11 @@ logits have a positive maximum) stays on ids that decode to text, as a real mode
 the GEMM keeps the preset's full shape and cost. A preset names its architecture where it is
 not Llama's; the tensors written are those ember reads for it (its `CheckpointLayout`), a
 mixture of experts' one tensor per expert, as transformers saves them.
+
+``--quantization fp8`` writes the decoder's linear weights as llm-compressor's "FP8_DYNAMIC"
+checkpoints hold them (the compressed-tensors layout): float8 e4m3 with a ``weight_scale`` per
+output channel ``[out, 1]`` in the model's dtype, activations dynamic per token, the output head
+left in bf16; so the GPU benchmarks load the FP8 form users load.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
+
+from ember.layers.fp8 import FP8_DTYPE, FP8_E4M3_MAX
 
 # Ids the SmolLM2 tokenizer defines; rows of the output projection past them are zero.
 TOKENIZER_VOCAB = 49152
@@ -159,11 +166,33 @@ DENSE_PRESETS = tuple(
 )
 
 _SHARD_BYTES = 4 << 30
+QUANTIZATIONS = ("fp8",)
+
+# config.json's quantization_config of an llm-compressor FP8_DYNAMIC checkpoint: FP8 weights
+# with a scale per output channel, FP8 activations quantized per token at run time.
+_FP8_ARGS = {"num_bits": 8, "type": "float", "symmetric": True, "group_size": None}
+COMPRESSED_TENSORS_FP8 = {
+    "quant_method": "compressed-tensors",
+    "format": "float-quantized",
+    "quantization_status": "compressed",
+    "config_groups": {
+        "group_0": {
+            "targets": ["Linear"],
+            "weights": {**_FP8_ARGS, "strategy": "channel", "dynamic": False},
+            "input_activations": {**_FP8_ARGS, "strategy": "token", "dynamic": True},
+            "output_activations": None,
+        }
+    },
+    "ignore": ["lm_head"],
+    "kv_cache_scheme": None,
+}
 
 
-def hf_config(preset: str) -> dict:
+def hf_config(preset: str, quantization: str | None = None) -> dict:
     shape = dict(PRESETS[preset])
+    quantized = {"quantization_config": COMPRESSED_TENSORS_FP8} if quantization == "fp8" else {}
     return {
+        **quantized,
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
         "hidden_act": "silu",
@@ -195,19 +224,33 @@ def random_tensor(name: str, shape: tuple[int, ...], gen: torch.Generator, devic
     return std * torch.randn(shape, generator=gen, device=device)
 
 
+def fp8_channel_quantized(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(weight, weight_scale)`` as an FP8_DYNAMIC checkpoint stores them: float8 e4m3, and a
+    bf16 scale per row ``[out, 1]`` mapping the row's largest magnitude onto 448 (the weight
+    divided by that stored scale)."""
+    scale = (weight.float().abs().amax(dim=1, keepdim=True) / FP8_E4M3_MAX).to(torch.bfloat16)
+    scale = scale.clamp(min=torch.finfo(torch.bfloat16).tiny)
+    quantized = (weight.float() / scale.float()).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
+    return quantized.to(FP8_DTYPE), scale
+
+
 def make_model(
     preset: str,
     out: Path,
     seed: int = 0,
     device: str | None = None,
     tokenizer_dir: Path | None = None,
+    quantization: str | None = None,
 ) -> Path:
-    """Write the checkpoint into `out`; returns it. Random bf16 weights, drawn on `device`."""
+    """Write the checkpoint into `out`; returns it. Random bf16 weights, drawn on `device`;
+    ``quantization`` "fp8": the decoder's linear weights in FP8 (the module docstring)."""
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
+    if quantization not in (None, *QUANTIZATIONS):
+        raise ValueError(f"unknown quantization {quantization!r}; choose one of {QUANTIZATIONS}")
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     out.mkdir(parents=True, exist_ok=True)
-    cfg = hf_config(preset)
+    cfg = hf_config(preset, quantization)
     gen = torch.Generator(device=device).manual_seed(seed)
     weight_map: dict[str, str] = {}
     shard: dict[str, torch.Tensor] = {}
@@ -229,11 +272,15 @@ def make_model(
         tensor = random_tensor(name, shape, gen, device)
         if name == output_rows:
             tensor[TOKENIZER_VOCAB:] = 0
-        tensor = tensor.to(torch.bfloat16).cpu()
-        nbytes = tensor.numel() * 2
+        tensor = tensor.to(torch.bfloat16)
+        tensors = {name: tensor}
+        if quantization == "fp8" and name.endswith("_proj.weight"):
+            weight, scale = fp8_channel_quantized(tensor)
+            tensors = {name: weight, name.removesuffix("weight") + "weight_scale": scale}
+        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
         if shard_bytes + nbytes > _SHARD_BYTES:
             flush()
-        shard[name] = tensor
+        shard.update((key, value.cpu()) for key, value in tensors.items())
         shard_bytes += nbytes
         total += nbytes
     flush()
@@ -279,6 +326,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default=None, help="where to draw the weights (default: cuda)")
     parser.add_argument(
+        "--quantization",
+        choices=QUANTIZATIONS,
+        help="fp8: the decoder's linear weights in float8 e4m3 with a bf16 scale per output "
+        "channel, in the compressed-tensors layout of llm-compressor's FP8_DYNAMIC checkpoints",
+    )
+    parser.add_argument(
         "--tokenizer-dir",
         type=Path,
         default=None,
@@ -288,6 +341,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     start = time.perf_counter()
-    path = make_model(args.preset, args.out, args.seed, args.device, args.tokenizer_dir)
-    print(f"wrote {args.preset} to {path} in {time.perf_counter() - start:.1f} s")
+    path = make_model(
+        args.preset, args.out, args.seed, args.device, args.tokenizer_dir, args.quantization
+    )
+    form = f" ({args.quantization})" if args.quantization else ""
+    print(f"wrote {args.preset}{form} to {path} in {time.perf_counter() - start:.1f} s")
     return 0

@@ -61,11 +61,17 @@ class StepBench:
         self.cfg = cfg
         kv_elem = instance.kv_cache.element_size()  # 1 for an FP8 cache
         self.kv_bytes_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * kv_elem
-        embed = cfg.vocab_size * cfg.hidden_size
-        params = sum(p.numel() for p in instance.model.parameters())
-        # Every GEMM weight is read once per step; the embedding table only row by row.
-        self.matmul_params = params - (embed if not cfg.tie_word_embeddings else 0)
-        self.weight_bytes = self.matmul_params * instance.plan.elem_bytes
+        # Every GEMM weight is read once per step, at its own element size (an FP8 weight's one
+        # byte, with its row scales); the embedding table only row by row.
+        streamed = [
+            (name, p)
+            for name, p in instance.model.named_parameters()
+            if cfg.tie_word_embeddings or name != "embed_tokens.weight"
+        ]
+        self.matmul_params = sum(
+            p.numel() for name, p in streamed if not name.endswith(".weight_scale")
+        )
+        self.weight_bytes = sum(p.numel() * p.element_size() for _, p in streamed)
         self.loop = TimedLoop.of(instance)
         self._ids = 0
 

@@ -344,7 +344,7 @@ class ModelInstance:
         cls = model_class(self.model_config.architecture)
         with torch.device("meta"):
             model = cls(self.model_config, self.ops, self.attention)
-        model = model.to(dtype=self.dtype)
+        model = model.cast_to(self.dtype)  # FP8 weights and their scales keep their dtypes
         params = list(model.parameters())
         shapes = [(tuple(p.shape), p.dtype) for p in params]
         self.weight_arena = self._arenas.make(arena_bytes(shapes))
@@ -358,7 +358,8 @@ class ModelInstance:
         """Fill the parameters from ``ckpt``; returns the seconds it took. Safetensors files are
         read on several threads through pinned buffers (`ember.weights.parallel_load`); other
         formats tensor by tensor through `Checkpoint.iter_tensors`. ValueError naming the
-        tensor and its file if a loaded tensor holds a NaN or an infinity."""
+        tensor and its file if a loaded tensor holds a NaN or an infinity. Weights quantized at
+        load land a layer at a time, so one layer's float weights are held at most."""
         started = time.perf_counter()
         extents = getattr(ckpt, "tensor_extents", None)
         headers = self.plan.tensor_headers  # to name a bad tensor's file
@@ -366,12 +367,15 @@ class ModelInstance:
             self.model.load_weights(ckpt.iter_tensors(self.dtype), on_tensor, headers)
         else:
             placer = self.model.weight_placer(headers)
+            quantizes = placer.quantizes
             load_extents(
                 extents(),
-                lambda extent: placer.target(extent.name, extent.shape),
+                lambda extent: placer.target(extent.name, extent.shape, extent.dtype),
                 self.device,
                 on_tensor=on_tensor,
                 files=getattr(ckpt, "weight_files", None),
+                group_of=(lambda extent: placer.load_group(extent.name)) if quantizes else None,
+                after_group=placer.quantize_landed if quantizes else None,
             )
             placer.finish()
         if self.device.type == "cuda":

@@ -26,6 +26,7 @@ from ember.config import (
 )
 from ember.engine.request import Request
 from ember.models.checkpoint_layout import CheckpointLayout, check_complete, check_fits
+from ember.quantization import fp8_scheme
 from ember.sampling_params import SamplingParams
 from ember.tokenizer.tokenizer import Tokenizer
 from ember.weights.checkpoint import Checkpoint, TensorHeader
@@ -128,13 +129,14 @@ class ModelPlan:
 
     @functools.cached_property
     def weight_bytes(self) -> int:
-        """The parameters' bytes, counted on a model built on the meta device."""
+        """The parameters' bytes, counted on a model built on the meta device: each at its own
+        element size (an FP8 weight's one byte, its float32 scales' four)."""
         from ember.models.registry import model_class
 
         cls = model_class(self.model_config.architecture)
         with torch.device("meta"):
-            model = cls(self.model_config, _NoOps(), None)
-        return sum(p.numel() for p in model.parameters()) * self.elem_bytes
+            model = cls(self.model_config, _NoOps(), None).cast_to(self.dtype)
+        return sum(p.numel() * p.element_size() for p in model.parameters())
 
     @property
     def reserve_bytes(self) -> int:
@@ -183,12 +185,15 @@ class _NoOps:
 def plan_model(config: EngineConfig, checkpoint: Checkpoint | None = None) -> ModelPlan:
     """Read ``config``'s checkpoint metadata, tensor headers and tokenizer; no weight is read.
     ValueError naming the tensor and its file where the config's sizes disagree with the
-    tensors (`check_fits`)."""
+    tensors (`check_fits`), or for a quantization ember cannot load (`fp8_scheme`)."""
     from ember.models.registry import model_class
 
     ckpt = checkpoint or open_checkpoint(config.model, download_dir=config.download_dir)
     device = resolve_device(config.device)
-    model_config = ModelConfig.from_hf_dict(ckpt.hf_config)
+    model_config = dataclasses.replace(
+        ModelConfig.from_hf_dict(ckpt.hf_config),
+        fp8=fp8_scheme(ckpt.hf_config, config.quantization),
+    )
     headers = ckpt.tensor_headers()
     layout = model_class(model_config.architecture).checkpoint_layout(
         model_config, [header.name for header in headers]

@@ -15,6 +15,11 @@ behind each route) and runs the products the model's ops ask for:
 - `linear_parts`: a sub-block's exit in the plain residual form past the skinny GEMM's rows:
   where cuBLAS would run split-K plus a reduce, one batched cuBLAS GEMM leaves the K slices'
   float32 partial sums for the next add + RMSNorm kernel (`add_parts_rms_norm`) to sum.
+
+Each takes an FP8 weight (`ember.layers.fp8.Fp8Weight`): up to the skinny GEMM's rows it reads
+the FP8 tiles itself (half the bytes of a bf16 weight, with every epilogue above); past them
+the activations are quantized per token and cuBLASLt multiplies in FP8
+(`ember.kernels.fp8_gemm`); the stream-K and split-K forms are bf16 only.
 """
 
 from __future__ import annotations
@@ -23,10 +28,12 @@ import torch
 import torch.nn.functional as F
 
 from ember.kernels.activation import silu_and_mul
+from ember.kernels.fp8_gemm import fp8_linear
 from ember.kernels.rmsnorm import add_and_sum_squares
 from ember.kernels.skinny_gemm import skinny_gemm, skinny_gemm_add, skinny_gemm_silu
 from ember.kernels.stream_k_gemm import fits_one_wave, stream_k_gemm
 from ember.kernels.tuning import LinearRoutes
+from ember.layers.fp8 import Fp8Weight
 from ember.layers.row_norm import RowNorm
 
 _HALF_DTYPES = (torch.bfloat16, torch.float16)
@@ -52,6 +59,14 @@ class LinearRouter:
         ):
             return False
         return pdl or n <= k or n >= 16 * k or (m <= routes.skinny_qkv_max_rows and n < 4 * k)
+
+    def takes_fp8_skinny(self, m: int, dtype: torch.dtype, device: torch.device) -> bool:
+        """Whether a product of ``m`` rows of ``dtype`` by an FP8 weight goes to the skinny
+        kernel: every decode-sized one, which reads the weight's bytes once either way and here
+        needs no kernel to quantize its activations."""
+        return (
+            device.type == "cuda" and dtype in _HALF_DTYPES and 0 < m <= self.routes.skinny_max_rows
+        )
 
     def takes_gated_skinny(
         self, m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, pdl: bool = False
@@ -85,7 +100,7 @@ class LinearRouter:
     def linear(
         self,
         x: torch.Tensor,
-        weight: torch.Tensor,
+        weight: torch.Tensor | Fp8Weight,
         bias: torch.Tensor | None = None,
         *,
         pdl: bool = False,
@@ -93,6 +108,10 @@ class LinearRouter:
         """``F.linear`` semantics for 2-D ``x``; ``pdl``: the step's kernels use programmatic
         dependent launch."""
         m, k = x.shape
+        if isinstance(weight, Fp8Weight):
+            if x.stride(1) == 1 and self.takes_fp8_skinny(m, x.dtype, x.device):
+                return skinny_gemm(x, weight, bias, pdl=pdl)
+            return fp8_linear(x, weight, bias, pdl=pdl)
         if x.stride(1) == 1 and self.takes_skinny(
             m, weight.shape[0], k, weight.dtype, x.device, pdl
         ):
@@ -100,11 +119,20 @@ class LinearRouter:
         return F.linear(x, weight, bias)
 
     def linear_add(
-        self, x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, *, pdl: bool = False
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor | Fp8Weight,
+        residual: torch.Tensor,
+        *,
+        pdl: bool = False,
     ) -> torch.Tensor:
         """``residual += x @ weight.T`` in place (the product rounded to the dtype first),
         returning the new rows' partial sums of squares, float32 ``[T, P]`` (`RowNorm.parts`)."""
         m, k = x.shape
+        if isinstance(weight, Fp8Weight):
+            if x.stride(1) == 1 and self.takes_fp8_skinny(m, x.dtype, x.device):
+                return skinny_gemm_add(x, weight, residual, pdl=pdl)
+            return add_and_sum_squares(residual, fp8_linear(x, weight, pdl=pdl), pdl=pdl)
         if x.stride(1) == 1 and self.takes_skinny(
             m, weight.shape[0], k, weight.dtype, x.device, pdl
         ):
@@ -114,7 +142,7 @@ class LinearRouter:
     def gate_up_silu(
         self,
         x: torch.Tensor,
-        gate_up_weight: torch.Tensor,
+        gate_up_weight: torch.Tensor | Fp8Weight,
         *,
         row_norm: RowNorm | None = None,
         pdl: bool = False,
@@ -122,6 +150,11 @@ class LinearRouter:
         """``silu_and_mul(x @ gate_up_weight.T, row_norm=row_norm)``: ``[T, I]`` from the fused
         ``[2I, K]`` gate/up weight (gate rows first)."""
         m, k = x.shape
+        if isinstance(gate_up_weight, Fp8Weight):
+            if x.stride(1) == 1 and self.takes_fp8_skinny(m, x.dtype, x.device):
+                return skinny_gemm_silu(x, gate_up_weight, row_norm=row_norm, pdl=pdl)
+            product = fp8_linear(x, gate_up_weight, pdl=pdl)
+            return silu_and_mul(product, row_norm=row_norm, pdl=pdl)
         n = gate_up_weight.shape[0]
         if x.stride(1) == 1 and self.takes_gated_skinny(
             m, n, k, gate_up_weight.dtype, x.device, pdl
@@ -134,14 +167,17 @@ class LinearRouter:
     def linear_parts(
         self,
         x: torch.Tensor,
-        weight: torch.Tensor,
+        weight: torch.Tensor | Fp8Weight,
         *,
         parts: int | None = None,
         pdl: bool = False,
     ) -> torch.Tensor:
         """``x @ weight.T`` for an add + RMSNorm to take: ``[T, N]`` in ``x``'s dtype (`linear`),
         or, where `split_k_parts` splits it (``parts``, if given, instead), ``[P, T, N]``
-        float32 partial sums over P equal slices of K from one batched cuBLAS GEMM."""
+        float32 partial sums over P equal slices of K from one batched cuBLAS GEMM. An FP8
+        weight's product is never split."""
+        if isinstance(weight, Fp8Weight):
+            return self.linear(x, weight, pdl=pdl)
         m, k = x.shape
         n = weight.shape[0]
         if parts is None:

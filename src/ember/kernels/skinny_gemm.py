@@ -11,6 +11,11 @@ add and the norm's statistics cost no launch of their own. `skinny_gemm_silu` is
 input side in one launch: each program computes its columns of both gate and up and stores
 ``silu(gate) * up``, with the deferred norm's ``1/rms`` applied in the epilogue.
 
+Each takes an FP8 weight too (float8 e4m3 with a float32 scale per output row,
+`ember.layers.fp8.Fp8Weight`): its tiles are read at one byte an element, widened to the
+activations' dtype for the dot, and the float32 accumulator is multiplied by each column's scale
+before any epilogue. The activations stay in their dtype (no FP8 rounding of them at decode).
+
 Where this beats cuBLAS is a measured question per GPU and shape: `ember.kernels.linear`
 routes to it only where the device's `LinearRoutes` say so
 (bench/results/README.md, "Skinny GEMM routing").
@@ -28,6 +33,7 @@ from ember.kernels.pdl import wait_for_producer
 from ember.kernels.row_norm import check_row_norm, load_inv_rms_rows, row_norm_args, scale_and_round
 from ember.kernels.tiles import shrink_to_fit
 from ember.kernels.tuning import SKINNY_GEMM_MAX_ROWS
+from ember.layers.fp8 import FP8_DTYPE, Fp8Weight
 from ember.layers.row_norm import RowNorm
 
 
@@ -37,6 +43,7 @@ from ember.layers.row_norm import RowNorm
 def _skinny_gemm_kernel(
     x_ptr,
     w_ptr,
+    w_scale_ptr,
     bias_ptr,
     out_ptr,
     parts_ptr,
@@ -51,6 +58,7 @@ def _skinny_gemm_kernel(
     hidden,
     eps,
     HAS_BIAS: tl.constexpr,
+    W_SCALED: tl.constexpr,
     ADD_TO_OUT: tl.constexpr,
     GATED: tl.constexpr,
     ROW_NORM: tl.constexpr,
@@ -72,7 +80,11 @@ def _skinny_gemm_kernel(
     ``GATED``: ``w`` is ``[2N, K]``, gate rows then up rows, and ``out [M, N]`` becomes
     ``silu(gate) * up`` (each product rounded to the dtype, as the unfused GEMM stores it, then
     SiLU-and-mul's roundings); ``ROW_NORM``: gate and up are first scaled by their row's ``1/rms``
-    from ``norm_parts`` (a deferred RMSNorm, `ember.layers.row_norm`)."""
+    from ``norm_parts`` (a deferred RMSNorm, `ember.layers.row_norm`).
+
+    ``W_SCALED``: ``w`` is FP8 with a float32 scale per row at ``w_scale``; each weight tile is
+    widened to ``x``'s dtype for the dot, and the accumulators are scaled per column after the
+    loop, before the bias and the other epilogues."""
     pid_n = tl.program_id(0)
     rows = tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -102,9 +114,17 @@ def _skinny_gemm_kernel(
             w = tl.load(w_ptr + w_row_offsets + ks[None, :], mask=k_valid, other=0.0)
             if GATED:
                 w_up = tl.load(w_ptr + up_row_offsets + ks[None, :], mask=k_valid, other=0.0)
+        if W_SCALED:
+            w = w.to(x_ptr.dtype.element_ty)
+            if GATED:
+                w_up = w_up.to(x_ptr.dtype.element_ty)
         acc += tl.dot(x, tl.trans(w), input_precision=DOT_PRECISION)
         if GATED:
             acc_up += tl.dot(x, tl.trans(w_up), input_precision=DOT_PRECISION)
+    if W_SCALED:
+        acc *= tl.load(w_scale_ptr + w_rows)[None, :]
+        if GATED:
+            acc_up *= tl.load(w_scale_ptr + w_rows + N)[None, :]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + w_rows).to(tl.float32)[None, :]
     col_valid = cols < N
@@ -200,6 +220,17 @@ def fit_shared_memory(config: dict[str, int], elem_bytes: int, gated: bool = Fal
     )
 
 
+def _unpacked(weight: torch.Tensor | Fp8Weight) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(weight, scale)`` of an operand: an `Fp8Weight`'s two tensors, a tensor with no scale."""
+    if isinstance(weight, Fp8Weight):
+        if weight.scale.dtype != torch.float32 or weight.scale.shape != weight.weight.shape[:1]:
+            raise ValueError("an FP8 weight's scale must be float32 with one value per row")
+        return weight.weight, weight.scale.contiguous()
+    if weight.dtype == FP8_DTYPE:
+        raise ValueError("an FP8 weight needs its scale: pass an Fp8Weight")
+    return weight, None
+
+
 def _check_operands(x: torch.Tensor, weight: torch.Tensor) -> None:
     m, k = x.shape
     if weight.shape[1] != k:
@@ -211,19 +242,31 @@ def _check_operands(x: torch.Tensor, weight: torch.Tensor) -> None:
 
 
 def _resolved_config(x, weight, config: dict[str, int] | None, gated=False) -> dict[str, int]:
-    """``config`` (a copy), or the shape's default tiles; checked against the rows."""
+    """``config`` (a copy), or the shape's default tiles; checked against the rows. The tiles are
+    sized by ``x``'s element size: an FP8 weight's tiles take the half-precision ones, which
+    stage no more bytes."""
     m, k = x.shape
-    config = dict(config or default_config(m, weight.shape[0], k, weight.element_size(), gated))
+    config = dict(config or default_config(m, weight.shape[0], k, x.element_size(), gated))
     if config["BLOCK_M"] < m:
         raise ValueError(f"BLOCK_M {config['BLOCK_M']} is smaller than M {m}")
     return config
 
 
 def _launch(
-    x, weight, bias, out, parts, config: dict[str, int], pdl, gated=False, row_norm=None
+    x,
+    weight,
+    scale,
+    bias,
+    out,
+    parts,
+    config: dict[str, int],
+    pdl,
+    gated=False,
+    row_norm=None,
 ) -> None:
-    """Launch on a `_resolved_config` (consumed: BLOCK_N is popped). ``gated``: ``out`` is
-    ``silu(gate) * up`` of the weight's two halves, ``row_norm`` applied to both first."""
+    """Launch on a `_resolved_config` (consumed: BLOCK_N is popped). ``scale``: an FP8 weight's
+    row scales (None: a weight of ``x``'s dtype). ``gated``: ``out`` is ``silu(gate) * up`` of
+    the weight's two halves, ``row_norm`` applied to both first."""
     m, k = x.shape
     n = weight.shape[0] // 2 if gated else weight.shape[0]
     block_n = config.pop("BLOCK_N")
@@ -233,6 +276,7 @@ def _launch(
         (triton.cdiv(n, block_n),),
         x,
         weight,
+        scale if scale is not None else weight,
         bias if bias is not None else weight,
         out,
         parts if parts is not None else out,
@@ -247,14 +291,15 @@ def _launch(
         hidden,
         eps,
         HAS_BIAS=bias is not None,
+        W_SCALED=scale is not None,
         ADD_TO_OUT=parts is not None,
         GATED=gated,
         ROW_NORM=row_norm is not None,
         BLOCK_P=block_p,
         EVEN_K=k % config["BLOCK_K"] == 0,
         BLOCK_N=block_n,
-        # fp32 weights must not silently drop to tf32 on the tensor cores.
-        DOT_PRECISION="ieee" if weight.dtype == torch.float32 else "tf32",
+        # fp32 products must not silently drop to tf32 on the tensor cores.
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         PDL=pdl,
         launch_pdl=pdl,
         **config,
@@ -263,7 +308,7 @@ def _launch(
 
 def skinny_gemm(
     x: torch.Tensor,
-    weight: torch.Tensor,
+    weight: torch.Tensor | Fp8Weight,
     bias: torch.Tensor | None = None,
     *,
     out: torch.Tensor | None = None,
@@ -272,21 +317,22 @@ def skinny_gemm(
 ) -> torch.Tensor:
     """``x @ weight.T (+ bias)`` for ``x [M, K]`` with M <= ``MAX_M``.
 
-    ``weight`` is ``[N, K]`` with K contiguous (``nn.Linear``'s layout); ``x`` rows may be
-    strided. Returns ``out [M, N]`` in ``x``'s dtype. ``pdl``: launch with programmatic
-    dependent launch (`ember.kernels.pdl`).
+    ``weight`` is ``[N, K]`` with K contiguous (``nn.Linear``'s layout), or an `Fp8Weight` of
+    one; ``x`` rows may be strided. Returns ``out [M, N]`` in ``x``'s dtype. ``pdl``: launch with
+    programmatic dependent launch (`ember.kernels.pdl`).
     """
+    weight, scale = _unpacked(weight)
     _check_operands(x, weight)
     if out is None:
         out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
     if x.shape[0]:
-        _launch(x, weight, bias, out, None, _resolved_config(x, weight, config), pdl)
+        _launch(x, weight, scale, bias, out, None, _resolved_config(x, weight, config), pdl)
     return out
 
 
 def skinny_gemm_add(
     x: torch.Tensor,
-    weight: torch.Tensor,
+    weight: torch.Tensor | Fp8Weight,
     residual: torch.Tensor,
     *,
     config: dict[str, int] | None = None,
@@ -294,7 +340,9 @@ def skinny_gemm_add(
 ) -> torch.Tensor:
     """``residual += x @ weight.T`` in place (``residual [M, N]`` contiguous in N; the product
     rounded to the dtype before the add), returning float32 ``[M, P]``: the sums of squares of
-    the new rows, one column per program (`ember.layers.row_norm.RowNorm`'s ``parts``)."""
+    the new rows, one column per program (`ember.layers.row_norm.RowNorm`'s ``parts``).
+    ``weight`` may be an `Fp8Weight`."""
+    weight, scale = _unpacked(weight)
     _check_operands(x, weight)
     m = x.shape[0]
     n = weight.shape[0]
@@ -303,13 +351,13 @@ def skinny_gemm_add(
     config = _resolved_config(x, weight, config)
     parts = torch.empty(m, triton.cdiv(n, config["BLOCK_N"]), dtype=torch.float32, device=x.device)
     if m:
-        _launch(x, weight, None, residual, parts, config, pdl)
+        _launch(x, weight, scale, None, residual, parts, config, pdl)
     return parts
 
 
 def skinny_gemm_silu(
     x: torch.Tensor,
-    gate_up_weight: torch.Tensor,
+    gate_up_weight: torch.Tensor | Fp8Weight,
     *,
     row_norm: RowNorm | None = None,
     out: torch.Tensor | None = None,
@@ -319,7 +367,9 @@ def skinny_gemm_silu(
     """``silu(x @ gate.T) * (x @ up.T)`` for ``gate_up_weight [2I, K]`` (gate rows first), as
     `ember.kernels.activation.silu_and_mul` of the [M, 2I] product gives, without storing that
     product. ``row_norm``: both products scaled by their row's ``1/rms`` first. Returns
-    ``out [M, I]``; ``config``'s BLOCK_N counts the columns of one half."""
+    ``out [M, I]``; ``config``'s BLOCK_N counts the columns of one half. ``gate_up_weight`` may
+    be an `Fp8Weight`."""
+    gate_up_weight, scale = _unpacked(gate_up_weight)
     _check_operands(x, gate_up_weight)
     m = x.shape[0]
     if gate_up_weight.shape[0] % 2:
@@ -329,5 +379,7 @@ def skinny_gemm_silu(
         out = torch.empty(m, gate_up_weight.shape[0] // 2, dtype=x.dtype, device=x.device)
     if m:
         config = _resolved_config(x, gate_up_weight, config, gated=True)
-        _launch(x, gate_up_weight, None, out, None, config, pdl, gated=True, row_norm=row_norm)
+        _launch(
+            x, gate_up_weight, scale, None, out, None, config, pdl, gated=True, row_norm=row_norm
+        )
     return out

@@ -23,7 +23,8 @@ from ember.kernels.tuning import KernelTuning
 @dataclass(frozen=True)
 class Ops:
     name: str
-    # (x, weight, bias) -> x @ weight.T + bias, as F.linear.
+    # (x, weight, bias) -> x @ weight.T + bias, as F.linear. Every op that takes a weight takes
+    # an `ember.layers.fp8.Fp8Weight` in its place (docs/CONTRACTS.md, "FP8 weights").
     linear: Callable[..., torch.Tensor]
     rms_norm: Callable[..., torch.Tensor]
     # (x, residual, weight, eps) -> None; residual += x, x = rms_norm(residual) in place.
@@ -87,7 +88,7 @@ def reference_ops(defer_norms: bool = False, split_k_parts: int = 1) -> Ops:
         linear_parts = partial(ref.linear_parts_reference, parts=split_k_parts)
     return Ops(
         name="reference",
-        linear=torch.nn.functional.linear,
+        linear=ref.linear_reference,
         rms_norm=ref.rms_norm_reference,
         fused_add_rms_norm=ref.fused_add_rms_norm_reference,
         silu_and_mul=ref.silu_and_mul_reference,

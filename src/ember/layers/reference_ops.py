@@ -14,13 +14,13 @@ import torch
 
 from ember.config import RopeScaling
 from ember.layers.forward_context import ForwardContext
+from ember.layers.fp8 import FP8_DTYPE, FP8_E4M3_MAX, Fp8Weight, dense_weight
 from ember.layers.row_norm import RowNorm
 
 # ---------------------------------------------------------------------------------------------
 # FP8 KV cache (docs/CONTRACTS.md, "FP8 KV cache")
 
-FP8_KV_DTYPE = torch.float8_e4m3fn
-FP8_E4M3_MAX = 448.0  # float8 e4m3fn's largest finite value
+FP8_KV_DTYPE = FP8_DTYPE
 
 
 def quantize_kv_reference(x: torch.Tensor, scale: float) -> torch.Tensor:
@@ -292,14 +292,16 @@ def add_parts_rms_norm_reference(
     return _rms_normalize(residual, weight, eps)
 
 
-def linear_parts_reference(x: torch.Tensor, weight: torch.Tensor, parts: int) -> torch.Tensor:
+def linear_parts_reference(
+    x: torch.Tensor, weight: torch.Tensor | Fp8Weight, parts: int
+) -> torch.Tensor:
     """``x @ weight.T`` as ``parts`` float32 partial sums over equal slices of K, ``[P, T, N]``
     (the split-K form `add_parts_rms_norm_reference` reduces)."""
     k = x.shape[-1]
     if k % parts:
         raise ValueError(f"K={k} does not split into {parts} equal parts")
     x_parts = x.float().reshape(-1, parts, k // parts).transpose(0, 1)
-    w_parts = weight.float().reshape(-1, parts, k // parts).permute(1, 2, 0)
+    w_parts = dense_weight(weight, x.dtype).float().reshape(-1, parts, k // parts).permute(1, 2, 0)
     return torch.bmm(x_parts, w_parts)
 
 
@@ -313,10 +315,20 @@ def add_and_sum_squares_reference(
     return residual.float().pow(2).sum(-1, keepdim=True)
 
 
-def linear_add_reference(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor):
+def linear_reference(
+    x: torch.Tensor, weight: torch.Tensor | Fp8Weight, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``x @ weight.T + bias``, as ``F.linear``; an `Fp8Weight` is dequantized to ``x``'s dtype
+    first (``weight * scale``, rounded once)."""
+    return torch.nn.functional.linear(x, dense_weight(weight, x.dtype), bias)
+
+
+def linear_add_reference(
+    x: torch.Tensor, weight: torch.Tensor | Fp8Weight, residual: torch.Tensor
+) -> torch.Tensor:
     """``residual += x @ weight.T`` (the product rounded to the dtype first, as HF adds), and the
     new rows' sums of squares, float32 ``[T, 1]``."""
-    return add_and_sum_squares_reference(residual, torch.nn.functional.linear(x, weight))
+    return add_and_sum_squares_reference(residual, linear_reference(x, weight))
 
 
 def silu_and_mul_reference(
@@ -335,10 +347,10 @@ def silu_and_mul_reference(
 
 
 def gate_up_silu_reference(
-    x: torch.Tensor, gate_up_weight: torch.Tensor, *, row_norm: RowNorm | None = None
+    x: torch.Tensor, gate_up_weight: torch.Tensor | Fp8Weight, *, row_norm: RowNorm | None = None
 ) -> torch.Tensor:
     """The gated MLP's input side: `silu_and_mul_reference` of ``x @ gate_up_weight.T``."""
-    return silu_and_mul_reference(torch.nn.functional.linear(x, gate_up_weight), row_norm=row_norm)
+    return silu_and_mul_reference(linear_reference(x, gate_up_weight), row_norm=row_norm)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -14,15 +14,25 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ember.weights.checkpoint import TensorHeader
 
 LAYER_PREFIX = "model.layers."
 _LAYER_NAME = re.compile(re.escape(LAYER_PREFIX) + r"(\d+)\.(.+)")
 
+# A tensor's expected shape, or the shapes it may take (an FP8 scale: ``[]`` or ``[1]``).
+Shape = tuple[int, ...]
+Shapes = Shape | frozenset[Shape]
 
-def _none(layer: int) -> Mapping[str, tuple[int, ...]]:
+
+def layer_of(name: str) -> int | None:
+    """The decoder layer a checkpoint tensor belongs to (``model.layers.{i}.``), or None."""
+    match = _LAYER_NAME.fullmatch(name)
+    return int(match[1]) if match is not None else None
+
+
+def _none(layer: int) -> Mapping[str, Shapes]:
     return {}
 
 
@@ -33,14 +43,17 @@ class CheckpointLayout:
     ``num_layers`` layers, and ``layer_specific(i)`` (the same way) those of layer i alone (a
     mixture-of-experts model's experts, or its dense MLP). ``ignores(name)``: a tensor a
     checkpoint may hold that the model does not read (RoPE's ``inv_freq``, a tied model's
-    head)."""
+    head). ``optional_per_layer``: tensors a layer may hold, read when present (an FP8
+    checkpoint's activation and KV-cache scales). A shape given as a frozenset lists the shapes
+    a tensor may take."""
 
     architecture: str
     num_layers: int
-    shared: Mapping[str, tuple[int, ...]]
-    per_layer: Mapping[str, tuple[int, ...]]
+    shared: Mapping[str, Shapes]
+    per_layer: Mapping[str, Shapes]
     ignores: Callable[[str], bool]
-    layer_specific: Callable[[int], Mapping[str, tuple[int, ...]]] = _none
+    optional_per_layer: Mapping[str, Shapes] = field(default_factory=dict)
+    layer_specific: Callable[[int], Mapping[str, Shapes]] = _none
 
     def names(self) -> Iterator[str]:
         """Every tensor the model reads, layer by layer; lazy, so that a reader stopping at the
@@ -50,28 +63,34 @@ class CheckpointLayout:
             for suffix in (*self.per_layer, *self.layer_specific(layer)):
                 yield f"{LAYER_PREFIX}{layer}.{suffix}"
 
-    def shape_of(self, name: str) -> tuple[int, ...] | None:
-        """The shape the model reads tensor ``name`` as, or None if it reads no such tensor."""
+    def shape_of(self, name: str) -> Shapes | None:
+        """The shape (or shapes) the model reads tensor ``name`` as, or None if it reads no such
+        tensor (an optional one included)."""
         if match := _LAYER_NAME.fullmatch(name):
             layer, suffix = int(match[1]), match[2]
             if layer >= self.num_layers:
                 return None
-            shape = self.per_layer.get(suffix)
-            return shape if shape is not None else self.layer_specific(layer).get(suffix)
+            for table in (self.per_layer, self.layer_specific(layer), self.optional_per_layer):
+                if suffix in table:
+                    return table[suffix]
+            return None
         return self.shared.get(name)
 
     def problem_with(self, name: str, shape: tuple[int, ...]) -> str | None:
         """Why the checkpoint tensor ``name`` of ``shape`` has no place here, or None."""
-        match = _LAYER_NAME.fullmatch(name)
-        if match and int(match[1]) >= self.num_layers:
+        layer = layer_of(name)
+        if layer is not None and layer >= self.num_layers:
             return (
-                f"belongs to layer {match[1]}, but the config has num_hidden_layers="
-                f"{self.num_layers}"
+                f"belongs to layer {layer}, but the config has num_hidden_layers={self.num_layers}"
             )
         expected = self.shape_of(name)
         if expected is None:
             return f"is not a tensor that {self.architecture} reads"
-        if tuple(shape) != expected:
+        if isinstance(expected, frozenset):
+            if tuple(shape) not in expected:
+                wanted = " or ".join(str(s) for s in sorted(expected))
+                return f"has shape {tuple(shape)}, but the config gives it {wanted}"
+        elif tuple(shape) != expected:
             return f"has shape {tuple(shape)}, but the config gives it {expected}"
         return None
 

@@ -12,6 +12,13 @@ each decoder norm's weight is folded into the projection it feeds at load and th
 stream runs in its deferred form (`ember.layers.residual`): no norm kernel inside the decoder. A pass of more rows than
 `Ops.defer_norms_max_rows` runs the plain form on the same folded weights (the norms' weights are
 then ones), faster where cuBLAS takes the products (bench/results/README.md, "Deferred norms").
+
+FP8 weights (``ModelConfig.fp8``, `ember.quantization`): the decoder's projections hold float8
+e4m3 weights and a float32 scale per output row, and pass the ops an `Fp8Weight`; embeddings,
+norms and the output head stay in the model's dtype. Quantized at load, a projection takes its
+norm's weight before it is quantized (one rounding). A checkpoint's FP8 weights cannot take it
+without a second rounding, so a model loaded from one runs the plain form: its norms are never
+folded. Loading is `ember.models.weight_placer`'s.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from torch import nn
 from ember.config import ModelConfig
 from ember.layers.attention import AttentionBackend
 from ember.layers.forward_context import ForwardContext
+from ember.layers.fp8 import FP8_DTYPE, Fp8Weight
 from ember.layers.ops import Ops
 from ember.layers.residual import (
     ResidualStream,
@@ -33,20 +41,30 @@ from ember.layers.residual import (
     start_stream,
     sub_block_input,
 )
-from ember.models.checkpoint_layout import CheckpointLayout
+from ember.models.checkpoint_layout import CheckpointLayout, Shapes
+from ember.models.weight_placer import KV_SCALE_NAMES, SCALAR_SHAPES, WeightPlacer
 from ember.weights.checkpoint import TensorHeader
-from ember.weights.finite_check import first_non_finite
 
 
 class Projection(nn.Module):
     """A linear layer's parameters (``weight`` [out, in], ``bias``), which the ops compute with.
+    ``fp8``: ``weight`` is float8 e4m3 and ``weight_scale`` float32 [out] its rows' scales.
     Not `nn.Linear`: its initialiser, run on the meta device where models are built, imports
     torch._dynamo (about a second of every start) to fill values that are never used."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: bool, fp8: bool = False) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.fp8 = fp8
+        dtype = FP8_DTYPE if fp8 else None
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype))
         self.register_parameter("bias", nn.Parameter(torch.empty(out_features)) if bias else None)
+        if fp8:
+            self.weight_scale = nn.Parameter(torch.empty(out_features, dtype=torch.float32))
+
+    @property
+    def operand(self) -> torch.Tensor | Fp8Weight:
+        """The weight as the ops take it: an `Fp8Weight` of an FP8 projection."""
+        return Fp8Weight(self.weight, self.weight_scale) if self.fp8 else self.weight
 
 
 class Embedding(nn.Module):
@@ -116,6 +134,24 @@ def dense_mlp_tensors(hidden: int, inter: int) -> dict[str, tuple[int, ...]]:
     }
 
 
+def fp8_scale_tensors(cfg: ModelConfig, per_layer: dict[str, Shapes]) -> dict[str, Shapes]:
+    """An FP8 checkpoint's scales: each projection's ``weight_scale`` added to ``per_layer``
+    (one per tensor, or one per output row); returns those a layer may hold (static
+    activation scales, the KV cache's)."""
+    optional: dict[str, Shapes] = {}
+    if cfg.fp8 is None or not cfg.fp8.from_checkpoint:
+        return optional
+    for name in [name for name in per_layer if name.endswith("_proj.weight")]:
+        projection = name.removesuffix(".weight")
+        rows = per_layer[name][0]
+        per_layer[f"{projection}.weight_scale"] = (
+            SCALAR_SHAPES if cfg.fp8.weight_scales == "tensor" else frozenset({(rows, 1), (rows,)})
+        )
+        optional[f"{projection}.input_scale"] = SCALAR_SHAPES
+    optional.update(dict.fromkeys(KV_SCALE_NAMES, SCALAR_SHAPES))
+    return optional
+
+
 def is_ignored_tensor(cfg: ModelConfig, hf_name: str) -> bool:
     """A checkpoint tensor the model does not read: RoPE's inv_freq (some checkpoints store it;
     we compute our own), and the head of a model tied to its embeddings."""
@@ -126,10 +162,11 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, ops: Ops, backend: AttentionBackend) -> None:
         super().__init__()
         self.cfg, self.ops, self.backend = cfg, ops, backend
+        fp8 = cfg.fp8 is not None
         self.qkv_proj = Projection(
-            cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, cfg.attention_bias
+            cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, cfg.attention_bias, fp8
         )
-        self.o_proj = Projection(cfg.q_size, cfg.hidden_size, bias=False)
+        self.o_proj = Projection(cfg.q_size, cfg.hidden_size, bias=False, fp8=fp8)
         if cfg.qk_norm:
             self.q_norm = nn.Parameter(torch.ones(cfg.head_dim))
             self.k_norm = nn.Parameter(torch.ones(cfg.head_dim))
@@ -137,8 +174,9 @@ class Attention(nn.Module):
         self.shard_sizes = [cfg.q_size, cfg.kv_size, cfg.kv_size]
         # An FP8 KV cache's per-tensor scales for this layer: it stores x / scale and reads
         # stored * scale. 1.0 unless a checkpoint carries calibrated ones (vLLM's default too).
-        # Plain floats, set while the weights load: the CUDA graphs captured after the load
-        # keep the values they saw. Any other cache dtype ignores them.
+        # Plain floats, set while the weights load (an FP8 checkpoint's, `WeightPlacer`): the
+        # CUDA graphs captured after the load keep the values they saw. Any other cache dtype
+        # ignores them.
         self.k_scale = 1.0
         self.v_scale = 1.0
 
@@ -154,7 +192,7 @@ class Attention(nn.Module):
         cfg = self.cfg
         x, row_norm, stream = sub_block_input(self.ops, stream, norm_weight)
         n = x.shape[0]
-        qkv = self.ops.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
+        qkv = self.ops.linear(x, self.qkv_proj.operand, self.qkv_proj.bias)
         q, k, v = qkv.split(self.shard_sizes, dim=-1)
         q = q.reshape(n, cfg.num_heads, cfg.head_dim)
         k = k.reshape(n, cfg.num_kv_heads, cfg.head_dim)
@@ -177,20 +215,23 @@ class Attention(nn.Module):
             row_norm=row_norm,
             kv_scales=(self.k_scale, self.v_scale),
         )
-        return add_sub_block_output(self.ops, stream, out.view(n, cfg.q_size), self.o_proj.weight)
+        return add_sub_block_output(self.ops, stream, out.view(n, cfg.q_size), self.o_proj.operand)
 
 
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, ops: Ops) -> None:
         super().__init__()
         self.ops = ops
-        self.gate_up_proj = Projection(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = Projection(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        fp8 = cfg.fp8 is not None
+        self.gate_up_proj = Projection(
+            cfg.hidden_size, 2 * cfg.intermediate_size, bias=False, fp8=fp8
+        )
+        self.down_proj = Projection(cfg.intermediate_size, cfg.hidden_size, bias=False, fp8=fp8)
 
     def forward(self, stream: ResidualStream, norm_weight: torch.Tensor) -> ResidualStream:
         x, row_norm, stream = sub_block_input(self.ops, stream, norm_weight)
-        act = self.ops.gate_up_silu(x, self.gate_up_proj.weight, row_norm=row_norm)
-        return add_sub_block_output(self.ops, stream, act, self.down_proj.weight)
+        act = self.ops.gate_up_silu(x, self.gate_up_proj.operand, row_norm=row_norm)
+        return add_sub_block_output(self.ops, stream, act, self.down_proj.operand)
 
 
 class DecoderLayer(nn.Module):
@@ -242,8 +283,10 @@ class LlamaForCausalLM(nn.Module):
     @staticmethod
     def can_defer_norms(cfg: ModelConfig) -> bool:
         """Whether the decoder norms may be folded into the projections they feed: not where
-        a q/k/v bias or a q/k norm sits between the projection and its reader."""
-        return not cfg.attention_bias and not cfg.qk_norm
+        a q/k/v bias or a q/k norm sits between the projection and its reader, nor into an FP8
+        checkpoint's weights (folding would round them twice)."""
+        fp8_checkpoint = cfg.fp8 is not None and cfg.fp8.from_checkpoint
+        return not cfg.attention_bias and not cfg.qk_norm and not fp8_checkpoint
 
     def forward(
         self,
@@ -275,6 +318,17 @@ class LlamaForCausalLM(nn.Module):
 
     # -- weights ---------------------------------------------------------------------------------
 
+    def cast_to(self, dtype: torch.dtype) -> LlamaForCausalLM:
+        """The model with its parameters in ``dtype``, but FP8 projections' weights and scales,
+        which keep float8 e4m3 and float32."""
+        kept = {
+            id(param)
+            for module in self.modules()
+            if isinstance(module, Projection) and module.fp8
+            for param in (module.weight, module.weight_scale)
+        }
+        return self._apply(lambda tensor: tensor if id(tensor) in kept else tensor.to(dtype))
+
     @classmethod
     def checkpoint_layout(
         cls, cfg: ModelConfig, stored_names: Collection[str] = ()
@@ -282,16 +336,18 @@ class LlamaForCausalLM(nn.Module):
         """The checkpoint tensors (HF names) a model of ``cfg`` reads, and their shapes.
         ``stored_names``: the checkpoint's tensor names, for a subclass whose tensors may be
         stored in more than one form (unused here)."""
-        per_layer = {
+        per_layer: dict[str, Shapes] = {
             **attention_tensors(cfg),
             **dense_mlp_tensors(cfg.hidden_size, cfg.intermediate_size),
         }
+        optional = fp8_scale_tensors(cfg, per_layer)
         return CheckpointLayout(
             cfg.architecture,
             cfg.num_layers,
             shared_tensors(cfg),
             per_layer,
             functools.partial(is_ignored_tensor, cfg),
+            optional,
         )
 
     def load_weights(
@@ -302,12 +358,15 @@ class LlamaForCausalLM(nn.Module):
     ) -> None:
         """Copy checkpoint tensors (HF names) into the fused parameters; every one must land,
         and hold finite values. ``on_tensor(n)`` is called as the n-th tensor lands (or is
-        skipped); ``headers`` (by HF name) name each tensor's file in errors."""
+        skipped); ``headers`` (by HF name) name each tensor's file in errors. Weights quantized
+        at load are quantized as soon as they (and the norm that folds into them) have landed."""
         placer = self.weight_placer(headers)
         for count, (hf_name, tensor) in enumerate(tensors, start=1):
-            target = placer.target(hf_name, tuple(tensor.shape))
+            target = placer.target(hf_name, tuple(tensor.shape), tensor.dtype)
             if target is not None:
                 target.copy_(tensor)
+                if placer.quantizes:
+                    placer.quantize_landed()
             if on_tensor is not None:
                 on_tensor(count)
         placer.finish()
@@ -323,16 +382,31 @@ class LlamaForCausalLM(nn.Module):
         """``W <- W diag(g)`` for each decoder RMSNorm (weight g) and the projection it feeds,
         in float32 and rounded once; the norm keeps a weight of ones, so running it would
         change nothing. Row blocks at a time: the weights load after the KV cache has taken the
-        GPU's free memory, and a whole fp32 copy of gate/up is ~1 GB on an 8B model."""
+        GPU's free memory, and a whole fp32 copy of gate/up is ~1 GB on an 8B model. An FP8
+        projection took its norm as it was quantized (`norm_folded_into`)."""
         for layer in self.layers:
             for norm, linear in (
                 (layer.input_layernorm, layer.self_attn.qkv_proj),
                 (layer.post_attention_layernorm, layer.mlp.gate_up_proj),
             ):
-                scale = norm.float()[None, :]
-                for rows in linear.weight.split(_FOLD_ROWS):
-                    rows.copy_(rows.float() * scale)
+                if not linear.fp8:
+                    scale = norm.float()[None, :]
+                    for rows in linear.weight.split(_FOLD_ROWS):
+                        rows.copy_(rows.float() * scale)
                 norm.fill_(1.0)
+
+    def norm_folded_into(self, param_name: str) -> str | None:
+        """The norm weight (parameter name) that a model deferring its norms folds into the
+        projection weight ``param_name``, or None."""
+        if not self.defers_norms:
+            return None
+        for projection, norm in (
+            (".self_attn.qkv_proj.weight", ".input_layernorm"),
+            (".mlp.gate_up_proj.weight", ".post_attention_layernorm"),
+        ):
+            if param_name.endswith(projection):
+                return param_name.removesuffix(projection) + norm
+        return None
 
     def _param_name(self, hf_name: str) -> tuple[str | None, int | None]:
         if is_ignored_tensor(self.cfg, hf_name):
@@ -360,10 +434,11 @@ class LlamaForCausalLM(nn.Module):
         return data.narrow(0, start, sizes[shard])
 
     def _shard_count(self, name: str) -> int:
-        """How many checkpoint tensors fill parameter ``name`` shard by shard (0: one, whole)."""
-        if name.endswith((".qkv_proj.weight", ".qkv_proj.bias")):
+        """How many checkpoint tensors fill parameter ``name`` shard by shard (0: one, whole);
+        an FP8 projection's scales are fused as its weights are."""
+        if name.endswith((".qkv_proj.weight", ".qkv_proj.bias", ".qkv_proj.weight_scale")):
             return 3
-        if name.endswith(".gate_up_proj.weight"):
+        if name.endswith((".gate_up_proj.weight", ".gate_up_proj.weight_scale")):
             return 2
         return 0
 
@@ -377,54 +452,3 @@ class LlamaForCausalLM(nn.Module):
             missing += [w for w in wanted if w not in loaded]
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
-
-
-class WeightPlacer:
-    """Maps checkpoint tensors (HF names) onto a model's fused parameters and checks, once all
-    have been copied, that every parameter got its tensors and that they hold finite values.
-    ``headers`` (by HF name) name each tensor's file in errors."""
-
-    def __init__(self, model: LlamaForCausalLM, headers: Mapping[str, TensorHeader]) -> None:
-        self._model = model
-        self._headers = headers
-        self._params = dict(model.named_parameters())
-        self._placed: set[str] = set()
-        self._targets: list[tuple[str, torch.Tensor]] = []  # (HF name, what it fills), in order
-
-    def target(self, hf_name: str, shape: tuple[int, ...]) -> torch.Tensor | None:
-        """The parameter (or the shard of a fused one) ``hf_name`` fills, or None for a tensor
-        the model does not use; ValueError for one it has no place for or of the wrong shape."""
-        model = self._model
-        name, shard = model._param_name(hf_name)
-        if name is None:
-            return None
-        if name not in self._params:
-            raise ValueError(f"{self._describe(hf_name)} has no place in {model.cfg.architecture}")
-        param = self._params[name]
-        target = param.data if shard is None else model._shard_view(param.data, name, shard)
-        if tuple(target.shape) != tuple(shape):
-            raise ValueError(
-                f"{self._describe(hf_name)} has shape {tuple(shape)}, "
-                f"expected {tuple(target.shape)}"
-            )
-        self._placed.add(name if shard is None else f"{name}#{shard}")
-        self._targets.append((hf_name, target))
-        return target
-
-    def finish(self) -> None:
-        """Raise if a parameter was not filled or holds a NaN or an infinity; then fold the
-        norms if the model defers them (after the check: folding would hide a bad norm)."""
-        self._model._check_all_loaded(self._params, self._placed)
-        bad = first_non_finite(self._targets)
-        if bad is not None:
-            dtype = str(self._targets[0][1].dtype).removeprefix("torch.")
-            raise ValueError(
-                f"{self._describe(bad)} holds NaN or infinite values (as {dtype}), which would "
-                "make the logits NaN: the file is damaged, or its values do not fit that dtype"
-            )
-        if self._model.defers_norms:
-            self._model._fold_norm_weights()
-
-    def _describe(self, hf_name: str) -> str:
-        header = self._headers.get(hf_name)
-        return header.describe() if header is not None else f"checkpoint tensor {hf_name!r}"

@@ -72,6 +72,11 @@ class MoeForCausalLM(LlamaForCausalLM):
     ) -> CheckpointLayout:
         """The checkpoint tensors a model of ``cfg`` reads: its experts stacked if
         ``stored_names`` (the checkpoint's) holds a stacked expert tensor, else one by one."""
+        if cfg.fp8 is not None:
+            raise ValueError(
+                f"{cfg.architecture}: FP8 weights (an FP8 checkpoint, or --quantization fp8) "
+                "are not supported for mixture-of-experts models yet; serve it in bf16"
+            )
         stacked = any(_STACKED.fullmatch(name) for name in stored_names)
         experts = _stacked_tensors(cfg) if stacked else cls._per_expert_tensors(cfg)
         dense = dense_mlp_tensors(cfg.hidden_size, cfg.intermediate_size)

@@ -22,6 +22,7 @@ The format (every key is optional but a model's ``source``)::
     memory_share = 0.5                      # its fraction of the memory budget, or else
     kv_cache_memory_bytes = 4_000_000_000   # its KV cache in bytes
     kv_cache_dtype = "fp8"                  # its KV cache in float8 (default "auto")
+    quantization = "fp8"                    # its linear layers quantized to float8 at load
     max_model_len = 8192                    # and any other engine option (ENGINE_OPTIONS),
     dtype = "bfloat16"                      # named as `ember serve`'s flag, with underscores
 
@@ -51,6 +52,7 @@ from ember.config import (
     KV_CACHE_DTYPES,
     MEMORY_OPTIONS,
     PDL_MODES,
+    QUANTIZATION_CHOICES,
     CacheConfig,
     EngineConfig,
     MemoryConfig,
@@ -303,6 +305,7 @@ _CHOICES = {
     "programmatic_launch": PDL_MODES,
     "cuda_graph_mode": CUDA_GRAPH_MODES,
     "kv_cache_dtype": KV_CACHE_DTYPES,
+    "quantization": QUANTIZATION_CHOICES,
 }
 _KIND_NAMES = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
 

@@ -16,7 +16,8 @@ from __future__ import annotations
 import ctypes
 import os
 import queue
-from collections.abc import Callable, Iterable
+import threading
+from collections.abc import Callable, Hashable, Iterable
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
@@ -78,6 +79,8 @@ def load_extents(
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     on_tensor: Callable[[int], None] | None = None,
     files: WeightFiles | None = None,
+    group_of: Callable[[TensorExtent], Hashable] | None = None,
+    after_group: Callable[[], None] | None = None,
 ) -> int:
     """Fill every tensor's target from its file; returns the bytes read.
 
@@ -85,44 +88,64 @@ def load_extents(
     error is a ValueError naming the file. Every copy has finished when this returns or raises.
     ``files`` reaches the files (default: on local disk); through a download, each chunk is read
     as soon as its bytes have arrived.
+
+    ``group_of`` given, the tensors load one group at a time (groups in the order they first
+    appear, each in file order): a group's targets are asked for only once the group before has
+    landed and ``after_group()`` has run on this thread. On a GPU that needs no wait on the
+    host: the current stream waits for the group's copies before ``after_group`` enqueues its
+    work there, and the next group's copies wait for that work, so whatever a group's targets
+    were (scratch) is free for the next group's.
     """
-    files = files or LocalFiles()
     threads = read_threads or default_read_threads()
-    chunks_per_tensor: list[tuple[TensorExtent, list[_Chunk]]] = []
-    for extent in extents:
-        target = target_for(extent)
-        chunks = [] if target is None else _cut(extent, target, chunk_bytes)
-        chunks_per_tensor.append((extent, chunks))
     cuda = device.type == "cuda"
     streams = [torch.cuda.Stream(device) for _ in range(copy_streams)] if cuda else []
-    for stream in streams:
-        # The parameters were allocated (and maybe zeroed) on the current stream: copy after.
-        stream.wait_stream(torch.cuda.current_stream(device))
     free: queue.Queue[_Staging] = queue.Queue()
     for i in range(2 * threads if cuda else threads):
         free.put(_Staging(chunk_bytes, streams[i % len(streams)] if cuda else None))
-    open_files = _OpenFiles(
-        (chunks[0].extent.path for _, chunks in chunks_per_tensor if chunks), files
-    )
-    total = 0
+    open_files = _OpenFiles(files or LocalFiles())
+    total = landed = 0
     try:
         with ThreadPoolExecutor(threads, thread_name_prefix="weight-read") as pool:
-            futures = [
-                [pool.submit(_load_chunk, chunk, open_files, free, cuda) for chunk in chunks]
-                for _, chunks in chunks_per_tensor
-            ]
-            for done, (extent, tensor_futures) in enumerate(
-                zip((e for e, _ in chunks_per_tensor), futures, strict=True), start=1
-            ):
-                _wait_all(tensor_futures, futures)
-                total += extent.nbytes if tensor_futures else 0
-                if on_tensor is not None:
-                    on_tensor(done)
+            for group in _grouped(list(extents), group_of):
+                chunks_per_tensor = [
+                    (extent, _cut(extent, target, chunk_bytes) if target is not None else [])
+                    for extent, target in ((e, target_for(e)) for e in group)
+                ]
+                for stream in streams:
+                    # The targets were allocated (and maybe zeroed, or read by the previous
+                    # group's work) on the current stream: copy after.
+                    stream.wait_stream(torch.cuda.current_stream(device))
+                futures = [
+                    [pool.submit(_load_chunk, chunk, open_files, free, cuda) for chunk in chunks]
+                    for _, chunks in chunks_per_tensor
+                ]
+                for (extent, _), tensor_futures in zip(chunks_per_tensor, futures, strict=True):
+                    _wait_all(tensor_futures, futures)
+                    total += extent.nbytes if tensor_futures else 0
+                    landed += 1
+                    if on_tensor is not None:
+                        on_tensor(landed)
+                if after_group is not None:
+                    for stream in streams:
+                        torch.cuda.current_stream(device).wait_stream(stream)
+                    after_group()
     finally:
         for stream in streams:
             stream.synchronize()  # no copy may outlive its buffer
         open_files.close()
     return total
+
+
+def _grouped(
+    extents: list[TensorExtent], group_of: Callable[[TensorExtent], Hashable] | None
+) -> list[list[TensorExtent]]:
+    """``extents`` in groups by ``group_of`` (one group without it), in order of appearance."""
+    if group_of is None:
+        return [extents]
+    groups: dict[Hashable, list[TensorExtent]] = {}
+    for extent in extents:
+        groups.setdefault(group_of(extent), []).append(extent)
+    return list(groups.values())
 
 
 def _cut(extent: TensorExtent, target: torch.Tensor, chunk_bytes: int) -> list[_Chunk]:
@@ -200,24 +223,23 @@ def _wait_all(tensor_futures: list[Future], every: list[list[Future]]) -> None:
 
 
 class _OpenFiles:
-    """One read-only descriptor per weight file, opened before the threads start and shared by
-    them (`preadv` takes its own offset, so they do not race)."""
+    """One read-only descriptor per weight file, opened by the first chunk read from it and
+    shared by the threads (`preadv` takes its own offset, so they do not race); closed once
+    no thread reads any more."""
 
-    def __init__(self, paths: Iterable[Path], files: WeightFiles) -> None:
+    def __init__(self, files: WeightFiles) -> None:
         self._files = files
         self._fds: dict[Path, int] = {}
-        try:
-            for path in dict.fromkeys(paths):
-                self._fds[path] = files.open(path)
-        except BaseException:
-            self.close()
-            raise
+        self._opening = threading.Lock()
 
     def wait(self, path: Path, start: int, end: int) -> None:
         self._files.wait(path, start, end)
 
     def fd(self, path: Path) -> int:
-        return self._fds[path]
+        with self._opening:
+            if path not in self._fds:
+                self._fds[path] = self._files.open(path)
+            return self._fds[path]
 
     def close(self) -> None:
         for fd in self._fds.values():

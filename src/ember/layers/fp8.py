@@ -1,0 +1,66 @@
+"""float8 e4m3 as ember stores it: the format's range, and the FP8 weights the ops take.
+
+An FP8 linear layer's operand is an `Fp8Weight`: ``weight`` float8 e4m3 ``[out, in]`` and
+``scale`` float32 ``[out]``, one per output row, standing for ``weight.float() * scale[:, None]``
+(docs/CONTRACTS.md, "FP8 weights"). Every op that takes a weight takes one in its place. A row
+(of a weight at load, or of activations before an FP8 product) is quantized by `quantize_rows`:
+its scale maps its largest magnitude onto 448, the format's largest finite value.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_E4M3_MAX = 448.0  # float8 e4m3fn's largest finite value
+# The smallest scale a row gets: a row of zeros (a padding token) quantizes to zeros, not NaN.
+MIN_ROW_SCALE = 1e-12
+# Rows quantized at once at load: the float32 copy of a block stays small beside the KV cache,
+# which holds the GPU's free memory by then.
+_QUANTIZE_ROWS = 2048
+
+
+class Fp8Weight(NamedTuple):
+    """An FP8 linear weight: ``weight`` float8 e4m3 ``[out, in]``, ``scale`` float32 ``[out]``."""
+
+    weight: torch.Tensor
+    scale: torch.Tensor
+
+
+def dense_weight(weight: torch.Tensor | Fp8Weight, dtype: torch.dtype) -> torch.Tensor:
+    """``weight`` as a tensor of ``dtype``: an `Fp8Weight` dequantized (``weight * scale`` in
+    float32, rounded once), a tensor as it is."""
+    if not isinstance(weight, Fp8Weight):
+        return weight
+    return (weight.weight.float() * weight.scale[:, None]).to(dtype)
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q, scale)`` for ``x [M, K]``: ``scale`` float32 ``[M, 1]`` maps each row's largest
+    magnitude onto 448 (at least `MIN_ROW_SCALE`), ``q = clamp(x / scale, -448, 448)`` in float8
+    e4m3 (float32 division, rounded to nearest even)."""
+    xf = x.float()
+    scale = (xf.abs().amax(dim=1, keepdim=True) / FP8_E4M3_MAX).clamp(min=MIN_ROW_SCALE)
+    return (xf / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(FP8_DTYPE), scale
+
+
+@torch.no_grad()
+def quantize_rows_into(
+    source: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    column_scale: torch.Tensor | None = None,
+) -> None:
+    """Quantize ``source [N, K]`` (any float dtype) into ``weight`` (float8 ``[N, K]``) and
+    ``scale`` (float32 ``[N]``) by `quantize_rows`, a block of rows at a time. ``column_scale``
+    ``[K]``: ``source diag(column_scale)`` is quantized (a folded RMSNorm weight), the product
+    taken in float32 and rounded only by the quantization."""
+    for first in range(0, source.shape[0], _QUANTIZE_ROWS):
+        rows = source[first : first + _QUANTIZE_ROWS].float()
+        if column_scale is not None:
+            rows *= column_scale.float()[None, :]
+        q, row_scale = quantize_rows(rows)
+        weight[first : first + rows.shape[0]].copy_(q)
+        scale[first : first + rows.shape[0]].copy_(row_scale[:, 0])

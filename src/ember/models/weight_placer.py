@@ -1,0 +1,233 @@
+"""Where each checkpoint tensor lands in a model's parameters, and what is done with it there.
+
+A loader asks `WeightPlacer.target` for each tensor (by its Hugging Face name), copies the bytes
+into what it gets, and calls `finish` once every tensor has landed: it checks that every
+parameter was filled with finite values, then folds the norms of a model that defers them.
+
+FP8 weights (`ember.quantization`) take more than a copy:
+
+- From an FP8 checkpoint, a projection's weight lands as it is (float8 e4m3; another dtype is
+  refused) and its ``weight_scale`` in the projection's row scales: a per-channel one directly,
+  a per-tensor one through a one-value scratch that `finish` spreads over the rows it covers, so
+  each shard of the fused q/k/v and gate/up keeps its own. A static ``input_scale`` is checked
+  (finite, positive) and not used: activations are quantized per token. The KV-cache scales
+  (`KV_SCALE_NAMES`) set their layer's ``Attention.k_scale`` / ``v_scale``.
+- Quantized at load (``--quantization fp8``), a float weight lands in scratch of the model's
+  dtype and `quantize_landed` quantizes it into the FP8 weight and its row scales once its bytes
+  (and, where the model defers its norms, its norm's) have landed; the scratch is dropped then,
+  so a loader that lands a layer at a time holds one layer's float weights at most.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from ember.layers.fp8 import FP8_DTYPE, quantize_rows_into
+from ember.models.checkpoint_layout import layer_of
+from ember.weights.checkpoint import TensorHeader
+from ember.weights.finite_check import first_non_finite
+
+if TYPE_CHECKING:
+    from ember.models.llama import LlamaForCausalLM
+
+# A layer's KV-cache scales under the names FP8 checkpoints give them, and the `Attention`
+# attributes each sets: compressed-tensors' (older versions: its k/v projections' output
+# scales), and AutoFP8's one scale for both.
+KV_SCALE_NAMES: dict[str, tuple[str, ...]] = {
+    "self_attn.k_scale": ("k_scale",),
+    "self_attn.v_scale": ("v_scale",),
+    "self_attn.k_proj.output_scale": ("k_scale",),
+    "self_attn.v_proj.output_scale": ("v_scale",),
+    "self_attn.kv_scale": ("k_scale", "v_scale"),
+}
+# The shapes of one scale for a whole tensor.
+SCALAR_SHAPES = frozenset({(), (1,)})
+_INPUT_SCALE = ".input_scale"
+
+
+@dataclass(frozen=True)
+class _Quantization:
+    """A float weight waiting in ``source`` to be quantized into ``weight`` and ``scale`` (rows
+    of an FP8 projection), with the norm parameter that folds into it (None: none)."""
+
+    source: torch.Tensor
+    weight: torch.Tensor
+    scale: torch.Tensor
+    norm: str | None
+
+
+class WeightPlacer:
+    """Maps checkpoint tensors (HF names) onto a model's fused parameters and checks, once all
+    have been copied, that every parameter got its tensors and that they hold finite values.
+    ``headers`` (by HF name) name each tensor's file in errors."""
+
+    def __init__(self, model: LlamaForCausalLM, headers: Mapping[str, TensorHeader]) -> None:
+        self._model = model
+        self._headers = headers
+        self._params = dict(model.named_parameters())
+        scheme = model.cfg.fp8
+        self._fp8_checkpoint = scheme is not None and scheme.from_checkpoint
+        # Whether float weights are quantized as they load (call `quantize_landed`).
+        self.quantizes = scheme is not None and not scheme.from_checkpoint
+        self._float_dtype = model.embed_tokens.weight.dtype
+        self._placed: set[str] = set()
+        self._targets: list[tuple[str, torch.Tensor]] = []  # (HF name, what it fills), in order
+        self._pending: list[_Quantization] = []
+        self._tensor_scales: list[tuple[torch.Tensor, torch.Tensor]] = []  # (value, its rows)
+        self._scalars: list[tuple[str, torch.Tensor]] = []  # input and KV-cache scales
+
+    def target(
+        self, hf_name: str, shape: tuple[int, ...], dtype: torch.dtype | None = None
+    ) -> torch.Tensor | None:
+        """The tensor ``hf_name`` (of ``shape`` and, if known, ``dtype``) is copied into: its
+        parameter, a shard of a fused one, or scratch; None for a tensor the model does not use.
+        ValueError for one it has no place for, or of the wrong shape or dtype."""
+        model = self._model
+        if self._fp8_checkpoint and _is_scalar(hf_name):
+            return self._scalar_target(hf_name, shape)
+        name, shard = model._param_name(hf_name)
+        if name is None:
+            return None
+        if name not in self._params:
+            raise ValueError(f"{self._describe(hf_name)} has no place in {model.cfg.architecture}")
+        param = self._params[name]
+        target = param.data if shard is None else model._shard_view(param.data, name, shard)
+        self._placed.add(_key(name, shard))
+        if name.endswith(".weight_scale"):
+            return self._scale_target(hf_name, target, shape)
+        self._check_shape(hf_name, target, shape)
+        if target.dtype == FP8_DTYPE and self.quantizes:
+            return self._quantizing_target(hf_name, name, shard, target)
+        if target.dtype == FP8_DTYPE and dtype is not None and dtype != FP8_DTYPE:
+            raise ValueError(
+                f"{self._describe(hf_name)} is stored as {_dtype_name(dtype)}, but the "
+                "checkpoint's quantization_config makes its projections float8_e4m3fn"
+            )
+        self._targets.append((hf_name, target))
+        return target
+
+    def load_group(self, hf_name: str) -> int | None:
+        """The group a loader that lands a group of tensors at a time puts ``hf_name`` in: its
+        decoder layer (None: the shared tensors), so that a layer's float weights and its norms
+        land together and `quantize_landed` quantizes them before the next layer arrives."""
+        return layer_of(hf_name)
+
+    def quantize_landed(self) -> None:
+        """Quantize every weight waiting whose bytes have landed, and whose norm's have where one
+        folds in: call once every target handed out so far has been filled."""
+        waiting = []
+        for item in self._pending:
+            if item.norm is not None and item.norm not in self._placed:
+                waiting.append(item)
+                continue
+            norm = None if item.norm is None else self._params[item.norm].data
+            quantize_rows_into(item.source, item.weight, item.scale, norm)
+        self._pending = waiting
+
+    def finish(self) -> None:
+        """Raise if a parameter was not filled or holds a NaN or an infinity; then set the KV
+        cache's scales, and fold the norms if the model defers them (after the check: folding
+        would hide a bad norm)."""
+        self._model._check_all_loaded(self._params, self._placed)
+        self.quantize_landed()
+        for value, rows in self._tensor_scales:
+            rows.copy_(value.reshape(()).expand(rows.shape))
+        checked = self._targets + self._scalars
+        bad = first_non_finite(checked)
+        if bad is not None:
+            dtype = next(tensor.dtype for name, tensor in checked if name == bad)
+            raise ValueError(
+                f"{self._describe(bad)} holds NaN or infinite values (as {_dtype_name(dtype)}), "
+                "which would make the logits NaN: the file is damaged, or its values do not fit "
+                "that dtype"
+            )
+        self._set_scalars()
+        if self._model.defers_norms:
+            self._model._fold_norm_weights()
+
+    # -- FP8 ---------------------------------------------------------------------------------------
+
+    def _scale_target(
+        self, hf_name: str, rows: torch.Tensor, shape: tuple[int, ...]
+    ) -> torch.Tensor:
+        """Where a projection's ``weight_scale`` lands: its rows' scales (per channel, ``[N, 1]``
+        or ``[N]``), or one value spread over them at `finish` (per tensor)."""
+        self._targets.append((hf_name, rows))
+        if tuple(shape) in SCALAR_SHAPES:
+            value = torch.empty(shape, dtype=torch.float32, device=rows.device)
+            self._tensor_scales.append((value, rows))
+            return value
+        if tuple(shape) not in ((rows.shape[0], 1), (rows.shape[0],)):
+            raise ValueError(
+                f"{self._describe(hf_name)} has shape {tuple(shape)}, expected a scale per "
+                f"tensor [] or [1], or per output channel [{rows.shape[0]}, 1]"
+            )
+        return rows.view(shape)
+
+    def _quantizing_target(
+        self, hf_name: str, name: str, shard: int | None, weight: torch.Tensor
+    ) -> torch.Tensor:
+        """Scratch for a float weight quantized once it (and its norm) has landed."""
+        scale_name = name.removesuffix(".weight") + ".weight_scale"
+        scale = self._params[scale_name].data
+        if shard is not None:
+            scale = self._model._shard_view(scale, scale_name, shard)
+        self._placed.add(_key(scale_name, shard))
+        # A NaN or an infinity in the weight makes its row's scale one too.
+        self._targets.append((hf_name, scale))
+        source = torch.empty(weight.shape, dtype=self._float_dtype, device=weight.device)
+        norm = self._model.norm_folded_into(name)
+        self._pending.append(_Quantization(source, weight, scale, norm))
+        return source
+
+    def _scalar_target(self, hf_name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """Scratch for a static input scale or a KV-cache scale, read at `finish`."""
+        if tuple(shape) not in SCALAR_SHAPES:
+            raise ValueError(f"{self._describe(hf_name)} has shape {tuple(shape)}, not [] or [1]")
+        value = torch.empty(shape, dtype=torch.float32, device=self._model.norm.device)
+        self._scalars.append((hf_name, value))
+        return value
+
+    def _set_scalars(self) -> None:
+        """Check that every input and KV-cache scale is positive; set the KV cache's."""
+        if not self._scalars:
+            return
+        values = torch.stack([value.reshape(()) for _, value in self._scalars]).tolist()
+        for (hf_name, _), value in zip(self._scalars, values, strict=True):
+            if not value > 0:
+                raise ValueError(f"{self._describe(hf_name)} is {value}; a scale must be positive")
+            attention = self._model.layers[layer_of(hf_name)].self_attn
+            for attribute in KV_SCALE_NAMES.get(hf_name.split(".", 3)[3], ()):
+                setattr(attention, attribute, value)
+
+    # -- errors ------------------------------------------------------------------------------------
+
+    def _check_shape(self, hf_name: str, target: torch.Tensor, shape: tuple[int, ...]) -> None:
+        if tuple(target.shape) != tuple(shape):
+            raise ValueError(
+                f"{self._describe(hf_name)} has shape {tuple(shape)}, "
+                f"expected {tuple(target.shape)}"
+            )
+
+    def _describe(self, hf_name: str) -> str:
+        header = self._headers.get(hf_name)
+        return header.describe() if header is not None else f"checkpoint tensor {hf_name!r}"
+
+
+def _is_scalar(hf_name: str) -> bool:
+    """Whether ``hf_name`` is an FP8 checkpoint's input or KV-cache scale."""
+    layer_name = hf_name.split(".", 3)[-1]
+    return hf_name.endswith(_INPUT_SCALE) or layer_name in KV_SCALE_NAMES
+
+
+def _key(name: str, shard: int | None) -> str:
+    """How a filled parameter (or one shard of a fused one) is recorded."""
+    return name if shard is None else f"{name}#{shard}"
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

@@ -1,0 +1,96 @@
+"""FP8 checkpoints written from a tiny model's float weights, in the layouts users have.
+
+- "compressed-tensors": llm-compressor's FP8_DYNAMIC, a bf16 ``weight_scale`` per output channel
+  ``[out, 1]``, activations dynamic per token, the output head left out.
+- "fp8": ``quant_method: fp8`` (AutoFP8), a float32 ``weight_scale`` per tensor (shape ``[]``)
+  and a static ``input_scale`` beside each weight.
+
+Either may carry KV-cache scales too. `dequantized_checkpoint` writes the float32 weights an FP8
+checkpoint stands for (``weight * scale``), the reference its logits must match.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from ember.bench.make_model import COMPRESSED_TENSORS_FP8
+
+WEIGHTS = "model.safetensors"
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+# A static input scale: read and checked by ember, never used.
+STATIC_INPUT_SCALE = 0.02
+
+# What `ember bench make-model --quantization fp8` writes, as llm-compressor does.
+COMPRESSED_TENSORS = COMPRESSED_TENSORS_FP8
+PLAIN_FP8 = {"quant_method": "fp8", "activation_scheme": "static", "ignored_layers": ["lm_head"]}
+
+
+def _quantized(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return (weight.float() / scale.float()).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+
+
+def fp8_checkpoint(
+    source: Path,
+    out: Path,
+    layout: str,
+    *,
+    kv_scales: tuple[float, float] | None = None,
+) -> Path:
+    """``source`` (a tiny model directory) copied to ``out`` with its decoder's linear weights
+    in FP8 in ``layout``; ``kv_scales`` (k, v): every layer holds them, as ``self_attn.k_scale``
+    and ``v_scale``."""
+    shutil.copytree(source, out)
+    weights = load_file(str(source / WEIGHTS))
+    written: dict[str, torch.Tensor] = {}
+    for name, tensor in weights.items():
+        if not name.endswith("_proj.weight"):
+            written[name] = tensor
+            continue
+        stem = name.removesuffix("weight")
+        if layout == "compressed-tensors":
+            scale = (tensor.abs().amax(dim=1, keepdim=True) / FP8_MAX).to(torch.bfloat16)
+        else:
+            scale = tensor.abs().amax() / FP8_MAX
+            written[stem + "input_scale"] = torch.tensor(STATIC_INPUT_SCALE)
+        written[name] = _quantized(tensor, scale)
+        written[stem + "weight_scale"] = scale
+    if kv_scales is not None:
+        layers = {name.split(".")[2] for name in weights if name.startswith("model.layers.")}
+        for layer in layers:
+            written[f"model.layers.{layer}.self_attn.k_scale"] = torch.tensor(kv_scales[0])
+            written[f"model.layers.{layer}.self_attn.v_scale"] = torch.tensor(kv_scales[1])
+    save_file(written, str(out / WEIGHTS), metadata={"format": "pt"})
+    config = json.loads((out / "config.json").read_text())
+    quantization = copy.deepcopy(
+        COMPRESSED_TENSORS if layout == "compressed-tensors" else PLAIN_FP8
+    )
+    config["quantization_config"] = quantization
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out
+
+
+def dequantized_checkpoint(fp8_dir: Path, out: Path) -> Path:
+    """``fp8_dir`` copied to ``out`` as a float32 checkpoint of the weights it stands for:
+    each FP8 weight times its scale, no scales, no quantization_config."""
+    shutil.copytree(fp8_dir, out)
+    weights = load_file(str(fp8_dir / WEIGHTS))
+    written = {}
+    for name, tensor in weights.items():
+        if name.endswith(("_scale", "input_scale")):
+            continue
+        if tensor.dtype == FP8:
+            scale = weights[name.removesuffix("weight") + "weight_scale"].float()
+            tensor = tensor.float() * (scale if scale.dim() == 2 else scale.reshape(1, 1))
+        written[name] = tensor
+    save_file(written, str(out / WEIGHTS), metadata={"format": "pt"})
+    config = json.loads((out / "config.json").read_text())
+    del config["quantization_config"]
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out

@@ -1,0 +1,104 @@
+"""The FP8 form a checkpoint's quantization_config (and ``--quantization``) gives a model: both
+layouts users have, quantize-at-load, and a clear refusal of every form ember cannot load."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+from helpers.fp8_checkpoints import COMPRESSED_TENSORS, PLAIN_FP8
+
+from ember.quantization import Fp8Scheme, fp8_scheme
+
+
+def compressed(**changes) -> dict:
+    """A compressed-tensors FP8 config (per channel, dynamic per-token activations); ``changes``
+    replace keys of its one group's weights (``weights_``), activations (``activations_``) or
+    the config itself."""
+    config = copy.deepcopy(COMPRESSED_TENSORS)
+    group = config["config_groups"]["group_0"]
+    for key, value in changes.items():
+        if key.startswith("weights_"):
+            group["weights"][key.removeprefix("weights_")] = value
+        elif key.startswith("activations_"):
+            group["input_activations"][key.removeprefix("activations_")] = value
+        else:
+            config[key] = value
+    return {"quantization_config": config}
+
+
+def test_a_checkpoint_without_quantization_loads_as_it_is_unless_fp8_is_asked():
+    assert fp8_scheme({}) is None
+    assert fp8_scheme({}, "fp8") == Fp8Scheme(from_checkpoint=False, weight_scales="channel")
+
+
+def test_compressed_tensors_fp8_per_channel_with_dynamic_activations():
+    assert fp8_scheme(compressed()) == Fp8Scheme(
+        from_checkpoint=True, weight_scales="channel", input_scales=False, kv_scales=False
+    )
+
+
+def test_compressed_tensors_per_tensor_static_activations_and_kv_scales():
+    kv = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False}
+    config = compressed(
+        weights_strategy="tensor",
+        activations_strategy="tensor",
+        activations_dynamic=False,
+        kv_cache_scheme=kv,
+    )
+    assert fp8_scheme(config) == Fp8Scheme(True, "tensor", input_scales=True, kv_scales=True)
+
+
+def test_an_older_compression_config_key_reads_the_same():
+    config = compressed()
+    assert fp8_scheme({"compression_config": config["quantization_config"]}) == fp8_scheme(config)
+
+
+@pytest.mark.parametrize("scheme", ["static", "dynamic"])
+def test_quant_method_fp8_is_per_tensor(scheme):
+    config = {"quantization_config": {**PLAIN_FP8, "activation_scheme": scheme}}
+    assert fp8_scheme(config) == Fp8Scheme(True, "tensor", input_scales=scheme == "static")
+
+
+def test_asking_for_fp8_on_an_fp8_checkpoint_loads_it_as_it_is():
+    """vLLM's flag on a checkpoint already in FP8: its own weights and scales, not requantized."""
+    assert fp8_scheme(compressed(), "fp8") == fp8_scheme(compressed())
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        (
+            {"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}},
+            "block-wise FP8 scales",
+        ),
+        ({"quantization_config": {"quant_method": "awq", "bits": 4}}, "quant_method 'awq'"),
+        ({"quantization_config": {"quant_method": "gptq"}}, "quant_method 'gptq'"),
+        ({"quantization_config": "fp8"}, "must be an object"),
+        ({"quantization_config": {**PLAIN_FP8, "activation_scheme": "x"}}, "activation_scheme"),
+        (compressed(format="pack-quantized"), "format 'pack-quantized'"),
+        (compressed(weights_num_bits=4, weights_type="int"), "not 8-bit float"),
+        (compressed(weights_strategy="block"), "strategy 'block'"),
+        (compressed(weights_strategy="group"), "strategy 'group'"),
+        (compressed(weights_dynamic=True), "dynamic scales"),
+        (compressed(activations_type="int"), "input activations"),
+        (compressed(ignore=["lm_head", "model.layers.0.mlp.down_proj"]), "leaves"),
+        (compressed(kv_cache_scheme={"num_bits": 8, "type": "int"}), "kv_cache_scheme"),
+    ],
+)
+def test_what_ember_cannot_load_is_refused_with_the_reason(config, message):
+    with pytest.raises(ValueError, match=message):
+        fp8_scheme(config)
+
+
+def test_two_config_groups_are_refused():
+    config = compressed()
+    groups = config["quantization_config"]["config_groups"]
+    groups["group_1"] = copy.deepcopy(groups["group_0"])
+    with pytest.raises(ValueError, match="2 compressed-tensors config groups"):
+        fp8_scheme(config)
+
+
+def test_an_unknown_requested_quantization_is_refused():
+    with pytest.raises(ValueError, match="unknown quantization 'int8'"):
+        fp8_scheme({}, "int8")
