@@ -70,3 +70,14 @@ def test_a_moe_config_without_an_expert_count_is_refused():
 def test_dense_architectures_have_no_experts():
     cfg = ModelConfig.from_hf_dict({**BASE, "architectures": ["Qwen3ForCausalLM"]})
     assert cfg.num_experts == 0 and not any(cfg.is_moe_layer(i) for i in range(6))
+
+
+def test_fp8_weights_are_refused_for_a_mixture_of_experts():
+    import dataclasses
+
+    from ember.models.registry import model_class
+    from ember.quantization import Fp8Scheme
+
+    cfg = dataclasses.replace(qwen3_moe(), fp8=Fp8Scheme(from_checkpoint=False))
+    with pytest.raises(ValueError, match="FP8 weights .* not supported for mixture-of-experts"):
+        model_class(cfg.architecture).checkpoint_layout(cfg)
