@@ -1,11 +1,8 @@
 """The embedded SmolLM2 GGUF, dequantized from its Q4_1 blocks and quantized to FP8 as it loads
 (``quantization="fp8"``): it answers the default model's questions, and its perplexity on a
-fixed text stays within 2% of the same model unquantized.
-
-Measured (CPU, bfloat16, the text below, 150 scored tokens): perplexity 10.591 unquantized and
-10.622 in FP8 (+0.3%); in float32, the CPU's dtype and this test's, 10.595 and 10.695 (+0.9%).
-The CPU path dequantizes every FP8 weight at every step (seconds a step), so the answers here
-are kept to a few tokens.
+fixed text stays within 2% of the same model unquantized (the figures: bench/results/README.md,
+"FP8 accuracy"). The CPU path dequantizes every FP8 weight at every step (seconds a step), so
+the answers here are kept to a few tokens.
 """
 
 from __future__ import annotations
