@@ -43,3 +43,27 @@ def ember_prefill_logits(llm: LLM, prompts: list[list[int]]) -> list[torch.Tenso
         hidden = inst.model(ids, ctx, inst.runner.cos_sin_cache, inst.kv_cache)
         logits = inst.model.compute_logits(hidden)
     return list(logits.split([len(p) for p in prompts]))
+
+
+def check_prefill_logits(hf, llm: LLM, lengths=(1, 7, 33, 70), tolerance=2e-4) -> None:
+    """Every position's logits of prompts of ``lengths``: ember's against transformers' model
+    ``hf`` (float32 both)."""
+    prompts = prompts_of_lengths(lengths, hf.config.vocab_size)
+    for prompt, logits in zip(prompts, ember_prefill_logits(llm, prompts)):
+        with torch.no_grad():
+            ref = hf(torch.tensor([prompt])).logits[0].float()
+        torch.testing.assert_close(logits, ref, atol=tolerance, rtol=tolerance)
+
+
+def check_greedy_tokens(hf, llm: LLM, max_tokens: int, lengths=(3, 11, 26, 50, 5)) -> None:
+    """Greedy tokens of a batch of prompts through the engine (chunked, batched) against
+    transformers' own greedy decoding of each; every KV block back afterwards."""
+    from ember import SamplingParams
+    from helpers.hf_reference import hf_greedy_tokens
+
+    prompts = prompts_of_lengths(lengths, hf.config.vocab_size, seed=1)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    for prompt, out in zip(prompts, outputs):
+        assert out.outputs[0].token_ids == hf_greedy_tokens(hf, prompt, max_tokens)
+    llm.instance.scheduler.check_invariants()

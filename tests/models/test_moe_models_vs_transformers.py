@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers.hf_reference import hf_greedy_tokens
-from helpers.prefill import ember_prefill_logits, prompts_of_lengths
+from helpers.prefill import (
+    check_greedy_tokens,
+    check_prefill_logits,
+)
 from helpers.tiny_models import make_tiny_model
 
-from ember import LLM, SamplingParams
+from ember import LLM
 
 pytestmark = pytest.mark.slow
 
@@ -61,20 +63,8 @@ def test_layers_are_sparse_or_dense_as_transformers_builds_them(tiny):
 
 
 def test_prefill_logits_match_transformers(tiny):
-    hf, llm = tiny
-    prompts = prompts_of_lengths([1, 7, 33, 70], hf.config.vocab_size)
-    ours = ember_prefill_logits(llm, prompts)
-    for prompt, logits in zip(prompts, ours):
-        with torch.no_grad():
-            ref = hf(torch.tensor([prompt])).logits[0].float()
-        torch.testing.assert_close(logits, ref, atol=2e-4, rtol=2e-4)
+    check_prefill_logits(*tiny)
 
 
 def test_greedy_generation_in_chunks_matches_transformers(tiny):
-    hf, llm = tiny
-    prompts = prompts_of_lengths([3, 11, 26, 50, 5], hf.config.vocab_size, seed=1)
-    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-    for prompt, out in zip(prompts, outputs):
-        assert out.outputs[0].token_ids == hf_greedy_tokens(hf, prompt, 10)
-    llm.instance.scheduler.check_invariants()
+    check_greedy_tokens(*tiny, max_tokens=10)
