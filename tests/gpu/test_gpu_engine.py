@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.gpu_parity import DENSE_ARCHS, random_prompts
 from helpers.hf_reference import hf_greedy_tokens
 from helpers.tiny_models import make_tiny_model
 
@@ -18,14 +19,8 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 
-ARCHS = ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"]
+ARCHS = DENSE_ARCHS
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-
-
-def random_prompts(count: int, seed: int = 0) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(1, 90, (count,), generator=g).tolist()
-    return [torch.randint(3, 40000, (n,), generator=g).tolist() for n in lengths]
 
 
 def greedy_tokens(llm: LLM, prompts, params=GREEDY) -> list[list[int]]:

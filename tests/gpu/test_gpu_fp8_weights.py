@@ -18,6 +18,7 @@ import importlib
 import pytest
 import torch
 from helpers.fp8_checkpoints import fp8_checkpoint
+from helpers.gpu_parity import DENSE_ARCHS, random_prompts
 from helpers.tiny_models import make_tiny_model
 
 from ember import LLM, SamplingParams
@@ -31,14 +32,8 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 
-ARCHS = ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"]
+ARCHS = DENSE_ARCHS
 PARAMS = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=5)
-
-
-def random_prompts(count: int, seed: int = 0) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(1, 90, (count,), generator=g).tolist()
-    return [torch.randint(3, 40000, (n,), generator=g).tolist() for n in lengths]
 
 
 @pytest.fixture(scope="module", params=ARCHS)
