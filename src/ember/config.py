@@ -6,6 +6,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from ember.layer_attention import PLAIN, LayerAttention, layer_attention_from_hf
+
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
@@ -55,6 +57,9 @@ class ModelConfig:
     rope_scaling: RopeScaling | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Each layer's sliding window, chunks, sinks, NoPE, QK norm (`ember.layer_attention`): one
+    # entry per layer, or one entry for every layer; () where every layer is plain attention.
+    layer_attention: tuple[LayerAttention, ...] = ()
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
@@ -89,10 +94,17 @@ class ModelConfig:
             rope_scaling=_rope_scaling(cfg),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            layer_attention=layer_attention_from_hf(cfg, arch),
         )
 
     def with_eos(self, eos_ids: tuple[int, ...]) -> ModelConfig:
         return dataclasses.replace(self, eos_token_ids=eos_ids)
+
+    def attention_of(self, layer: int) -> LayerAttention:
+        """How decoder layer ``layer`` attends."""
+        if len(self.layer_attention) > 1:
+            return self.layer_attention[layer]
+        return self.layer_attention[0] if self.layer_attention else PLAIN
 
     @property
     def q_size(self) -> int:
