@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from ember.quantization import Fp8Scheme
 
+from ember.layer_attention import PLAIN, LayerAttention, layer_attention_from_hf
+
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
@@ -84,6 +86,9 @@ class ModelConfig:
     # Set when the model is planned, from the checkpoint's quantization_config and the engine's
     # `quantization` option.
     fp8: Fp8Scheme | None = None
+    # Each layer's sliding window, chunks, sinks, NoPE, QK norm (`ember.layer_attention`): one
+    # entry per layer, or one entry for every layer; () where every layer is plain attention.
+    layer_attention: tuple[LayerAttention, ...] = ()
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
@@ -119,6 +124,7 @@ class ModelConfig:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             **(_moe_fields(arch, cfg) if arch in MOE_ARCHITECTURES else {}),
+            layer_attention=layer_attention_from_hf(cfg, arch),
         )
 
     def with_eos(self, eos_ids: tuple[int, ...]) -> ModelConfig:
@@ -131,6 +137,12 @@ class ModelConfig:
             and layer not in self.mlp_only_layers
             and (layer + 1) % self.decoder_sparse_step == 0
         )
+
+    def attention_of(self, layer: int) -> LayerAttention:
+        """How decoder layer ``layer`` attends."""
+        if len(self.layer_attention) > 1:
+            return self.layer_attention[layer]
+        return self.layer_attention[0] if self.layer_attention else PLAIN
 
     @property
     def q_size(self) -> int:

@@ -47,9 +47,14 @@ def test_every_default_configuration_fits_an_h200():
     # The attention kernel as the planner launches it, its heaviest variants among them.
     attention = {r["case"]: r["constexprs"] for r in results if r["kernel"] == "paged_attention"}
     launches = {"decode split", "decode", "decode, full grid", "mixed decodes", "mixed chunks"}
-    # Each over a bf16 cache and over an FP8 one.
-    assert set(attention) == launches | {f"{case}, fp8 kv" for case in launches}
-    for variant in ("SPLIT_KV", "ROPE", "PRELOAD_KV", "TILE_MAP", "KV_FP8"):
+    # Each over a bf16 cache and over an FP8 one; windows, chunks, sinks and NoPE on bf16.
+    variants = {
+        "decode split, window, sinks, QK norm",
+        "decode, chunks, NoPE",
+        "mixed chunks, window, sinks",
+    }
+    assert set(attention) == launches | {f"{case}, fp8 kv" for case in launches} | variants
+    for variant in ("SPLIT_KV", "ROPE", "PRELOAD_KV", "TILE_MAP", "KV_FP8", "KEY_START", "SINKS"):
         assert any(constexprs[variant] for constexprs in attention.values()), variant
     for r in results:
         assert 0 < r["shared_bytes"] <= SM90_SHARED_MEMORY_LIMIT and r["fits"], r

@@ -45,23 +45,23 @@ def ember_prefill_logits(llm: LLM, prompts: list[list[int]]) -> list[torch.Tenso
     return list(logits.split([len(p) for p in prompts]))
 
 
-def check_prefill_logits(hf, llm: LLM, lengths=(1, 7, 33, 70), tolerance=2e-4) -> None:
+def check_prefill_logits(hf, llm: LLM, lengths=(1, 7, 33, 70), seed=0, tolerance=2e-4) -> None:
     """Every position's logits of prompts of ``lengths``: ember's against transformers' model
     ``hf`` (float32 both)."""
-    prompts = prompts_of_lengths(lengths, hf.config.vocab_size)
+    prompts = prompts_of_lengths(lengths, hf.config.vocab_size, seed)
     for prompt, logits in zip(prompts, ember_prefill_logits(llm, prompts)):
         with torch.no_grad():
             ref = hf(torch.tensor([prompt])).logits[0].float()
         torch.testing.assert_close(logits, ref, atol=tolerance, rtol=tolerance)
 
 
-def check_greedy_tokens(hf, llm: LLM, max_tokens: int, lengths=(3, 11, 26, 50, 5)) -> None:
+def check_greedy_tokens(hf, llm: LLM, max_tokens: int, lengths=(3, 11, 26, 50, 5), seed=1) -> None:
     """Greedy tokens of a batch of prompts through the engine (chunked, batched) against
     transformers' own greedy decoding of each; every KV block back afterwards."""
     from ember import SamplingParams
     from helpers.hf_reference import hf_greedy_tokens
 
-    prompts = prompts_of_lengths(lengths, hf.config.vocab_size, seed=1)
+    prompts = prompts_of_lengths(lengths, hf.config.vocab_size, seed)
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     for prompt, out in zip(prompts, outputs):

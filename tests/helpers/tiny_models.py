@@ -158,7 +158,7 @@ def tiny_config(arch: str, *, tie: bool = False, llama3_rope: bool = False, **ov
         "dtype": "float32",
     }
     if arch in ("MistralForCausalLM", "MixtralForCausalLM"):
-        fields["sliding_window"] = None  # ember serves full attention only
+        fields["sliding_window"] = None  # full attention unless a test asks for a window
     fields.update(_TINY_MOE_FIELDS.get(arch, {}))
     fields.update(overrides)
     config_class = getattr(transformers, arch.replace("ForCausalLM", "Config"))

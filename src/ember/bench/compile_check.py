@@ -154,8 +154,23 @@ def stream_k_gemm_configs() -> list[CompiledConfig]:
     return [CompiledConfig("stream_k_gemm", "gate_up m=128", constexprs, num_warps, shared)]
 
 
+# Layers that attend otherwise (docs/CONTRACTS.md, "Windows, sinks, chunks"), compiled on a bf16
+# cache: (the launch they ride, their case name, their constexprs).
+_ATTENTION_VARIANTS = (
+    (
+        "decode split",
+        "decode split, window, sinks, QK norm",
+        {"KEY_START": 1, "SINKS": True, "QK_NORM": True},
+    ),
+    ("decode", "decode, chunks, NoPE", {"KEY_START": 2, "ROTATE": False}),
+    ("mixed chunks", "mixed chunks, window, sinks", {"KEY_START": 1, "SINKS": True}),
+)
+_PLAIN_LAYER = {"KEY_START": 0, "SINKS": False, "ROTATE": True, "QK_NORM": False}
+
+
 def attention_configs() -> list[CompiledConfig]:
-    """The paged attention's launches (`_attention_configs`) on a bf16 cache and on an FP8 one."""
+    """The paged attention's launches (`_attention_configs`) on a bf16 cache and on an FP8 one,
+    and the variants of windowed, chunked, sink and NoPE layers on bf16."""
     return _attention_configs(kv_fp8=False) + _attention_configs(kv_fp8=True)
 
 
@@ -199,7 +214,9 @@ def _attention_configs(kv_fp8: bool) -> list[CompiledConfig]:
         **{p: "*bf16" for p in pointers},
         **{p: "*i32" for p in int_pointers},
         **{p: "*fp32" for p in fp32_pointers},
+        "sinks_ptr": "*bf16",
         "eps": "fp32",
+        "l2_eps": "fp32",
         "qk_scale": "fp32",
     }
     # An FP8 cache's pointers and its scales; a bf16 cache passes no scales (None: constexprs).
@@ -228,7 +245,11 @@ def _attention_configs(kv_fp8: bool) -> list[CompiledConfig]:
         "stride_rv_head",
     }
     results = []
-    for case, (launch,) in cases.items():
+    variants = [(case, case, _PLAIN_LAYER) for case in cases]
+    if not kv_fp8:
+        variants += [(case, name, {**_PLAIN_LAYER, **v}) for case, name, v in _ATTENTION_VARIANTS]
+    for case, name, layer in variants:
+        (launch,) = cases[case]
         # RoPE and the cache write ride in a decode-only step's launch; a mixed step's come first.
         rope = launch.decode_only and launch.sequences == Sequences.ALL
         config = dict(launch.tiles)
@@ -251,11 +272,12 @@ def _attention_configs(kv_fp8: bool) -> list[CompiledConfig]:
             "SEQUENCES": int(launch.sequences),
             "TILE_MAP": launch.chunk_map,
             "KV_FP8": kv_fp8,
+            **layer,
             **scales,
             **config,
         }
         shared = compile_for_sm90(_paged_attention_kernel, types, divisible, constexprs, num_warps)
-        name = f"{case}, fp8 kv" if kv_fp8 else case
+        name = f"{name}, fp8 kv" if kv_fp8 else name
         results.append(CompiledConfig("paged_attention", name, constexprs, num_warps, shared))
     return results
 

@@ -72,6 +72,33 @@ class AttentionTuning:
         return cls(num_sms=torch.cuda.get_device_properties(device).multi_processor_count)
 
 
+class KeyStart(enum.IntEnum):
+    """Where the keys a query at position p sees start (the kernel's KEY_START), p itself the
+    last: key 0 (causal attention), ``p - window + 1`` (a sliding window of ``window`` keys), or
+    ``p // chunk * chunk`` (chunked local attention). docs/CONTRACTS.md, "Windows, sinks, chunks".
+    """
+
+    CAUSAL = 0
+    WINDOW = 1
+    CHUNK = 2
+
+
+def key_start(window: int | None = None, chunk_size: int | None = None) -> tuple[KeyStart, int]:
+    """The `KeyStart` of a layer with ``window`` or ``chunk_size`` (at most one), and its size
+    (0 for causal attention)."""
+    if window is not None and chunk_size is not None:
+        raise ValueError("a layer attends over a sliding window or in chunks, not both")
+    if window is not None:
+        if window < 1:
+            raise ValueError(f"a sliding window holds at least one key, got {window}")
+        return KeyStart.WINDOW, int(window)
+    if chunk_size is not None:
+        if chunk_size < 1:
+            raise ValueError(f"an attention chunk holds at least one key, got {chunk_size}")
+        return KeyStart.CHUNK, int(chunk_size)
+    return KeyStart.CAUSAL, 0
+
+
 class Sequences(enum.IntEnum):
     """Which sequences a launch serves: all, or in a mixed step's two launches those of one
     query token (decode tiles) or of more (prefill tiles). The kernel's SEQUENCES constant."""

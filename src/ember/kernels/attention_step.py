@@ -38,16 +38,32 @@ def rope_and_attention(
     row_norm: RowNorm | None = None,
     kv_scales: tuple[float, float] = (1.0, 1.0),
     pdl: bool = False,
+    window: int | None = None,
+    chunk_size: int | None = None,
+    sinks: torch.Tensor | None = None,
+    use_rope: bool = True,
+    qk_l2_norm_eps: float | None = None,
 ) -> torch.Tensor:
     """`rope_and_cache_write` then `paged_attention` (its ``launches``) over the step's metadata
     ``ctx``; writes and returns ``out``. With ``fuse_decode`` (the default), decode-only steps
     do both in the attention kernel and leave ``q`` and ``k`` unrotated (only the cache and
     ``out`` change). ``row_norm``: q, k and v are products of the un-normalised rows, to scale
     by each token's ``1/rms`` first (`ember.layers.row_norm`). ``kv_scales``: an FP8 cache's
-    (k_scale, v_scale), for its writes and its reads (`ember.kernels.kv_fp8`)."""
+    (k_scale, v_scale), for its writes and its reads (`ember.kernels.kv_fp8`). ``use_rope``
+    False (a NoPE layer) skips the rotation, ``qk_l2_norm_eps`` normalises q and k after it;
+    ``window``, ``chunk_size`` and ``sinks`` shape the attention (`paged_attention`)."""
     rope = None
     if fuse_decode and ctx.max_query_len == 1:
-        rope = DecodeRope(k, v, ctx.positions, cos_sin_cache, ctx.slot_mapping, row_norm)
+        rope = DecodeRope(
+            k,
+            v,
+            ctx.positions,
+            cos_sin_cache,
+            ctx.slot_mapping,
+            row_norm,
+            rotate=use_rope,
+            qk_l2_norm_eps=qk_l2_norm_eps,
+        )
     else:
         rope_and_cache_write(
             q,
@@ -61,6 +77,8 @@ def rope_and_attention(
             row_norm=row_norm,
             kv_scales=kv_scales,
             pdl=pdl,
+            use_rope=use_rope,
+            qk_l2_norm_eps=qk_l2_norm_eps,
         )
     return paged_attention(
         q,
@@ -77,4 +95,7 @@ def rope_and_attention(
         pdl=pdl,
         chunk_tiles=chunk_tiles,
         kv_scales=kv_scales,
+        window=window,
+        chunk_size=chunk_size,
+        sinks=sinks,
     )

@@ -22,6 +22,11 @@ An FP8 cache (float8 e4m3, docs/CONTRACTS.md "FP8 KV cache") is read as stored, 
 queries' dtype for the dots: k_scale is folded into the softmax scale on the host and v_scale
 multiplies the accumulated output once (`ember.kernels.kv_fp8`).
 
+A layer with a sliding window or chunks (``KEY_START``) starts each program's tile loop at the
+tile of its first query's first visible key, so a decode reads (and split-KV cuts) only its
+window; attention sinks join each row's denominator once, where it is normalised (the unsplit
+store or the split merge). docs/CONTRACTS.md, "Windows, sinks, chunks".
+
 Layouts and metadata follow docs/CONTRACTS.md ("Paged KV cache layout", "Attention metadata").
 """
 
@@ -37,8 +42,10 @@ from ember.kernels.attention_plan import (
     TILE_BITS,
     AttentionLaunch,
     ChunkTiles,
+    KeyStart,
     Sequences,
     cdiv,
+    key_start,
     next_power_of_2,
 )
 from ember.kernels.compile_ahead import launch
@@ -54,6 +61,7 @@ from ember.kernels.row_norm import (
 from ember.layers.row_norm import RowNorm
 
 _LOG2E = 1.4426950408889634
+_LOG2E_IN_KERNEL = tl.constexpr(_LOG2E)  # a sink's logit into the scores' log2 domain
 
 # Splits merged per unrolled chunk by the in-kernel merge (its loads stay in registers).
 _MAX_MERGE_CHUNK = 8
@@ -62,6 +70,10 @@ _MAX_MERGE_CHUNK = 8
 _ALL_SEQUENCES = tl.constexpr(Sequences.ALL.value)
 _SINGLE_TOKEN = tl.constexpr(Sequences.SINGLE_TOKEN.value)
 _MULTI_TOKEN = tl.constexpr(Sequences.MULTI_TOKEN.value)
+# Where a query's keys start (`KeyStart`, the kernel's KEY_START).
+_CAUSAL = tl.constexpr(KeyStart.CAUSAL.value)
+_WINDOW = tl.constexpr(KeyStart.WINDOW.value)
+_CHUNK = tl.constexpr(KeyStart.CHUNK.value)
 # A chunk tile map's entry (`AttentionPlanner.chunk_tile_map`): its sequence above these bits,
 # the tile's index within the sequence below.
 _TILE_BITS = tl.constexpr(TILE_BITS)
@@ -127,17 +139,35 @@ def _kv_tile_offsets(
 
 @triton.jit
 def _softmax_step(
-    q, k, m_i, l_i, kv_pos, row_pos, qk_scale, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr
+    q,
+    k,
+    m_i,
+    l_i,
+    kv_pos,
+    row_pos,
+    row_lo,
+    qk_scale,
+    MASKED: tl.constexpr,
+    LOCAL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """Scores of one K tile and the online-softmax update: (new max, new sum, p, rescale). An
-    FP8 tile widens to the queries' dtype (its k_scale is in ``qk_scale``)."""
+    FP8 tile widens to the queries' dtype (its k_scale is in ``qk_scale``). ``LOCAL``: each row
+    sees keys from ``row_lo`` on only (a window's or chunk's start), and a masked tile may hold
+    none of a row's keys."""
     scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * qk_scale
     if MASKED:
         # Causal; also hides positions past the sequence since row_pos < seq_len.
-        scores = tl.where(kv_pos[None, :] <= row_pos[:, None], scores, float("-inf"))
+        visible = kv_pos[None, :] <= row_pos[:, None]
+        if LOCAL:
+            visible = visible & (kv_pos[None, :] >= row_lo[:, None])
+        scores = tl.where(visible, scores, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(scores, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(scores - m_new[:, None])
+    m_ref = m_new
+    if LOCAL:  # a row that has seen no key yet keeps zero sums (not exp2(-inf + inf))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_ref)
+    p = tl.exp2(scores - m_ref[:, None])
     return m_new, l_i * alpha + tl.sum(p, 1), p, alpha
 
 
@@ -154,6 +184,7 @@ def _attend_kv_tile(
     kv_start,
     kv_end,
     row_pos,
+    row_lo,
     qk_scale,
     stride_cache_block,
     stride_cache_slot,
@@ -161,6 +192,7 @@ def _attend_kv_tile(
     BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     MASKED: tl.constexpr,
+    LOCAL: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """One online-softmax step over KV positions [kv_start, kv_start + BLOCK_N)."""
@@ -182,7 +214,7 @@ def _attend_kv_tile(
     else:
         k = tl.load(k_cache_ptr + kv_offsets)
     m_new, l_i, p, alpha = _softmax_step(
-        q, k, m_i, l_i, kv_pos, row_pos, qk_scale, MASKED, DOT_PRECISION
+        q, k, m_i, l_i, kv_pos, row_pos, row_lo, qk_scale, MASKED, LOCAL, DOT_PRECISION
     )
     if MASKED:
         v = tl.load(v_cache_ptr + kv_offsets, mask=kv_in_range[:, None], other=0.0)
@@ -213,13 +245,40 @@ def _rope_factors(positions_ptr, cos_sin_ptr, tok, tok_valid, HEAD_DIM: tl.const
 
 
 @triton.jit
-def _rotate_query(q, q_rows, row_valid, cos, signed_sin, partner, scale, SCALED: tl.constexpr):
+def _rms_normalize_heads(x, eps, dtype: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Llama 4's QK norm of fp32 heads ``x`` (rows, or one head) as rounded to ``dtype``:
+    each times ``1/sqrt(mean square + eps)``, as `rope_and_cache_write` normalises them."""
+    x = x.to(dtype).to(tl.float32)
+    mean_square = tl.sum(x * x, axis=-1, keep_dims=True) / HEAD_DIM
+    return x * tl.math.div_rn(1.0, tl.math.sqrt_rn(mean_square + eps))
+
+
+@triton.jit
+def _rotate_query(
+    q,
+    q_rows,
+    row_valid,
+    cos,
+    signed_sin,
+    partner,
+    scale,
+    l2_eps,
+    SCALED: tl.constexpr,
+    ROTATE: tl.constexpr,
+    QK_NORM: tl.constexpr,
+):
     """Rotate one token's query rows (fp32, cast back like the RoPE kernel; scaled by ``scale``
-    first when ``SCALED``, as `rope_and_cache_write` does)."""
-    q_partner = tl.load(q_rows + partner[None, :], mask=row_valid[:, None], other=0.0)
+    first when ``SCALED``, as `rope_and_cache_write` does; a NoPE layer's not ``ROTATE``; each
+    head normalised after when ``QK_NORM``)."""
     q_own = scale_and_round(q, scale, q.dtype, SCALED)
-    q_partner = scale_and_round(q_partner, scale, q.dtype, SCALED)
-    rotated = q_own * cos[None, :] + q_partner * signed_sin[None, :]
+    if ROTATE:
+        q_partner = tl.load(q_rows + partner[None, :], mask=row_valid[:, None], other=0.0)
+        q_partner = scale_and_round(q_partner, scale, q.dtype, SCALED)
+        rotated = q_own * cos[None, :] + q_partner * signed_sin[None, :]
+    else:
+        rotated = q_own
+    if QK_NORM:
+        rotated = _rms_normalize_heads(rotated, l2_eps, q.dtype, q.shape[1])
     return rotated.to(q.dtype)
 
 
@@ -235,6 +294,7 @@ def _write_new_key_value(
     signed_sin,
     partner,
     scale,
+    l2_eps,
     k_scale,
     v_scale,
     stride_cache_block,
@@ -243,17 +303,26 @@ def _write_new_key_value(
     HEAD_DIM: tl.constexpr,
     SCALED: tl.constexpr,
     KV_FP8: tl.constexpr,
+    ROTATE: tl.constexpr,
+    QK_NORM: tl.constexpr,
 ):
     """Rotate one KV head of the new token's key and store it and its value at ``slot`` (-1:
     padding, nothing stored); both scaled by ``scale`` first when ``SCALED``, and quantized by
     ``k_scale``, ``v_scale`` for an FP8 cache. The barrier makes the stores visible to the whole
     program before it reads the tile that holds them. Returns the stored key and value, as the
     cache holds them (a tile loaded before the store takes them from here, and reads them as it
-    reads every stored entry)."""
+    reads every stored entry). A NoPE layer's key (not ``ROTATE``) is stored unrotated;
+    ``QK_NORM`` normalises it after the rotation."""
     dims = tl.arange(0, HEAD_DIM)
     dtype = k_ptr.dtype.element_ty
     k = scale_and_round(tl.load(k_ptr + dims), scale, dtype, SCALED)
-    rotated = k * cos + scale_and_round(tl.load(k_ptr + partner), scale, dtype, SCALED) * signed_sin
+    if ROTATE:
+        k_partner = scale_and_round(tl.load(k_ptr + partner), scale, dtype, SCALED)
+        rotated = k * cos + k_partner * signed_sin
+    else:
+        rotated = k
+    if QK_NORM:
+        rotated = _rms_normalize_heads(rotated, l2_eps, dtype, HEAD_DIM)
     cache = (slot // PAGE) * stride_cache_block + (slot % PAGE) * stride_cache_slot + head_offset
     keep = (dims < HEAD_DIM) & (slot >= 0)
     v = scale_and_round(tl.load(v_ptr + dims), scale, dtype, SCALED)
@@ -284,10 +353,13 @@ def _paged_attention_kernel(
     cos_sin_ptr,
     slot_mapping_ptr,
     chunk_tiles_ptr,
+    sinks_ptr,
     parts_ptr,
     num_parts,
     hidden,
     eps,
+    l2_eps,
+    key_span,
     qk_scale,
     k_scale,
     v_scale,
@@ -327,6 +399,10 @@ def _paged_attention_kernel(
     SEQUENCES: tl.constexpr,
     TILE_MAP: tl.constexpr,
     KV_FP8: tl.constexpr,
+    KEY_START: tl.constexpr,
+    SINKS: tl.constexpr,
+    ROTATE: tl.constexpr,
+    QK_NORM: tl.constexpr,
 ):
     # Until the wait, a program reads only what no kernel of this step writes: the step's
     # metadata and the cache's keys of earlier steps. Under PDL that runs under the previous
@@ -369,17 +445,31 @@ def _paged_attention_kernel(
     num_kv_tiles = tl.cdiv(kv_end, BLOCK_N)
     # Tiles below the tile's first query position are visible to every row: no mask needed.
     num_full_tiles = (first_pos + 1) // BLOCK_N
+    # A window or chunk starts each row's keys at row_lo: the tiles from the first row's start
+    # (first_tile) up to the last row's (num_low_tiles) are masked, those below never read.
+    LOCAL: tl.constexpr = KEY_START != _CAUSAL
+    row_lo = row_pos
+    first_tile = 0
+    num_low_tiles = 0
+    if LOCAL:
+        row_lo = _first_visible_key(row_pos, key_span, KEY_START)
+        first_tile = _first_visible_key(first_pos, key_span, KEY_START) // BLOCK_N
+        last_lo = _first_visible_key(kv_end - 1, key_span, KEY_START)
+        num_low_tiles = tl.minimum(
+            tl.maximum(tl.cdiv(last_lo, BLOCK_N), first_tile), num_full_tiles
+        )
     if SPLIT_KV:
-        # Segments are cut from this sequence's own length, none under min_split_tiles: a grid
-        # sized for the longest sequence the step may hold (a CUDA graph's bound) leaves a
-        # shorter one's surplus programs idle instead of merging empty partials.
-        tiles_per_split = tl.maximum(tl.cdiv(num_kv_tiles, num_splits), min_split_tiles)
-        seq_splits = tl.cdiv(num_kv_tiles, tiles_per_split)
-        tile_lo = split * tiles_per_split
+        # Segments are cut from this sequence's own key range, none under min_split_tiles: a
+        # grid sized for the longest sequence the step may hold (a CUDA graph's bound) leaves a
+        # shorter one's (or a window's) surplus programs idle instead of merging empty partials.
+        range_tiles = num_kv_tiles - first_tile
+        tiles_per_split = tl.maximum(tl.cdiv(range_tiles, num_splits), min_split_tiles)
+        seq_splits = tl.cdiv(range_tiles, tiles_per_split)
+        tile_lo = first_tile + split * tiles_per_split
         tile_hi = tl.minimum(num_kv_tiles, tile_lo + tiles_per_split)
     else:
         seq_splits = 1
-        tile_lo = 0
+        tile_lo = first_tile
         tile_hi = num_kv_tiles
     table_row_ptr = block_tables_ptr + seq * stride_table
     kv_head_offset = kv_head * stride_cache_head
@@ -389,9 +479,14 @@ def _paged_attention_kernel(
     # too; the new key's row, if the tile holds it, comes from registers once rotated.
     if ROPE:
         tile_valid = tile_q_start < seq_q_end
-        cos, signed_sin, partner = _rope_factors(
-            positions_ptr, cos_sin_ptr, tile_q_start, tile_valid, HEAD_DIM
-        )
+        if ROTATE:
+            cos, signed_sin, partner = _rope_factors(
+                positions_ptr, cos_sin_ptr, tile_q_start, tile_valid, HEAD_DIM
+            )
+        else:  # a NoPE layer's new key is stored as it is
+            cos = tl.zeros([HEAD_DIM], dtype=tl.float32)
+            signed_sin = cos
+            partner = tl.arange(0, HEAD_DIM)
         slot = tl.load(slot_mapping_ptr + tile_q_start, mask=tile_valid, other=-1)
     if PRELOAD_KV:
         pre_pos = tile_lo * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -442,7 +537,19 @@ def _paged_attention_kernel(
         scale = 1.0
         if ROW_NORM:
             scale = inv_rms_of(row_parts, hidden, eps)
-        q = _rotate_query(q, q_rows, row_valid, cos, signed_sin, partner, scale, ROW_NORM)
+        q = _rotate_query(
+            q,
+            q_rows,
+            row_valid,
+            cos,
+            signed_sin,
+            partner,
+            scale,
+            l2_eps,
+            ROW_NORM,
+            ROTATE,
+            QK_NORM,
+        )
         if (num_kv_tiles - 1 >= tile_lo) & (num_kv_tiles - 1 < tile_hi):
             new_k, new_v = _write_new_key_value(
                 rope_k_ptr + tile_q_start * stride_rk_tok + kv_head * stride_rk_head,
@@ -455,6 +562,7 @@ def _paged_attention_kernel(
                 signed_sin,
                 partner,
                 scale,
+                l2_eps,
                 k_scale,
                 v_scale,
                 stride_cache_block,
@@ -463,6 +571,8 @@ def _paged_attention_kernel(
                 HEAD_DIM,
                 ROW_NORM,
                 KV_FP8,
+                ROTATE,
+                QK_NORM,
             )
             if PRELOAD_KV:
                 # A padding token (slot -1) stores nothing: its tile keeps what the cache holds.
@@ -471,14 +581,41 @@ def _paged_attention_kernel(
                 pre_v = tl.where(is_new, new_v[None, :], pre_v)
         if PRELOAD_KV and tile_lo < tile_hi:
             m_i, l_i, p, alpha = _softmax_step(
-                q, pre_k, m_i, l_i, pre_pos, row_pos, qk_scale, True, DOT_PRECISION
+                q, pre_k, m_i, l_i, pre_pos, row_pos, row_lo, qk_scale, True, LOCAL, DOT_PRECISION
             )
             acc = _accumulate_values(acc, alpha, p, pre_v, q.dtype, DOT_PRECISION)
 
     # Loop-level pipelining also prefetches the block-table loads the K/V addresses depend on.
-    for kv_tile in tl.range(
-        tile_lo_loop, tl.minimum(tile_hi, num_full_tiles), num_stages=KV_STAGES
-    ):
+    unmasked_lo = tile_lo_loop
+    if LOCAL:
+        unmasked_lo = tl.maximum(tile_lo_loop, num_low_tiles)
+        for kv_tile in tl.range(
+            tile_lo_loop, tl.minimum(tile_hi, num_low_tiles), num_stages=KV_STAGES
+        ):
+            m_i, l_i, acc = _attend_kv_tile(
+                q,
+                m_i,
+                l_i,
+                acc,
+                k_cache_ptr,
+                v_cache_ptr,
+                table_row_ptr,
+                kv_head_offset,
+                kv_tile * BLOCK_N,
+                kv_end,
+                row_pos,
+                row_lo,
+                qk_scale,
+                stride_cache_block,
+                stride_cache_slot,
+                PAGE,
+                BLOCK_N,
+                HEAD_DIM,
+                True,
+                LOCAL,
+                DOT_PRECISION,
+            )
+    for kv_tile in tl.range(unmasked_lo, tl.minimum(tile_hi, num_full_tiles), num_stages=KV_STAGES):
         m_i, l_i, acc = _attend_kv_tile(
             q,
             m_i,
@@ -491,6 +628,7 @@ def _paged_attention_kernel(
             kv_tile * BLOCK_N,
             kv_end,
             row_pos,
+            row_lo,
             qk_scale,
             stride_cache_block,
             stride_cache_slot,
@@ -498,11 +636,10 @@ def _paged_attention_kernel(
             BLOCK_N,
             HEAD_DIM,
             False,
+            False,  # every row sees every key of these tiles
             DOT_PRECISION,
         )
-    for kv_tile in tl.range(
-        tl.maximum(tile_lo_loop, num_full_tiles), tile_hi, num_stages=KV_STAGES
-    ):
+    for kv_tile in tl.range(tl.maximum(unmasked_lo, num_full_tiles), tile_hi, num_stages=KV_STAGES):
         m_i, l_i, acc = _attend_kv_tile(
             q,
             m_i,
@@ -515,6 +652,7 @@ def _paged_attention_kernel(
             kv_tile * BLOCK_N,
             kv_end,
             row_pos,
+            row_lo,
             qk_scale,
             stride_cache_block,
             stride_cache_slot,
@@ -522,11 +660,15 @@ def _paged_attention_kernel(
             BLOCK_N,
             HEAD_DIM,
             True,
+            LOCAL,
             DOT_PRECISION,
         )
 
     if KV_FP8:  # the values were read as stored; merging partials is linear, so scale them here
         acc = acc * v_scale
+    sink = m_i  # unused without SINKS
+    if SINKS:  # the head's sink logit, in the scores' log2 domain
+        sink = tl.load(sinks_ptr + row_head).to(tl.float32) * _LOG2E_IN_KERNEL
     out_rows = out_ptr + row_tok[:, None] * stride_o_tok + row_head[:, None] * stride_o_head
     if SPLIT_KV:
         if seq_splits > 1:
@@ -547,21 +689,48 @@ def _paged_attention_kernel(
                 part_sum_ptr,
                 part_acc_ptr,
                 split_counters_ptr,
+                sinks_ptr,
                 GROUP,
                 GROUP_P2,
                 HEAD_DIM,
                 BLOCK_SPLITS,
                 MERGE_CHUNK,
+                SINKS,
             )
         else:  # one segment covers this sequence: nothing to merge
-            _store_rows(out_rows + dims[None, :], acc, l_i, row_valid)
+            _store_rows(out_rows + dims[None, :], acc, l_i, m_i, sink, row_valid, SINKS)
     else:
-        _store_rows(out_rows + dims[None, :], acc, l_i, row_valid)
+        _store_rows(out_rows + dims[None, :], acc, l_i, m_i, sink, row_valid, SINKS)
 
 
 @triton.jit
-def _store_rows(out_ptrs, acc, l_i, row_valid):
-    tl.store(out_ptrs, (acc / l_i[:, None]).to(out_ptrs.dtype.element_ty), mask=row_valid[:, None])
+def _first_visible_key(pos, key_span, KEY_START: tl.constexpr):
+    """The lowest key position a query at ``pos`` sees (`KeyStart`): its window's first (a
+    window of ``key_span`` keys) or its chunk's (chunks of ``key_span``)."""
+    if KEY_START == _WINDOW:
+        return tl.maximum(pos - key_span + 1, 0)
+    elif KEY_START == _CHUNK:
+        return pos // key_span * key_span
+    else:
+        return pos * 0
+
+
+@triton.jit
+def _normalized(acc, total, row_max, sink, SINKS: tl.constexpr):
+    """``acc / total``, both relative to ``row_max`` (log2 domain); with ``SINKS`` the row's
+    sink logit joins the denominator as a key of value zero (rescaled to the larger of the two
+    maxima, so a large sink cannot overflow)."""
+    if SINKS:
+        top = tl.maximum(row_max, sink)
+        keep = tl.exp2(row_max - top)
+        return acc * (keep / (total * keep + tl.exp2(sink - top)))[:, None]
+    return acc / total[:, None]
+
+
+@triton.jit
+def _store_rows(out_ptrs, acc, l_i, m_i, sink, row_valid, SINKS: tl.constexpr):
+    out = _normalized(acc, l_i, m_i, sink, SINKS)
+    tl.store(out_ptrs, out.to(out_ptrs.dtype.element_ty), mask=row_valid[:, None])
 
 
 @triton.jit
@@ -582,11 +751,13 @@ def _store_partials_and_merge_last(
     part_sum_ptr,
     part_acc_ptr,
     split_counters_ptr,
+    sinks_ptr,
     GROUP: tl.constexpr,
     GROUP_P2: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_SPLITS: tl.constexpr,
     MERGE_CHUNK: tl.constexpr,
+    SINKS: tl.constexpr,
 ):
     """Store a decode segment's partials, indexed [seq, q_head, split] (the grid's ``num_splits``
     is their stride), and count its arrival: the last of the sequence's ``seq_splits`` segments
@@ -609,18 +780,27 @@ def _store_partials_and_merge_last(
         tl.debug_barrier()
         # A decode program's rows are its group's query heads (BLOCK_Q is 1), in row order.
         heads = kv_head * GROUP + tl.arange(0, GROUP_P2)
+        heads_valid = tl.arange(0, GROUP_P2) < GROUP
+        sink = tl.zeros([GROUP_P2], dtype=tl.float32)  # unused without SINKS
+        if SINKS:
+            sink = (
+                tl.load(sinks_ptr + heads, mask=heads_valid, other=0.0).to(tl.float32)
+                * _LOG2E_IN_KERNEL
+            )
         _merge_split_partials(
             tok_out_ptr + heads[:, None] * stride_o_head + dims[None, :],
             part_max_ptr,
             part_sum_ptr,
             part_acc_ptr,
             (seq * (kv_heads * GROUP) + heads) * num_splits,
-            tl.arange(0, GROUP_P2) < GROUP,
+            heads_valid,
             seq_splits,
+            sink,
             GROUP_P2,
             HEAD_DIM,
             BLOCK_SPLITS,
             MERGE_CHUNK,
+            SINKS,
         )
 
 
@@ -633,12 +813,15 @@ def _merge_split_partials(
     first_row,
     row_valid,
     num_splits,
+    sink,
     ROWS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_SPLITS: tl.constexpr,
     CHUNK: tl.constexpr,
+    SINKS: tl.constexpr,
 ):
     """Merge the split partials of ``ROWS`` query heads: rescale each split to the global max.
+    With ``SINKS`` each head's ``sink`` (log2 domain) joins the merged denominator, once.
 
     ``first_row[r]`` indexes row r's first split. Every load is independent of the others (the
     chunks are unrolled), so the merge costs about two L2 round trips, not one per split. ``.cg``
@@ -668,7 +851,7 @@ def _merge_split_partials(
         )
         acc += tl.sum(part * weight[:, :, None], 1)
     denominator = tl.sum(part_sum * tl.exp2(part_max - row_max[:, None]), 1)
-    out = acc / tl.where(row_valid, denominator, 1.0)[:, None]
+    out = _normalized(acc, tl.where(row_valid, denominator, 1.0), row_max, sink, SINKS)
     tl.store(out_ptrs, out.to(out_ptrs.dtype.element_ty), mask=row_valid[:, None])
 
 
@@ -677,7 +860,9 @@ class DecodeRope(NamedTuple):
     less per layer): ``k``, ``v`` are ``[T, Hkv, D]`` (views of the fused qkv output, k not yet
     rotated), the rest as `rope_and_cache_write` takes them. ``q`` is rotated in registers only:
     the q passed to attention is left as it was. ``row_norm``: a deferred RMSNorm whose ``1/rms``
-    scales each token's q, k and v first (`ember.layers.row_norm`)."""
+    scales each token's q, k and v first (`ember.layers.row_norm`). ``rotate`` False: a NoPE
+    layer (q and k are not rotated, the key is stored as it is); ``qk_l2_norm_eps``: each head of
+    q and k normalised after the rotation (Llama 4's QK norm)."""
 
     k: torch.Tensor
     v: torch.Tensor
@@ -685,6 +870,8 @@ class DecodeRope(NamedTuple):
     cos_sin_cache: torch.Tensor
     slot_mapping: torch.Tensor
     row_norm: RowNorm | None = None
+    rotate: bool = True
+    qk_l2_norm_eps: float | None = None
 
 
 def _check_decode_rope(rope: DecodeRope, q: torch.Tensor, k_cache: torch.Tensor, decode: bool):
@@ -719,6 +906,9 @@ def paged_attention(
     pdl: bool = False,
     chunk_tiles: ChunkTiles | None = None,
     kv_scales: tuple[float, float] = (1.0, 1.0),
+    window: int | None = None,
+    chunk_size: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of this step's queries over the paged KV cache; writes and returns ``out``.
 
@@ -743,6 +933,12 @@ def paged_attention(
             mapped tile instead of one per sequence searching for its tiles.
         kv_scales: an FP8 cache's (k_scale, v_scale): its entries read as ``stored * scale``,
             and ``rope`` stores ``x / scale``. Ignored by a cache of any other dtype.
+        window: a sliding window: a query at position p sees keys ``p - window + 1 .. p``; its
+            programs read only the window's tiles (docs/CONTRACTS.md, "Windows, sinks, chunks").
+        chunk_size: chunked local attention: a query at p sees keys ``p // chunk_size *
+            chunk_size .. p``. At most one of ``window`` and ``chunk_size``.
+        sinks: ``[num_q_heads]`` (any float dtype, read as float32): each head's sink logit,
+            a key of value zero in its softmax denominator (gpt-oss).
 
     The split path allocates its fp32 partials (``num_seqs * num_q_heads * splits * (head_dim+2)``
     floats) with ``torch.empty``: no sync and capturable, but the only scratch this op uses.
@@ -762,6 +958,9 @@ def paged_attention(
         return out
     if rope is not None:
         _check_decode_rope(rope, q, k_cache, all(launch.decode_only for launch in launches))
+    key_range = key_start(window, chunk_size)
+    if sinks is not None and (tuple(sinks.shape) != (num_q_heads,) or sinks.stride(0) != 1):
+        raise ValueError(f"sinks must be contiguous [{num_q_heads}], got {tuple(sinks.shape)}")
     if split_counters is not None and (
         split_counters.dtype != torch.int32 or split_counters.numel() < num_seqs * num_kv_heads
     ):
@@ -791,6 +990,8 @@ def paged_attention(
             pdl,
             tiles,
             kv_scales,
+            key_range,
+            sinks,
         )
     return out
 
@@ -810,9 +1011,12 @@ def _launch_kernel(
     pdl,
     chunk_tiles,
     kv_scales=(1.0, 1.0),
+    key_range=(KeyStart.CAUSAL, 0),
+    sinks=None,
 ):
     """One launch of `_paged_attention_kernel` over the step as ``plan`` says; over the tiles
-    of ``chunk_tiles`` when given (``kv_scales``: an FP8 cache's, see `paged_attention`)."""
+    of ``chunk_tiles`` when given (``kv_scales``: an FP8 cache's, ``key_range``: `key_start`'s
+    answer for the layer's window or chunks, ``sinks``: see `paged_attention`)."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     num_seqs = seq_lens.shape[0]
@@ -860,7 +1064,10 @@ def _launch_kernel(
             else (q, q, seq_lens, q, seq_lens)
         ),
         chunk_tiles.tiles if chunk_tiles is not None else seq_lens,
+        sinks if sinks is not None else q,
         *row_args,
+        (rope.qk_l2_norm_eps if rope is not None else None) or 0.0,
+        key_range[1],
         qk_scale,
         k_scale,
         v_scale,
@@ -898,6 +1105,10 @@ def _launch_kernel(
         SEQUENCES=int(plan.sequences),
         TILE_MAP=chunk_tiles is not None,
         KV_FP8=is_fp8_cache(k_cache),
+        KEY_START=int(key_range[0]),
+        SINKS=sinks is not None,
+        ROTATE=rope is None or rope.rotate,
+        QK_NORM=rope is not None and rope.qk_l2_norm_eps is not None,
         launch_pdl=pdl,
         **config,
     )

@@ -34,13 +34,17 @@ def _rotate_heads_in_place(
     cos,
     sin,
     scale,
+    l2_eps,
     NUM_HEADS: tl.constexpr,
     BLOCK_H: tl.constexpr,
     HALF: tl.constexpr,
     SCALED: tl.constexpr,
+    ROTATE: tl.constexpr,
+    L2_NORM: tl.constexpr,
 ):
     """Rotate one token's ``[NUM_HEADS, 2 * HALF]`` heads in place (scaled by ``scale`` first
-    when ``SCALED``); returns the rotated halves."""
+    when ``SCALED``; not rotated unless ``ROTATE``; each head normalised by its RMS after, no
+    weight, when ``L2_NORM``); returns the halves as stored."""
     heads = tl.arange(0, BLOCK_H)
     dims = tl.arange(0, HALF)
     offsets = heads[:, None] * stride_head + dims[None, :]
@@ -50,8 +54,19 @@ def _rotate_heads_in_place(
     x2 = scale_and_round(
         tl.load(x_ptr + offsets + HALF, mask=mask, other=0.0), scale, dtype, SCALED
     )
-    out1 = x1 * cos[None, :] - x2 * sin[None, :]
-    out2 = x2 * cos[None, :] + x1 * sin[None, :]
+    if ROTATE:
+        out1 = x1 * cos[None, :] - x2 * sin[None, :]
+        out2 = x2 * cos[None, :] + x1 * sin[None, :]
+    else:
+        out1 = x1.to(tl.float32)
+        out2 = x2.to(tl.float32)
+    if L2_NORM:  # on the rotated heads as rounded, like transformers' Llama4TextL2Norm
+        out1 = out1.to(dtype).to(tl.float32)
+        out2 = out2.to(dtype).to(tl.float32)
+        mean_square = (tl.sum(out1 * out1, 1) + tl.sum(out2 * out2, 1)) / (2 * HALF)
+        inv_rms = tl.math.div_rn(1.0, tl.math.sqrt_rn(mean_square + l2_eps))
+        out1 = out1 * inv_rms[:, None]
+        out2 = out2 * inv_rms[:, None]
     tl.store(x_ptr + offsets, out1.to(x_ptr.dtype.element_ty), mask=mask)
     tl.store(x_ptr + offsets + HALF, out2.to(x_ptr.dtype.element_ty), mask=mask)
     return out1, out2
@@ -71,6 +86,7 @@ def _rope_cache_write_kernel(
     num_parts,
     hidden,
     eps,
+    l2_eps,
     k_scale,
     v_scale,
     stride_q_tok,
@@ -92,6 +108,8 @@ def _rope_cache_write_kernel(
     BLOCK_P: tl.constexpr,
     PDL: tl.constexpr,
     KV_FP8: tl.constexpr,
+    ROTATE: tl.constexpr,
+    L2_NORM: tl.constexpr,
 ):
     wait_for_producer(PDL)
     tok = tl.program_id(0).to(tl.int64)
@@ -100,9 +118,13 @@ def _rope_cache_write_kernel(
         scale = load_inv_rms(parts_ptr, tok, num_parts, hidden, eps, BLOCK_P)
     half: tl.constexpr = HEAD_DIM // 2
     dims = tl.arange(0, half)
-    pos = tl.load(positions_ptr + tok)
-    cos = tl.load(cos_sin_ptr + pos * HEAD_DIM + dims)
-    sin = tl.load(cos_sin_ptr + pos * HEAD_DIM + half + dims)
+    if ROTATE:
+        pos = tl.load(positions_ptr + tok)
+        cos = tl.load(cos_sin_ptr + pos * HEAD_DIM + dims)
+        sin = tl.load(cos_sin_ptr + pos * HEAD_DIM + half + dims)
+    else:  # a NoPE layer: nothing to read
+        cos = tl.zeros([half], dtype=tl.float32)
+        sin = cos
 
     _rotate_heads_in_place(
         q_ptr + tok * stride_q_tok,
@@ -110,10 +132,13 @@ def _rope_cache_write_kernel(
         cos,
         sin,
         scale,
+        l2_eps,
         NUM_Q_HEADS,
         BLOCK_HQ,
         half,
         ROW_NORM,
+        ROTATE,
+        L2_NORM,
     )
     k1, k2 = _rotate_heads_in_place(
         k_ptr + tok * stride_k_tok,
@@ -121,10 +146,13 @@ def _rope_cache_write_kernel(
         cos,
         sin,
         scale,
+        l2_eps,
         NUM_KV_HEADS,
         BLOCK_HKV,
         half,
         ROW_NORM,
+        ROTATE,
+        L2_NORM,
     )
 
     slot = tl.load(slot_mapping_ptr + tok)
@@ -165,11 +193,15 @@ def rope_and_cache_write(
     row_norm: RowNorm | None = None,
     kv_scales: tuple[float, float] = (1.0, 1.0),
     pdl: bool = False,
+    use_rope: bool = True,
+    qk_l2_norm_eps: float | None = None,
 ) -> None:
     """Rotate ``q [T, Hq, D]`` and ``k [T, Hkv, D]`` in place and write k, v to the cache
     (``row_norm``: each token's q, k and v scaled by its ``1/rms`` first; ``v`` itself is left
     unscaled, only its cache copy is). An FP8 cache (float8 e4m3) stores them quantized by
-    ``kv_scales`` (k_scale, v_scale), which a cache of any other dtype ignores.
+    ``kv_scales`` (k_scale, v_scale), which a cache of any other dtype ignores. ``use_rope``
+    False (a NoPE layer) leaves them unrotated; ``qk_l2_norm_eps`` normalises each head of q and
+    k after the rotation (Llama 4's QK norm, `reference_ops.l2_normalize_heads_reference`).
 
     ``q``, ``k``, ``v`` may be strided views (e.g. of a fused qkv output) with a contiguous last
     dim; ``positions`` and ``slot_mapping`` are int64 ``[T]``; ``cos_sin_cache`` is float32
@@ -203,6 +235,7 @@ def rope_and_cache_write(
         k_cache,
         v_cache,
         *row_args,
+        qk_l2_norm_eps or 0.0,
         *kv_scale_args(k_cache, kv_scales),
         q.stride(0),
         q.stride(1),
@@ -223,6 +256,8 @@ def rope_and_cache_write(
         BLOCK_P=block_p,
         PDL=pdl,
         KV_FP8=is_fp8_cache(k_cache),
+        ROTATE=use_rope,
+        L2_NORM=qk_l2_norm_eps is not None,
         num_warps=4,
         launch_pdl=pdl,
     )

@@ -114,7 +114,9 @@ class AttentionBackend:
         are products of un-normalised rows, to scale by each token's ``1/rms`` first.
         ``kv_scales``: the layer's ``(k_scale, v_scale)`` of an FP8 cache, which stores
         ``x / scale`` and reads ``stored * scale`` (docs/CONTRACTS.md, "FP8 KV cache"); ignored
-        by a cache of any other dtype."""
+        by a cache of any other dtype. The layer's kind, where it is not plain (docs/CONTRACTS.md,
+        "Windows, sinks, chunks"): ``window`` or ``chunk_size`` (int), ``sinks`` (a tensor
+        ``[num_q_heads]``), ``use_rope`` (False: a NoPE layer), ``qk_l2_norm_eps`` (float)."""
         raise NotImplementedError
 
 

@@ -13,6 +13,7 @@ import math
 import torch
 
 from ember.config import RopeScaling
+from ember.kernels.attention_plan import KeyStart, key_start
 from ember.layers.forward_context import ForwardContext
 from ember.layers.fp8 import FP8_DTYPE, FP8_E4M3_MAX, Fp8Weight, dense_weight
 from ember.layers.row_norm import RowNorm
@@ -90,6 +91,13 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
 
+def l2_normalize_heads_reference(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """Llama 4's QK norm (`Llama4TextL2Norm`): each head of ``x [T, H, D]`` times
+    ``rsqrt(mean(x**2) + eps)``, no weight, in fp32 and cast back."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
 def rope_and_cache_write_reference(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -102,20 +110,28 @@ def rope_and_cache_write_reference(
     *,
     row_norm: RowNorm | None = None,
     kv_scales: tuple[float, float] = (1.0, 1.0),
+    use_rope: bool = True,
+    qk_l2_norm_eps: float | None = None,
 ) -> None:
     """Rotate ``q`` and ``k`` in place, then store ``k`` and ``v`` at their slots (-1: skip).
     ``row_norm``: scale each token's q, k and v by its ``1/rms`` first (``v`` itself is left
     unscaled, only its cache copy is). An FP8 cache stores k and v (as rounded to their dtype)
-    quantized by ``kv_scales`` (k_scale, v_scale); other caches ignore them."""
+    quantized by ``kv_scales`` (k_scale, v_scale); other caches ignore them. ``use_rope`` False
+    (a NoPE layer) skips the rotation; ``qk_l2_norm_eps`` normalises each head of q and k after
+    it (`l2_normalize_heads_reference`)."""
     if row_norm is not None:
         q.copy_(row_norm.apply(q))
         k.copy_(row_norm.apply(k))
         v = row_norm.apply(v)
-    half = q.shape[-1] // 2
-    cos_sin = cos_sin_cache[positions]
-    cos, sin = cos_sin[:, :half], cos_sin[:, half:]
-    q.copy_(_rotate(q, cos, sin))
-    k.copy_(_rotate(k, cos, sin))
+    if use_rope:
+        half = q.shape[-1] // 2
+        cos_sin = cos_sin_cache[positions]
+        cos, sin = cos_sin[:, :half], cos_sin[:, half:]
+        q.copy_(_rotate(q, cos, sin))
+        k.copy_(_rotate(k, cos, sin))
+    if qk_l2_norm_eps is not None:
+        q.copy_(l2_normalize_heads_reference(q, qk_l2_norm_eps))
+        k.copy_(l2_normalize_heads_reference(k, qk_l2_norm_eps))
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
@@ -126,6 +142,30 @@ def rope_and_cache_write_reference(
 
 # ---------------------------------------------------------------------------------------------
 # Attention
+
+
+def first_visible_key(
+    positions: torch.Tensor, window: int | None = None, chunk_size: int | None = None
+) -> torch.Tensor:
+    """The lowest key position a query at each of ``positions`` sees (docs/CONTRACTS.md,
+    "Windows, sinks, chunks"): 0, ``p - window + 1`` (not below 0) or ``p // chunk * chunk``."""
+    start, size = key_start(window, chunk_size)
+    if start == KeyStart.WINDOW:
+        return (positions - size + 1).clamp(min=0)
+    if start == KeyStart.CHUNK:
+        return positions // size * size
+    return torch.zeros_like(positions)
+
+
+def _softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """Softmax over the last dim of fp32 ``scores [..., H, G, Q, K]`` (query head ``h * G + g``);
+    ``sinks [H * G]`` (gpt-oss) join each head's denominator as a key of logit ``sink`` and value
+    zero, as transformers' eager attention concatenates them and drops their column."""
+    if sinks is None:
+        return scores.softmax(dim=-1)
+    heads, group = scores.shape[-4], scores.shape[-3]
+    sink = sinks.float().view(heads, group, 1, 1).expand(*scores.shape[:-1], 1)
+    return torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1]
 
 
 def paged_attention_reference(
@@ -142,17 +182,34 @@ def paged_attention_reference(
     max_seq_len: int,
     split_counters: torch.Tensor | None = None,
     kv_scales: tuple[float, float] = (1.0, 1.0),
+    window: int | None = None,
+    chunk_size: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention over the paged cache, one sequence at a time in fp32; returns ``out``.
     ``split_counters`` (the kernel's split-KV workspace) is accepted and unused. An FP8 cache's
-    keys and values read as ``stored * scale`` (``kv_scales``: k_scale, v_scale).
+    keys and values read as ``stored * scale`` (``kv_scales``: k_scale, v_scale). ``window`` or
+    ``chunk_size`` bound the keys each query sees from below (`first_visible_key`); ``sinks``
+    (``[num_q_heads]``, read as float32) add each head's sink logit to its denominator.
 
     Steps where every sequence has exactly one query token take one batched pass instead of a
     loop over sequences; ``max_seq_len`` bounds the gathered context there.
     """
+    key_start(window, chunk_size)  # checks them
+    local = {"window": window, "chunk_size": chunk_size}
     if max_query_len == 1 and q.shape[0] == seq_lens.shape[0]:  # one query per sequence
         return _decode_attention_reference(
-            q, k_cache, v_cache, seq_lens, block_tables, scale, out, max_seq_len, kv_scales
+            q,
+            k_cache,
+            v_cache,
+            seq_lens,
+            block_tables,
+            scale,
+            out,
+            max_seq_len,
+            kv_scales,
+            local,
+            sinks,
         )
     num_q_heads, head_dim = q.shape[1], q.shape[2]
     page, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -170,9 +227,12 @@ def paged_attention_reference(
         queries = q[q_start:q_end].float().view(q_len, num_kv_heads, group, head_dim)
         scores = torch.einsum("qhgd,khd->hgqk", queries, keys) * scale
         query_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
-        visible = torch.arange(seq_len, device=q.device)[None, :] <= query_pos[:, None]
+        key_pos = torch.arange(seq_len, device=q.device)[None, :]
+        visible = (key_pos <= query_pos[:, None]) & (
+            key_pos >= first_visible_key(query_pos, **local)[:, None]
+        )
         scores = scores.masked_fill(~visible, float("-inf"))
-        attn = torch.einsum("hgqk,khd->qhgd", scores.softmax(dim=-1), values)
+        attn = torch.einsum("hgqk,khd->qhgd", _softmax_with_sinks(scores, sinks), values)
         out[q_start:q_end] = attn.reshape(q_len, num_q_heads, head_dim).to(out.dtype)
     return out
 
@@ -190,10 +250,17 @@ def rope_and_attention_reference(
     *,
     row_norm: RowNorm | None = None,
     kv_scales: tuple[float, float] = (1.0, 1.0),
+    window: int | None = None,
+    chunk_size: int | None = None,
+    sinks: torch.Tensor | None = None,
+    use_rope: bool = True,
+    qk_l2_norm_eps: float | None = None,
 ) -> torch.Tensor:
     """One layer's attention step over the metadata ``ctx``: RoPE and the cache write, then
     paged attention (``row_norm``: q, k, v scaled by each token's ``1/rms`` first;
-    ``kv_scales``: an FP8 cache's k_scale and v_scale)."""
+    ``kv_scales``: an FP8 cache's k_scale and v_scale; ``use_rope``, ``qk_l2_norm_eps`` as
+    `rope_and_cache_write_reference` takes them, ``window``, ``chunk_size`` and ``sinks`` as
+    `paged_attention_reference` does)."""
     rope_and_cache_write_reference(
         q,
         k,
@@ -205,6 +272,8 @@ def rope_and_attention_reference(
         v_cache,
         row_norm=row_norm,
         kv_scales=kv_scales,
+        use_rope=use_rope,
+        qk_l2_norm_eps=qk_l2_norm_eps,
     )
     return paged_attention_reference(
         q,
@@ -218,6 +287,9 @@ def rope_and_attention_reference(
         max_query_len=ctx.max_query_len,
         max_seq_len=ctx.max_seq_len,
         kv_scales=kv_scales,
+        window=window,
+        chunk_size=chunk_size,
+        sinks=sinks,
     )
 
 
@@ -231,8 +303,11 @@ def _decode_attention_reference(
     out: torch.Tensor,
     max_seq_len: int,
     kv_scales: tuple[float, float],
+    local: dict[str, int | None],
+    sinks: torch.Tensor | None,
 ) -> torch.Tensor:
-    """One query token per sequence: gather every sequence's context at once, mask the tail."""
+    """One query token per sequence: gather every sequence's context at once, mask the tail
+    (and, with a window or chunks, the head)."""
     num_seqs = seq_lens.shape[0]
     num_q_heads, head_dim = q.shape[1], q.shape[2]
     page, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -243,9 +318,12 @@ def _decode_attention_reference(
     values = _as_read(v_cache[blocks].reshape(num_seqs, -1, num_kv_heads, head_dim), v_scale)
     queries = q[:num_seqs].float().view(num_seqs, num_kv_heads, group, head_dim)
     scores = torch.einsum("shgd,skhd->shgk", queries, keys) * scale
-    visible = torch.arange(keys.shape[1], device=q.device)[None, :] < seq_lens[:, None]
+    key_pos = torch.arange(keys.shape[1], device=q.device)[None, :]
+    first = first_visible_key(seq_lens.long() - 1, **local)
+    visible = (key_pos < seq_lens[:, None]) & (key_pos >= first[:, None])
     scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
-    attn = torch.einsum("shgk,skhd->shgd", scores.softmax(dim=-1), values)
+    probs = _softmax_with_sinks(scores[..., None, :], sinks)[..., 0, :]
+    attn = torch.einsum("shgk,skhd->shgd", probs, values)
     out[:num_seqs] = attn.reshape(num_seqs, num_q_heads, head_dim).to(out.dtype)
     return out
 

@@ -4,7 +4,9 @@ Llama 3.x and SmolLM2 (LlamaForCausalLM), Mistral (same graph), Qwen2 (q/k/v bia
 (per-head q/k RMSNorm, explicit head_dim). q/k/v and gate/up are fused into single GEMMs at load
 time; the linear products, norms and activation go through the instance's `Ops`, attention
 through its `AttentionBackend`. A subclass may give a layer another MLP (`mlp_for_layer`): the
-mixture-of-experts models of `ember.models.llama_moe` reuse everything else.
+mixture-of-experts models of `ember.models.llama_moe` reuse everything else. Each layer's
+`Attention` takes its sliding window, chunks, sinks, NoPE, QK L2 norm and temperature tuning
+from `ModelConfig.layer_attention` (Mistral's and Qwen2's windows today).
 
 Where the ops defer the RMSNorm (`Ops.defer_norms`; not with a q/k/v bias or a q/k norm, which
 sit between the projection and its reader, nor in a mixture of experts: `can_defer_norms`),
@@ -25,11 +27,13 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Collection, Iterable, Mapping
+from typing import Any
 
 import torch
 from torch import nn
 
 from ember.config import ModelConfig
+from ember.layer_attention import PLAIN, AttentionTemperature, LayerAttention
 from ember.layers.attention import AttentionBackend
 from ember.layers.forward_context import ForwardContext
 from ember.layers.fp8 import FP8_DTYPE, Fp8Weight
@@ -122,6 +126,11 @@ def attention_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     if cfg.qk_norm:
         tensors["self_attn.q_norm.weight"] = (cfg.head_dim,)
         tensors["self_attn.k_norm.weight"] = (cfg.head_dim,)
+    with_sinks = {layer.sinks for layer in cfg.layer_attention or (PLAIN,)}
+    if len(with_sinks) > 1:
+        raise ValueError("attention sinks on some layers only are not supported")
+    if with_sinks == {True}:
+        tensors["self_attn.sinks"] = (cfg.num_heads,)
     return tensors
 
 
@@ -159,7 +168,18 @@ def is_ignored_tensor(cfg: ModelConfig, hf_name: str) -> bool:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, ops: Ops, backend: AttentionBackend) -> None:
+    """A decoder layer's self-attention. ``layer`` says how it attends (a sliding window or
+    chunks, sinks, NoPE, QK L2 norm, temperature tuning: docs/CONTRACTS.md, "Windows, sinks,
+    chunks"); its attributes ``window``, ``chunk_size``, ``sinks`` (a parameter, or None),
+    ``use_rope``, ``qk_l2_norm_eps`` and ``temperature`` reach the backend as its options."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        ops: Ops,
+        backend: AttentionBackend,
+        layer: LayerAttention = PLAIN,
+    ) -> None:
         super().__init__()
         self.cfg, self.ops, self.backend = cfg, ops, backend
         fp8 = cfg.fp8 is not None
@@ -179,6 +199,33 @@ class Attention(nn.Module):
         # ignores them.
         self.k_scale = 1.0
         self.v_scale = 1.0
+        # A window or chunk as long as the longest sequence hides nothing: dropped, it costs
+        # nothing. (No backend: a model built to count its parameters.)
+        layer = layer.within(backend.limits.max_model_len if backend is not None else 0)
+        self.window, self.chunk_size = layer.window, layer.chunk_size
+        self.use_rope, self.qk_l2_norm_eps = layer.use_rope, layer.qk_l2_norm_eps
+        self.temperature = layer.temperature
+        # gpt-oss: one learned logit per query head, in the model's dtype as transformers keeps
+        # it (the kernels read it as float32).
+        self.register_parameter(
+            "sinks", nn.Parameter(torch.empty(cfg.num_heads)) if layer.sinks else None
+        )
+
+    def attention_options(self) -> dict[str, Any]:
+        """This layer's options for `AttentionBackend.forward`: only those it sets, so a plain
+        layer's call is the plain one."""
+        options: dict[str, Any] = {}
+        if self.window is not None:
+            options["window"] = self.window
+        if self.chunk_size is not None:
+            options["chunk_size"] = self.chunk_size
+        if self.sinks is not None:
+            options["sinks"] = self.sinks
+        if not self.use_rope:
+            options["use_rope"] = False
+        if self.qk_l2_norm_eps is not None:
+            options["qk_l2_norm_eps"] = self.qk_l2_norm_eps
+        return options
 
     def forward(
         self,
@@ -201,6 +248,8 @@ class Attention(nn.Module):
             eps = cfg.rms_norm_eps
             q = self.ops.rms_norm(q.reshape(-1, cfg.head_dim), self.q_norm, eps).view_as(q)
             k = self.ops.rms_norm(k.reshape(-1, cfg.head_dim), self.k_norm, eps).view_as(k)
+        if self.temperature is not None:
+            scale_queries_by_position(q, ctx.positions, self.temperature)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         self.backend.forward(
             q,
@@ -214,8 +263,20 @@ class Attention(nn.Module):
             out,
             row_norm=row_norm,
             kv_scales=(self.k_scale, self.v_scale),
+            **self.attention_options(),
         )
         return add_sub_block_output(self.ops, stream, out.view(n, cfg.q_size), self.o_proj.operand)
+
+
+def scale_queries_by_position(
+    q: torch.Tensor, positions: torch.Tensor, temperature: AttentionTemperature
+) -> None:
+    """Llama 4's attention temperature tuning, in place on ``q [T, H, D]``: each token's query
+    times ``log1p(floor((p + 1) / floor_scale)) * attn_scale + 1`` (float32, rounded back to
+    q's dtype, as transformers scales them)."""
+    scales = torch.log1p(torch.floor((positions.float() + 1.0) / temperature.floor_scale))
+    scales = scales * temperature.attn_scale + 1.0
+    q.copy_((q.float() * scales[:, None, None]).to(q.dtype))
 
 
 class MLP(nn.Module):
@@ -237,13 +298,13 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     """Pre-norm attention, then ``mlp``: a module called as ``mlp(stream, norm_weight)`` that
     returns the stream with its output added or pending (the dense `MLP`, or a mixture of
-    experts)."""
+    experts). ``index``: the layer's place, which decides how it attends."""
 
     def __init__(
-        self, cfg: ModelConfig, ops: Ops, attention: AttentionBackend, mlp: nn.Module
+        self, cfg: ModelConfig, ops: Ops, attention: AttentionBackend, mlp: nn.Module, index: int
     ) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg, ops, attention)
+        self.self_attn = Attention(cfg, ops, attention, cfg.attention_of(index))
         self.mlp = mlp
         self.input_layernorm = nn.Parameter(torch.ones(cfg.hidden_size))
         self.post_attention_layernorm = nn.Parameter(torch.ones(cfg.hidden_size))
@@ -268,13 +329,18 @@ class LlamaForCausalLM(nn.Module):
         self.cfg, self.ops = cfg, ops
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, ops, attention, self.mlp_for_layer(cfg, ops, i))
+            DecoderLayer(cfg, ops, attention, self.mlp_for_layer(cfg, ops, i), i)
             for i in range(cfg.num_layers)
         )
         self.norm = nn.Parameter(torch.ones(cfg.hidden_size))
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size))
-        self.defers_norms = ops.defer_norms and self.can_defer_norms(cfg)
+        # Temperature tuning scales the queries before attention could apply a deferred 1/rms.
+        self.defers_norms = (
+            ops.defer_norms
+            and self.can_defer_norms(cfg)
+            and all(layer.self_attn.temperature is None for layer in self.layers)
+        )
 
     def mlp_for_layer(self, cfg: ModelConfig, ops: Ops, layer: int) -> nn.Module:
         """The MLP of decoder layer ``layer``: the dense gated one here."""
