@@ -33,6 +33,9 @@ from ember.engine.model_instance import ModelInstance
 from ember.runner.model_runner import ModelRunner
 from ember.sampling_params import SamplingParams
 
+# Float16 draws an FP8 cache is filled by at a time (256 MiB).
+_FILL_ELEMENTS = 128 << 20
+
 DECODE_BATCHES = (1, 8, 32, 64, 128, 256)
 DECODE_CONTEXTS = (512, 4096)
 PREFILL_CHUNKS = (512, 1024, 2048, 4096, 8192)
@@ -333,12 +336,14 @@ class StepBench:
 
 def fill_normal(kv_cache: torch.Tensor, std: float) -> None:
     """Fill the cache with N(0, std) values a layer at a time (torch draws no float8: an FP8
-    cache takes them rounded from float16, without a copy of the whole cache)."""
+    cache takes them rounded from float16, `_FILL_ELEMENTS` at a time, so the draws need no more
+    than a slice of memory)."""
     for layer in kv_cache:
-        if layer.element_size() == 1:
-            layer.copy_(torch.randn(layer.shape, dtype=torch.float16, device=layer.device) * std)
-        else:
+        if layer.element_size() != 1:
             layer.normal_(0, std)
+            continue
+        for part in layer.view(-1).split(_FILL_ELEMENTS):
+            part.copy_(torch.randn(part.shape, dtype=torch.float16, device=part.device) * std)
 
 
 def bench_instance(

@@ -1,0 +1,41 @@
+"""The reference path with its activations rounded to FP8 as the Triton path's ``_scaled_mm``
+rounds them (per row, `ember.layers.fp8.quantize_rows`), and a distance between two runs'
+prompt logprobs: how the FP8 GPU tests tell the activations' rounding from a wrong product."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from ember.layers import reference_ops
+from ember.layers.fp8 import Fp8Weight, quantize_rows
+
+
+@contextlib.contextmanager
+def rounded_activations(monkeypatch):
+    """Within: every reference product by an FP8 weight first rounds ``x`` to FP8 per row (and
+    back to its dtype), as the activations the FP8 GEMM multiplies."""
+    plain = reference_ops.linear_reference
+
+    def linear(x: torch.Tensor, weight, bias=None) -> torch.Tensor:
+        if isinstance(weight, Fp8Weight):
+            rows = x.reshape(-1, x.shape[-1])
+            q, scale = quantize_rows(rows)
+            x = (q.float() * scale).to(x.dtype).reshape(x.shape)
+        return plain(x, weight, bias)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(reference_ops, "linear_reference", linear)
+        yield
+
+
+def mean_prompt_logprob_gap(a, b) -> float:
+    """Mean |difference| of the prompt tokens' logprobs (all but each prompt's first) between
+    two runs' outputs of the same prompts."""
+    gaps = [
+        abs(next(iter(x.values())).logprob - next(iter(y.values())).logprob)
+        for out_a, out_b in zip(a, b, strict=True)
+        for x, y in zip(out_a.prompt_logprobs[1:], out_b.prompt_logprobs[1:], strict=True)
+    ]
+    return sum(gaps) / len(gaps)
