@@ -5,7 +5,8 @@
 #   tools/gpu_run.sh OUTDIR [STAGE ...]       stages, run in the order given:
 #                                             tests step profile tune parity serve peer
 #                                             multi_wake multi_pair multi_traffic startup
-#                                             resilience multi_turn structured fp8 moe
+#                                             resilience multi_turn structured fp8 (= fp8_step
+#                                             fp8_serve) moe
 #                                             (default: tests step parity serve peer)
 #
 # Needs, carried beside the tree (tools/prepare_gpu_assets.sh makes them here):
@@ -146,29 +147,40 @@ stage_serve() {  # the first size, then the pinned run (its ratio to the first),
 }
 
 # FP8 (issue 42): the same 8B shape written as an FP8 checkpoint (compressed-tensors layout,
-# per-channel weight scales), its decode/prefill steps against the FP8 roofline, and ShareGPT at
-# concurrency 200 with FP8 weights, FP8 weights + FP8 KV cache, and bf16 beside them.
+# per-channel weight scales), its decode/prefill steps against the FP8 roofline (stage fp8_step),
+# and ShareGPT at concurrency 200 in bf16, then with FP8 weights, then FP8 weights + FP8 KV cache
+# (stage fp8_serve); stage fp8 runs both.
 FP8_MODEL=/tmp/$PRESET-random-fp8
-stage_fp8() {
-  make_model
+make_fp8_model() {
   if [ ! -f "$FP8_MODEL/config.json" ]; then
     stamp "make-model $PRESET --quantization fp8"
     limited $PY -m ember.cli bench make-model --preset "$PRESET" --out "$FP8_MODEL" \
       --quantization fp8 --tokenizer-dir "$EMBER_TEST_TOKENIZER_DIR" || return 1
   fi
+}
+stage_fp8_step() {
+  make_fp8_model || return 1
   stamp "bench step fp8 weights"
   limited $PY -m ember.cli bench step --model "$FP8_MODEL" --out "$RES/step_fp8" \
     --sections decode prefill --decode-batches 1 64 256 ${EMBER_STEP_ARGS:-}
   stamp "bench step fp8 weights + fp8 kv"
   limited $PY -m ember.cli bench step --model "$FP8_MODEL" --out "$RES/step_fp8_kv" \
     --sections decode --decode-batches 1 64 256 --kv-cache-dtype fp8 ${EMBER_STEP_ARGS:-}
+}
+stage_fp8_serve() {
+  make_model
+  make_fp8_model || return 1
   local n
   for n in ${EMBER_FP8_PROMPTS:-1000}; do
+    serve_once "bf16_${n}" --num-prompts "$n"
     MODEL=$FP8_MODEL serve_once "fp8_${n}" --num-prompts "$n"
     SERVER_ARGS="$SERVER_ARGS --kv-cache-dtype fp8" MODEL=$FP8_MODEL \
       serve_once "fp8_kv_${n}" --num-prompts "$n"
-    serve_once "bf16_${n}" --num-prompts "$n"
   done
+}
+stage_fp8() {
+  stage_fp8_step
+  stage_fp8_serve
 }
 
 # Mixture of experts (issue 45): the fused MoE kernels' GPU tests, then their tiles and paths
@@ -321,7 +333,7 @@ stage_structured() {  # a JSON-schema constraint against none, per output token,
 for stage in $STAGES; do
   case $stage in
     tests | step | profile | tune | parity | serve | peer | multi_wake | multi_pair | multi_traffic \
-      | startup | resilience | multi_turn | structured | fp8 | moe)
+      | startup | resilience | multi_turn | structured | fp8 | fp8_step | fp8_serve | moe)
       "stage_$stage" ;;
     *) echo "unknown stage: $stage" ;;
   esac

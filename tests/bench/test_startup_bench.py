@@ -86,6 +86,7 @@ def test_every_scenario_runs_and_reports_its_phases(tmp_path, monkeypatch):
         phases = [phase for phase, _, _ in result["phases"]]
         assert "engine imports" in phases and any(p.startswith("weights") for p in phases)
     assert any(p[0].startswith("download") for p in report["scenarios"]["store"]["phases"])
+    assert report["scenarios"]["store"]["store_download_floor_s"] > 0
     floors = report["floors"]
     assert floors["import_torch_s"] > 0 and floors["disk_read_s"] > 0
     assert floors["download_s"] > 0
