@@ -18,10 +18,17 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM",
     "MixtralForCausalLM",
+    "Llama4ForCausalLM",
+    "Llama4ForConditionalGeneration",
 )
 
+# Llama 4's text model, alone or inside a multimodal checkpoint (whose vision tower ember does
+# not serve).
+LLAMA4_ARCHITECTURES = ("Llama4ForCausalLM", "Llama4ForConditionalGeneration")
 # Architectures whose decoder layers route each token to a few of many MLPs (ember.models.moe).
-MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
+MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM", *LLAMA4_ARCHITECTURES)
+# Multimodal architectures whose text model ember serves: config.json nests it under this key.
+_TEXT_CONFIG_KEYS = {"Llama4ForConditionalGeneration": "text_config"}
 # Those with a q/k RMSNorm per head (Qwen3's attention).
 _QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 
@@ -82,6 +89,9 @@ class ModelConfig:
     norm_topk_prob: bool = False
     mlp_only_layers: tuple[int, ...] = ()
     decoder_sparse_step: int = 1
+    # A dense gated MLP of this size beside the experts of every MoE layer, its output added to
+    # theirs (Llama 4's shared expert); 0: none.
+    shared_expert_intermediate_size: int = 0
     # The decoder's linear layers in float8 e4m3 (`ember.quantization`); None: the model's dtype.
     # Set when the model is planned, from the checkpoint's quantization_config and the engine's
     # `quantization` option.
@@ -100,6 +110,7 @@ class ModelConfig:
                 f"unsupported architecture {arch!r}; ember supports: "
                 + ", ".join(SUPPORTED_ARCHITECTURES)
             )
+        cfg = _text_model_config(arch, cfg)
         num_heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
         head_dim = cfg.get("head_dim") or hidden // num_heads
@@ -109,7 +120,7 @@ class ModelConfig:
             architecture=arch,
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=hidden,
-            intermediate_size=int(cfg["intermediate_size"]),
+            intermediate_size=_dense_intermediate_size(arch, cfg),
             num_layers=int(cfg["num_hidden_layers"]),
             num_heads=num_heads,
             num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
@@ -153,6 +164,26 @@ class ModelConfig:
         return self.num_kv_heads * self.head_dim
 
 
+def _text_model_config(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """The config of the text model ember serves: a multimodal config's nested text config (the
+    vision tower's is ignored), else ``cfg`` itself."""
+    key = _TEXT_CONFIG_KEYS.get(arch)
+    if key is None:
+        return cfg
+    text = cfg.get(key)
+    if isinstance(text, dict):
+        return text
+    raise ValueError(f"{arch} config has no {key!r} object (its text model's config)")
+
+
+def _dense_intermediate_size(arch: str, cfg: dict[str, Any]) -> int:
+    """The size of the dense MLPs: Llama 4 names it ``intermediate_size_mlp`` (transformers'
+    default 16384; its ``intermediate_size`` is its experts')."""
+    if arch in LLAMA4_ARCHITECTURES:
+        return int(cfg.get("intermediate_size_mlp", 16384))
+    return int(cfg["intermediate_size"])
+
+
 def _moe_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
     """The mixture-of-experts fields of a config.json. Mixtral's experts are of
     ``intermediate_size`` and always renormalised; Qwen3-MoE's are of ``moe_intermediate_size``.
@@ -171,12 +202,41 @@ def _moe_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
             "moe_intermediate_size": int(cfg["intermediate_size"]),
             "norm_topk_prob": True,
         }
+    if arch in LLAMA4_ARCHITECTURES:
+        return _llama4_moe_fields(cfg, fields)
     return {
         **fields,
         "moe_intermediate_size": int(cfg["moe_intermediate_size"]),
         "norm_topk_prob": bool(cfg.get("norm_topk_prob", False)),
         "mlp_only_layers": tuple(int(i) for i in cfg.get("mlp_only_layers") or ()),
         "decoder_sparse_step": int(cfg.get("decoder_sparse_step") or 1),
+    }
+
+
+def _llama4_moe_fields(cfg: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:
+    """Llama 4's experts and its shared expert are of ``intermediate_size``; its MoE layers are
+    ``moe_layers``, by default every ``interleave_moe_layer_step``-th (as transformers decides),
+    the others dense. Each token goes to one expert, whose input (not output) is scaled by the
+    router's score: a weighted sum over several experts would not be the same, so top-k > 1 is
+    refused."""
+    if fields["num_experts_per_tok"] != 1:
+        raise ValueError(
+            f"Llama 4 with num_experts_per_tok={fields['num_experts_per_tok']} is not supported: "
+            "it scales each token's input to its expert by the router's score, which ember runs "
+            "for one expert per token only"
+        )
+    if cfg.get("attention_bias"):
+        raise ValueError("Llama 4 with attention_bias (biases on q, k, v and o) is not supported")
+    num_layers = int(cfg["num_hidden_layers"])
+    step = int(cfg.get("interleave_moe_layer_step") or 1)
+    moe_layers = cfg.get("moe_layers")
+    sparse = set(range(step - 1, num_layers, step) if moe_layers is None else moe_layers)
+    inter = int(cfg["intermediate_size"])
+    return {
+        **fields,
+        "moe_intermediate_size": inter,
+        "shared_expert_intermediate_size": inter,
+        "mlp_only_layers": tuple(i for i in range(num_layers) if i not in sparse),
     }
 
 

@@ -28,14 +28,15 @@ def parameter_count(preset: str) -> int:
 @pytest.mark.parametrize(
     ("preset", "billions"),
     # Qwen3-30B-A3B: 30.5 B. Mixtral-8x7B: 46.7 B, plus 0.14 B for the padded vocabulary.
-    [("qwen3-30b-a3b", 30.5), ("mixtral-8x7b", 46.7 + 0.14)],
+    # Llama-4-Scout-17B-16E: 109 B, less its vision tower and projector (0.87 B).
+    [("qwen3-30b-a3b", 30.5), ("mixtral-8x7b", 46.7 + 0.14), ("llama-4-scout-17b-16e", 109 - 0.87)],
 )
 def test_real_presets_have_their_models_parameter_counts(preset, billions):
     assert parameter_count(preset) / 1e9 == pytest.approx(billions, rel=5e-3)
     assert preset not in DENSE_PRESETS
 
 
-@pytest.mark.parametrize("preset", ["tiny-qwen3-moe", "tiny-mixtral"])
+@pytest.mark.parametrize("preset", ["tiny-qwen3-moe", "tiny-mixtral", "tiny-llama4"])
 def test_tiny_presets_load_and_generate_as_transformers_does(preset, tmp_path):
     import transformers
 

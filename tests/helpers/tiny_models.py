@@ -29,6 +29,8 @@ TINY_ARCHITECTURES = (
     "Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM",
     "MixtralForCausalLM",
+    "Llama4ForCausalLM",
+    "Llama4ForConditionalGeneration",
 )
 SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_VOCAB_SIZE = 49152
@@ -42,6 +44,7 @@ _DEFAULT_ROPE_THETA = {
     "Qwen3ForCausalLM": 1000000.0,
     "Qwen3MoeForCausalLM": 1000000.0,
     "MixtralForCausalLM": 1000000.0,
+    "Llama4ForCausalLM": 500000.0,
 }
 # Eight experts, two per token: a few tokens leave some experts without any.
 _TINY_MOE_FIELDS = {
@@ -51,7 +54,38 @@ _TINY_MOE_FIELDS = {
         "moe_intermediate_size": 32,
     },
     "MixtralForCausalLM": {"num_local_experts": 8, "num_experts_per_tok": 2},
+    # One expert per token. Four layers: the odd ones sparse, the last NoPE (with temperature
+    # tuning from position 7 on), the others chunked (16 keys) with the QK L2 norm.
+    "Llama4ForCausalLM": {
+        "num_local_experts": 8,
+        "num_experts_per_tok": 1,
+        "intermediate_size": 32,
+        "intermediate_size_mlp": 128,
+        "num_hidden_layers": 4,
+        "interleave_moe_layer_step": 2,
+        "attention_chunk_size": 16,
+        "floor_scale": 8,
+    },
 }
+# Multimodal architectures -> their text model's: the text model is that architecture's tiny
+# model, the vision tower (which ember never reads) about the smallest transformers builds.
+_TEXT_MODEL_OF = {"Llama4ForConditionalGeneration": "Llama4ForCausalLM"}
+_TINY_VISION = {
+    "Llama4ForConditionalGeneration": {
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "image_size": 28,
+        "patch_size": 14,
+        "vision_output_dim": 32,
+        "projector_input_dim": 32,
+        "projector_output_dim": 32,
+        "pixel_shuffle_ratio": 0.5,
+    }
+}
+# transformers' config class of an architecture, where it is not named after it.
+_CONFIG_CLASSES = {"Llama4ForCausalLM": "Llama4TextConfig"}
 
 
 def smollm2_gguf_path() -> Path:
@@ -132,8 +166,16 @@ def tiny_config(arch: str, *, tie: bool = False, llama3_rope: bool = False, **ov
 
     if arch not in TINY_ARCHITECTURES:
         raise ValueError(f"unknown architecture {arch!r}; choose from {TINY_ARCHITECTURES}")
-    if llama3_rope and arch != "LlamaForCausalLM":
-        raise ValueError("llama3 rope scaling applies to LlamaForCausalLM only")
+    if arch in _TEXT_MODEL_OF:
+        text = tiny_config(_TEXT_MODEL_OF[arch], tie=tie, llama3_rope=llama3_rope, **overrides)
+        config_class = getattr(transformers, arch.replace("ForConditionalGeneration", "Config"))
+        config = config_class(
+            text_config=text.to_dict(), vision_config=_TINY_VISION[arch], tie_word_embeddings=tie
+        )
+        config.architectures = [arch]
+        return config
+    if llama3_rope and arch not in ("LlamaForCausalLM", "Llama4ForCausalLM"):
+        raise ValueError("llama3 rope scaling applies to LlamaForCausalLM and Llama 4 only")
     rope = (
         llama3_rope_parameters()
         if llama3_rope
@@ -161,7 +203,9 @@ def tiny_config(arch: str, *, tie: bool = False, llama3_rope: bool = False, **ov
         fields["sliding_window"] = None  # full attention unless a test asks for a window
     fields.update(_TINY_MOE_FIELDS.get(arch, {}))
     fields.update(overrides)
-    config_class = getattr(transformers, arch.replace("ForCausalLM", "Config"))
+    config_class = getattr(
+        transformers, _CONFIG_CLASSES.get(arch, arch.replace("ForCausalLM", "Config"))
+    )
     config = config_class(**fields)
     config.architectures = [arch]
     return config
@@ -194,7 +238,9 @@ def make_tiny_model(
     # Model construction draws from torch's global RNG; fork it so tests stay independent.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = getattr(transformers, arch)(config).to(torch.float32).eval()
+        model = getattr(transformers, arch)(config).eval()
+        if arch not in _TEXT_MODEL_OF:  # a vision tower's complex RoPE table stays complex
+            model = model.to(torch.float32)
     _randomise_norms_and_biases(model, seed)
     save_kwargs: dict[str, Any] = {"save_original_format": not stacked_experts}
     if max_shard_size is not None:

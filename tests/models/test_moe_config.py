@@ -81,3 +81,79 @@ def test_fp8_weights_are_refused_for_a_mixture_of_experts():
     cfg = dataclasses.replace(qwen3_moe(), fp8=Fp8Scheme(from_checkpoint=False))
     with pytest.raises(ValueError, match="FP8 weights .* not supported for mixture-of-experts"):
         model_class(cfg.architecture).checkpoint_layout(cfg)
+
+
+def llama4_text(**fields) -> dict:
+    return {
+        **BASE,
+        "intermediate_size": 24,
+        "intermediate_size_mlp": 96,
+        "num_local_experts": 16,
+        "num_experts_per_tok": 1,
+        **fields,
+    }
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {},
+        {"interleave_moe_layer_step": 2},
+        {"interleave_moe_layer_step": 4},
+        {"moe_layers": [0, 5]},
+    ],
+    ids=["every-layer", "step-2", "step-4", "listed"],
+)
+def test_llama4_sparse_layers_and_sizes_as_transformers_decides(fields):
+    transformers = pytest.importorskip("transformers")
+    config = llama4_text(**fields)
+    cfg = ModelConfig.from_hf_dict({**config, "architectures": ["Llama4ForCausalLM"]})
+    theirs = transformers.Llama4TextConfig(**config).moe_layers
+    assert [i for i in range(6) if cfg.is_moe_layer(i)] == theirs
+    # Experts and the shared expert of intermediate_size, dense layers of intermediate_size_mlp.
+    assert (cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size) == (24, 24)
+    assert (cfg.intermediate_size, cfg.num_experts, cfg.num_experts_per_tok) == (96, 16, 1)
+
+
+def test_a_multimodal_llama4_config_is_its_text_models():
+    import dataclasses
+
+    text = llama4_text(attention_chunk_size=32, eos_token_id=[7, 8])
+    multimodal = {
+        "architectures": ["Llama4ForConditionalGeneration"],
+        "text_config": text,
+        "vision_config": {"hidden_size": 1408, "num_hidden_layers": 34},
+        "tie_word_embeddings": False,
+    }
+    cfg = ModelConfig.from_hf_dict(multimodal)
+    plain = ModelConfig.from_hf_dict({**text, "architectures": ["Llama4ForCausalLM"]})
+    assert cfg.architecture == "Llama4ForConditionalGeneration"
+    assert cfg == dataclasses.replace(plain, architecture=cfg.architecture)
+    assert cfg.eos_token_ids == (7, 8) and cfg.attention_of(0).chunk_size == 32
+    with pytest.raises(ValueError, match="no 'text_config'"):
+        ModelConfig.from_hf_dict({"architectures": ["Llama4ForConditionalGeneration"]})
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"num_experts_per_tok": 2}, "num_experts_per_tok=2 is not supported"),
+        ({"attention_bias": True}, "attention_bias"),
+    ],
+)
+def test_llama4_configs_ember_cannot_run_are_refused(fields, message):
+    config = {**llama4_text(**fields), "architectures": ["Llama4ForCausalLM"]}
+    with pytest.raises(ValueError, match=message):
+        ModelConfig.from_hf_dict(config)
+
+
+def test_fp8_weights_are_refused_for_llama4():
+    import dataclasses
+
+    from ember.models.registry import model_class
+    from ember.quantization import Fp8Scheme
+
+    plain = ModelConfig.from_hf_dict({**llama4_text(), "architectures": ["Llama4ForCausalLM"]})
+    cfg = dataclasses.replace(plain, fp8=Fp8Scheme(from_checkpoint=True))
+    with pytest.raises(ValueError, match="not supported for Llama 4"):
+        model_class(cfg.architecture).checkpoint_layout(cfg)

@@ -58,3 +58,24 @@ def test_qwen3_moe_weights_are_rounded_to_the_logits_dtype():
     assert torch.equal(weights, weights.bfloat16().float())
     mixtral, _ = route(Routing.MIXTRAL, logits, K, True)
     assert not torch.equal(mixtral, mixtral.bfloat16().float())  # Mixtral's stay float32
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_llama4_route_is_the_sigmoid_of_the_top_logit_as_transformers_scores_it(dtype):
+    """transformers' Llama4Router scores every expert, the unchosen 0: the chosen one's score
+    is the weight, rounded to the logits' dtype."""
+    config = transformers.Llama4TextConfig(
+        hidden_size=H, num_local_experts=E, num_experts_per_tok=1
+    )
+    hf = transformers.models.llama4.modeling_llama4.Llama4Router(config)
+    hf.weight.data.copy_(torch.randn(E, H, generator=torch.Generator().manual_seed(0)) * 0.3)
+    hf = hf.to(dtype)
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(1)).to(dtype)
+    with torch.no_grad():
+        scores, logits = hf(x)
+    weights, ids = route(Routing.LLAMA4, logits, 1, False)
+    assert weights.dtype == torch.float32 and ids.dtype == torch.int32
+    hf_weights, hf_ids = scores.topk(1, dim=-1)
+    assert torch.equal(ids.long(), hf_ids)
+    assert torch.equal(weights, hf_weights.float())
+    assert (scores > 0).sum(-1).eq(1).all()  # one expert a token, as ember runs it

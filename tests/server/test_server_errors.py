@@ -65,7 +65,12 @@ def test_chat_parameter_errors(http, model_name):
     assert_error(http.post("/v1/chat/completions", json={**base, "messages": []}), 400)
     assert_error(http.post("/v1/chat/completions", json={"model": model_name}), 400, "messages")
     image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
-    assert_error(http.post("/v1/chat/completions", json={**base, "messages": image}), 400)
+    error = assert_error(
+        http.post("/v1/chat/completions", json={**base, "messages": image}),
+        400,
+        "messages.0.content",
+    )
+    assert "vision tower" in error["message"]
 
 
 def test_malformed_json_is_400(http):

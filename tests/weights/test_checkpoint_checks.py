@@ -140,6 +140,33 @@ def test_experts_beyond_the_configs_count_are_extra(tiny_moe, tmp_path, no_alloc
         load(model_dir)
 
 
+@pytest.fixture(scope="module")
+def tiny_llama4_multimodal(tmp_path_factory) -> Path:
+    """A Llama4ForConditionalGeneration: its text model under ``language_model.``."""
+    path = tmp_path_factory.mktemp("tiny-llama4") / "m"
+    return make_tiny_model("Llama4ForConditionalGeneration", path)
+
+
+def test_a_multimodal_checkpoints_text_tensors_are_named_as_stored(
+    tiny_llama4_multimodal, tmp_path, no_allocation
+):
+    model_dir = Path(shutil.copytree(tiny_llama4_multimodal, tmp_path / "m"))
+    tensor = "language_model.model.layers.1.feed_forward.experts.down_proj"
+    file = edit_weights(model_dir, lambda weights: weights.pop(tensor))
+    reads = ", which Llama4ForConditionalGeneration reads"
+    with pytest.raises(ValueError, match=names(file, tensor) + reads):
+        load(model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    text = config["text_config"]
+    for per_layer in ("no_rope_layers", "layer_types", "moe_layers"):  # as written for 4 layers
+        text.pop(per_layer)
+    text["num_hidden_layers"] = 6
+    (model_dir / "config.json").write_text(json.dumps(config))
+    match = names(file, "language_model.model.layers.4.input_layernorm.weight")
+    with pytest.raises(ValueError, match=match + r".*num_hidden_layers=6.*of 4 layers"):
+        load(model_dir)
+
+
 @pytest.mark.timeout(20, func_only=True)
 def test_a_config_claiming_far_more_layers_fails_at_once(model_dir, no_allocation):
     """Everything a load builds is sized from the config: checked first, a billion layers cost

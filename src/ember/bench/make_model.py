@@ -108,6 +108,40 @@ PRESETS: dict[str, dict] = {
         "sliding_window": None,
         "tie_word_embeddings": False,
     },
+    # Llama-4-Scout-17B-16E's text model (as its published config.json's text_config has it):
+    # 16 experts and a shared expert on every layer, one expert per token; chunked attention
+    # (8192 keys) with the QK L2 norm on three layers of four, NoPE with temperature tuning on
+    # the fourth.
+    "llama-4-scout-17b-16e": {
+        "architectures": ["Llama4ForCausalLM"],
+        "model_type": "llama4_text",
+        "hidden_size": 5120,
+        "intermediate_size": 8192,
+        "intermediate_size_mlp": 16384,
+        "num_hidden_layers": 48,
+        "num_attention_heads": 40,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "num_local_experts": 16,
+        "num_experts_per_tok": 1,
+        "interleave_moe_layer_step": 1,
+        "vocab_size": 202048,
+        "max_position_embeddings": 10485760,
+        "rope_theta": 500000.0,
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 16.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 1.0,
+            "original_max_position_embeddings": 8192,
+        },
+        "attention_chunk_size": 8192,
+        "use_qk_norm": True,
+        "attn_temperature_tuning": True,
+        "floor_scale": 8192,
+        "attn_scale": 0.1,
+        "tie_word_embeddings": False,
+    },
     "tiny": {
         "hidden_size": 256,
         "intermediate_size": 768,
@@ -155,6 +189,31 @@ PRESETS: dict[str, dict] = {
         "rope_theta": 1000000.0,
         "sliding_window": None,
         "tie_word_embeddings": True,
+    },
+    # Scout's layout at a small size: experts on every other layer (dense MLPs between), chunks
+    # of 128 keys, temperature tuning from position 63 on, so short prompts reach all three.
+    "tiny-llama4": {
+        "architectures": ["Llama4ForCausalLM"],
+        "model_type": "llama4_text",
+        "hidden_size": 256,
+        "intermediate_size": 128,
+        "intermediate_size_mlp": 512,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "num_local_experts": 8,
+        "num_experts_per_tok": 1,
+        "interleave_moe_layer_step": 2,
+        "vocab_size": 49152,
+        "max_position_embeddings": 8192,
+        "rope_theta": 500000.0,
+        "attention_chunk_size": 128,
+        "use_qk_norm": True,
+        "attn_temperature_tuning": True,
+        "floor_scale": 64,
+        "attn_scale": 0.1,
+        "tie_word_embeddings": False,
     },
 }
 

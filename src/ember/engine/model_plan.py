@@ -167,12 +167,14 @@ class ModelPlan:
 def _mlp_activations(cfg: ModelConfig) -> int:
     """Elements one token's MLP holds at once: gate and up of a dense MLP; of a mixture of
     experts, the router's logits and, for each of its experts, gate and up, their product and
-    the expert's output before the weighted sum (a fused kernel's scratch)."""
+    the expert's output before the weighted sum (a fused kernel's scratch), and a shared
+    expert's gate, up and product."""
     dense = 2 * cfg.intermediate_size
     if cfg.num_experts == 0:
         return dense
     per_expert = 3 * cfg.moe_intermediate_size + cfg.hidden_size
-    return max(dense, cfg.num_experts + cfg.num_experts_per_tok * per_expert)
+    shared = 3 * cfg.shared_expert_intermediate_size
+    return max(dense, cfg.num_experts + cfg.num_experts_per_tok * per_expert + shared)
 
 
 class _NoOps:

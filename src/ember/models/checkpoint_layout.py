@@ -45,7 +45,9 @@ class CheckpointLayout:
     checkpoint may hold that the model does not read (RoPE's ``inv_freq``, a tied model's
     head). ``optional_per_layer``: tensors a layer may hold, read when present (an FP8
     checkpoint's activation and KV-cache scales). A shape given as a frozenset lists the shapes
-    a tensor may take."""
+    a tensor may take. ``prefix``: what the checkpoint's names of these tensors start with (a
+    multimodal checkpoint's text model: Llama 4's ``language_model.``); the names above are
+    after it."""
 
     architecture: str
     num_layers: int
@@ -54,18 +56,27 @@ class CheckpointLayout:
     ignores: Callable[[str], bool]
     optional_per_layer: Mapping[str, Shapes] = field(default_factory=dict)
     layer_specific: Callable[[int], Mapping[str, Shapes]] = _none
+    prefix: str = ""
 
     def names(self) -> Iterator[str]:
         """Every tensor the model reads, layer by layer; lazy, so that a reader stopping at the
         first one absent pays for the layers the checkpoint holds, not those the config claims."""
-        yield from self.shared
+        for name in self.shared:
+            yield self.prefix + name
         for layer in range(self.num_layers):
             for suffix in (*self.per_layer, *self.layer_specific(layer)):
-                yield f"{LAYER_PREFIX}{layer}.{suffix}"
+                yield f"{self.prefix}{LAYER_PREFIX}{layer}.{suffix}"
+
+    def layer_of(self, name: str) -> int | None:
+        """The decoder layer checkpoint tensor ``name`` belongs to, or None."""
+        return layer_of(name[len(self.prefix) :]) if name.startswith(self.prefix) else None
 
     def shape_of(self, name: str) -> Shapes | None:
         """The shape (or shapes) the model reads tensor ``name`` as, or None if it reads no such
         tensor (an optional one included)."""
+        if not name.startswith(self.prefix):
+            return None
+        name = name[len(self.prefix) :]
         if match := _LAYER_NAME.fullmatch(name):
             layer, suffix = int(match[1]), match[2]
             if layer >= self.num_layers:
@@ -78,7 +89,7 @@ class CheckpointLayout:
 
     def problem_with(self, name: str, shape: tuple[int, ...]) -> str | None:
         """Why the checkpoint tensor ``name`` of ``shape`` has no place here, or None."""
-        layer = layer_of(name)
+        layer = self.layer_of(name)
         if layer is not None and layer >= self.num_layers:
             return (
                 f"belongs to layer {layer}, but the config has num_hidden_layers={self.num_layers}"
@@ -111,10 +122,10 @@ def check_fits(layout: CheckpointLayout, headers: Sequence[TensorHeader]) -> Non
         if problem is not None:
             raise ValueError(f"{header.describe()} {problem}")
         present.add(header.name)
-    held = {int(match[1]) for match in map(_LAYER_NAME.fullmatch, present) if match is not None}
+    held = {layer for layer in map(layout.layer_of, present) if layer is not None}
     absent = next((layer for layer in range(layout.num_layers) if layer not in held), None)
     if absent is not None:
-        name = f"{LAYER_PREFIX}{absent}.{next(iter(layout.per_layer))}"
+        name = f"{layout.prefix}{LAYER_PREFIX}{absent}.{next(iter(layout.per_layer))}"
         raise ValueError(
             f"{_files(headers)}: no tensor {name!r}: the config has num_hidden_layers="
             f"{layout.num_layers}, the checkpoint holds tensors of {len(held)} layers"

@@ -280,14 +280,15 @@ def scale_queries_by_position(
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, ops: Ops) -> None:
+    """A dense gated MLP of ``intermediate_size`` (None: the config's)."""
+
+    def __init__(self, cfg: ModelConfig, ops: Ops, intermediate_size: int | None = None) -> None:
         super().__init__()
         self.ops = ops
         fp8 = cfg.fp8 is not None
-        self.gate_up_proj = Projection(
-            cfg.hidden_size, 2 * cfg.intermediate_size, bias=False, fp8=fp8
-        )
-        self.down_proj = Projection(cfg.intermediate_size, cfg.hidden_size, bias=False, fp8=fp8)
+        inter = intermediate_size or cfg.intermediate_size
+        self.gate_up_proj = Projection(cfg.hidden_size, 2 * inter, bias=False, fp8=fp8)
+        self.down_proj = Projection(inter, cfg.hidden_size, bias=False, fp8=fp8)
 
     def forward(self, stream: ResidualStream, norm_weight: torch.Tensor) -> ResidualStream:
         x, row_norm, stream = sub_block_input(self.ops, stream, norm_weight)
@@ -442,6 +443,10 @@ class LlamaForCausalLM(nn.Module):
         (`ember.weights.parallel_load`); call its ``finish`` once every tensor has landed.
         ``headers`` (by HF name) name each tensor's file in errors."""
         return WeightPlacer(self, headers or {})
+
+    def arrange_loaded_weights(self) -> None:
+        """Reorder, once every tensor has landed, weights that a checkpoint stores in another
+        order than the ops read (`WeightPlacer.finish` calls it): none here."""
 
     @torch.no_grad()
     def _fold_norm_weights(self) -> None:

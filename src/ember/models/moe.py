@@ -36,9 +36,12 @@ class Routing(enum.Enum):
     # Softmax over all experts (float32), the top k, renormalised iff ``norm_topk_prob``; the
     # weights rounded to the logits' dtype, as transformers' Qwen3MoeTopKRouter returns them.
     QWEN3_MOE = "qwen3_moe"
-    # To come as branches of `route`: gpt-oss (the top k of the logits, with the router's bias,
-    # then a softmax over those k) and Llama 4 (the sigmoid of the top-1 logit; its shared
-    # expert is a dense MLP beside the block).
+    # The sigmoid of each chosen logit (the top k of the logits, in their dtype), rounded to the
+    # logits' dtype, as transformers' Llama4Router scores them. Llama 4 scales the expert's
+    # input by it, not its output (`ember.models.llama4`).
+    LLAMA4 = "llama4"
+    # To come as a branch of `route`: gpt-oss (the top k of the logits, with the router's bias,
+    # then a softmax over those k).
 
 
 def route(
@@ -46,6 +49,9 @@ def route(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(topk_weights, topk_ids)`` of router ``logits`` [T, E] (the model's dtype): float32 and
     int32, both [T, top_k], the experts in descending order of probability."""
+    if routing is Routing.LLAMA4:
+        top, ids = torch.topk(logits, top_k, dim=-1)
+        return torch.sigmoid(top.float()).to(logits.dtype).float(), ids.to(torch.int32)
     probs = torch.softmax(logits.float(), dim=-1)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if routing is Routing.MIXTRAL:

@@ -4,16 +4,21 @@ from __future__ import annotations
 
 import importlib
 
-from ember.config import MOE_ARCHITECTURES, SUPPORTED_ARCHITECTURES
+from ember.config import LLAMA4_ARCHITECTURES, MOE_ARCHITECTURES, SUPPORTED_ARCHITECTURES
 
-# HF architecture name -> (module, class). The Llama file covers the dense family; its
-# mixture-of-experts members have a class each.
-_MODELS = {
-    arch: ("ember.models.llama_moe", arch)
-    if arch in MOE_ARCHITECTURES
-    else ("ember.models.llama", "LlamaForCausalLM")
-    for arch in SUPPORTED_ARCHITECTURES
-}
+
+def _location(arch: str) -> tuple[str, str]:
+    """Where the class of ``arch`` lives: Llama 4 in its own module; the Llama file covers the
+    dense family, and its mixture-of-experts members have a class each."""
+    if arch in LLAMA4_ARCHITECTURES:
+        return "ember.models.llama4", arch
+    if arch in MOE_ARCHITECTURES:
+        return "ember.models.llama_moe", arch
+    return "ember.models.llama", "LlamaForCausalLM"
+
+
+# HF architecture name -> (module, class).
+_MODELS = {arch: _location(arch) for arch in SUPPORTED_ARCHITECTURES}
 
 
 def model_class(architecture: str) -> type:

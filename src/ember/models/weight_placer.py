@@ -130,8 +130,9 @@ class WeightPlacer:
 
     def finish(self) -> None:
         """Raise if a parameter was not filled or holds a NaN or an infinity; then set the KV
-        cache's scales, and fold the norms if the model defers them (after the check: folding
-        would hide a bad norm)."""
+        cache's scales, put weights stored in another order in the ops' order
+        (`arrange_loaded_weights`), and fold the norms if the model defers them (after the check:
+        folding would hide a bad norm)."""
         self._model._check_all_loaded(self._params, self._placed)
         self.quantize_landed()
         for value, rows in self._tensor_scales:
@@ -146,6 +147,7 @@ class WeightPlacer:
                 "that dtype"
             )
         self._set_scalars()
+        self._model.arrange_loaded_weights()
         if self._model.defers_norms:
             self._model._fold_norm_weights()
 

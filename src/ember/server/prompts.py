@@ -17,6 +17,8 @@ from ember.tokenizer.chat_template import RENDER_ARGUMENTS
 # Texts longer than this are tokenized on a worker thread (HF tokenizers releases the GIL), so
 # one huge prompt does not stall every other stream; short ones are cheaper inline.
 INLINE_TOKENIZE_CHARS = 8192
+# Content part types that carry an image (OpenAI's chat and responses names).
+_IMAGE_PART_TYPES = frozenset({"image_url", "input_image", "image"})
 
 T = TypeVar("T")
 
@@ -118,10 +120,10 @@ def _message_dict(message: ChatMessage, index: int) -> dict[str, Any]:
     content = message.content
     if isinstance(content, list):
         texts = []
-        for part in content:
+        for position, part in enumerate(content):
             if part.get("type") != "text" or not isinstance(part.get("text"), str):
                 raise BadRequestError(
-                    f"messages[{index}].content: only text parts are supported",
+                    _unsupported_part(f"messages[{index}].content[{position}]", part.get("type")),
                     param=f"messages.{index}.content",
                 )
             texts.append(part["text"])
@@ -134,6 +136,17 @@ def _message_dict(message: ChatMessage, index: int) -> dict[str, Any]:
     if message.tool_call_id is not None:
         result["tool_call_id"] = message.tool_call_id
     return result
+
+
+def _unsupported_part(where: str, kind: Any) -> str:
+    """Why a content part other than text is refused: ember serves text models (of a multimodal
+    checkpoint, such as Llama 4's, the text model alone: its vision tower is not loaded)."""
+    if isinstance(kind, str) and kind in _IMAGE_PART_TYPES:
+        return (
+            f"{where}: image inputs are not supported: ember serves text only (of a multimodal "
+            "model, the text model without its vision tower); send text parts"
+        )
+    return f"{where}: only text parts are supported, not {kind!r}"
 
 
 async def encode_text(model: ServedModel, text: str, add_special_tokens: bool) -> list[int]:
