@@ -15,7 +15,9 @@ from ember import LLM, SamplingParams
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen3ForCausalLM", "MixtralForCausalLM"])
+@pytest.mark.parametrize(
+    "arch", ["LlamaForCausalLM", "Qwen3ForCausalLM", "MixtralForCausalLM", "GptOssForCausalLM"]
+)
 def test_triton_backend_matches_reference_backend(arch, tmp_path, device, gen):
     path = make_tiny_model(arch, tmp_path)
     prompts = [torch.randint(3, 4000, (n,), generator=gen).tolist() for n in (3, 17, 40)]
