@@ -65,6 +65,14 @@ def test_asking_for_fp8_on_an_fp8_checkpoint_loads_it_as_it_is():
     assert fp8_scheme(compressed(), "fp8") == fp8_scheme(compressed())
 
 
+def test_gpt_oss_mxfp4_experts_leave_the_linear_layers_as_a_float_checkpoints():
+    """quant_method mxfp4 quantizes only gpt-oss's experts (dequantized as they load): the
+    linear layers are float, so FP8 comes only from --quantization fp8."""
+    config = {"quantization_config": {"quant_method": "mxfp4"}}
+    assert fp8_scheme(config) is None
+    assert fp8_scheme(config, "fp8") == Fp8Scheme(from_checkpoint=False)
+
+
 @pytest.mark.parametrize(
     ("config", "message"),
     [

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -18,6 +19,7 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM",
     "MixtralForCausalLM",
+    "GptOssForCausalLM",
     "Llama4ForCausalLM",
     "Llama4ForConditionalGeneration",
 )
@@ -26,11 +28,24 @@ SUPPORTED_ARCHITECTURES = (
 # not serve).
 LLAMA4_ARCHITECTURES = ("Llama4ForCausalLM", "Llama4ForConditionalGeneration")
 # Architectures whose decoder layers route each token to a few of many MLPs (ember.models.moe).
-MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM", *LLAMA4_ARCHITECTURES)
+MOE_ARCHITECTURES = (
+    "Qwen3MoeForCausalLM",
+    "MixtralForCausalLM",
+    "GptOssForCausalLM",
+    *LLAMA4_ARCHITECTURES,
+)
 # Multimodal architectures whose text model ember serves: config.json nests it under this key.
 _TEXT_CONFIG_KEYS = {"Llama4ForConditionalGeneration": "text_config"}
 # Those with a q/k RMSNorm per head (Qwen3's attention).
 _QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+# Those whose attention output projection takes ``attention_bias`` too (Qwen2's never has one).
+_O_PROJ_BIAS_ARCHITECTURES = ("GptOssForCausalLM",)
+# Those whose ``attention_bias`` is on where a config.json leaves it out.
+_ATTENTION_BIAS_DEFAULT = ("Qwen2ForCausalLM", "GptOssForCausalLM")
+# RoPE base where a config.json names none (transformers' ``default_theta``).
+_DEFAULT_ROPE_THETA = {"GptOssForCausalLM": 150000.0}
+# gpt-oss's clamped SwiGLU, which its experts' activation ("swiglu_oai") is built for.
+_GPT_OSS_SWIGLU = {"swiglu_limit": 7.0, "swiglu_alpha": 1.702}
 
 
 # How a step's Triton kernels launch (ember.kernels.pdl): programmatic dependent launch at the
@@ -58,6 +73,22 @@ class RopeScaling:
 
 
 @dataclass(frozen=True)
+class YarnRopeScaling:
+    """YaRN frequency scaling ("yarn" rope_type: gpt-oss), as transformers computes it: each
+    frequency blends its interpolated (divided by ``factor``) and original values over the
+    dimensions between the ``beta_fast`` and ``beta_slow`` rotation counts of the
+    ``original_max_position_embeddings`` context (the range rounded outwards with ``truncate``),
+    and cos and sin are scaled by ``attention_factor`` (already resolved from the config)."""
+
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float
+    beta_slow: float
+    truncate: bool
+    attention_factor: float
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """What the model code needs to know about one architecture instance."""
 
@@ -75,7 +106,7 @@ class ModelConfig:
     tie_word_embeddings: bool
     attention_bias: bool = False
     qk_norm: bool = False
-    rope_scaling: RopeScaling | None = None
+    rope_scaling: RopeScaling | YarnRopeScaling | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     # Mixture of experts (0 experts: every layer's MLP is dense). Each token goes to
@@ -99,6 +130,8 @@ class ModelConfig:
     # Each layer's sliding window, chunks, sinks, NoPE, QK norm (`ember.layer_attention`): one
     # entry per layer, or one entry for every layer; () where every layer is plain attention.
     layer_attention: tuple[LayerAttention, ...] = ()
+    # The attention output projection has a bias (gpt-oss's ``attention_bias`` covers o_proj).
+    o_proj_bias: bool = False
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
@@ -116,6 +149,7 @@ class ModelConfig:
         head_dim = cfg.get("head_dim") or hidden // num_heads
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        attention_bias = bool(cfg.get("attention_bias", arch in _ATTENTION_BIAS_DEFAULT))
         return cls(
             architecture=arch,
             vocab_size=int(cfg["vocab_size"]),
@@ -126,16 +160,17 @@ class ModelConfig:
             num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
             head_dim=int(head_dim),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(_rope_theta(cfg)),
+            rope_theta=float(_rope_theta(cfg, _DEFAULT_ROPE_THETA.get(arch, 10000.0))),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
+            attention_bias=attention_bias,
             qk_norm=arch in _QK_NORM_ARCHITECTURES,
             rope_scaling=_rope_scaling(cfg),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             **(_moe_fields(arch, cfg) if arch in MOE_ARCHITECTURES else {}),
             layer_attention=layer_attention_from_hf(cfg, arch),
+            o_proj_bias=attention_bias and arch in _O_PROJ_BIAS_ARCHITECTURES,
         )
 
     def with_eos(self, eos_ids: tuple[int, ...]) -> ModelConfig:
@@ -192,10 +227,14 @@ def _moe_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
     num_experts = cfg.get("num_local_experts", cfg.get("num_experts"))
     if num_experts is None:
         raise ValueError(f"{arch} config has no num_experts / num_local_experts")
-    fields = {
-        "num_experts": int(num_experts),
-        "num_experts_per_tok": int(cfg["num_experts_per_tok"]),
-    }
+    # OpenAI's gpt-oss configs name the top k ``experts_per_token`` as well.
+    per_token = cfg.get("num_experts_per_tok", cfg.get("experts_per_token"))
+    if per_token is None:
+        raise ValueError(f"{arch} config has no num_experts_per_tok")
+    fields = {"num_experts": int(num_experts), "num_experts_per_tok": int(per_token)}
+    if arch == "GptOssForCausalLM":
+        _check_gpt_oss_swiglu(cfg)
+        return {**fields, "moe_intermediate_size": int(cfg["intermediate_size"])}
     if arch == "MixtralForCausalLM":
         return {
             **fields,
@@ -240,28 +279,73 @@ def _llama4_moe_fields(cfg: dict[str, Any], fields: dict[str, Any]) -> dict[str,
     }
 
 
+def _check_gpt_oss_swiglu(cfg: dict[str, Any]) -> None:
+    for name, value in _GPT_OSS_SWIGLU.items():
+        if float(cfg.get(name, value)) != value:
+            raise ValueError(
+                f"GptOssForCausalLM: {name}={cfg[name]} is not supported; ember's gpt-oss "
+                f"experts use {name}={value}"
+            )
+
+
 def _rope_params(cfg: dict[str, Any]) -> dict[str, Any]:
     # transformers 5 moved theta and scaling into "rope_parameters"; older files use rope_scaling.
     return cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
 
 
-def _rope_theta(cfg: dict[str, Any]) -> float:
-    return cfg.get("rope_theta") or _rope_params(cfg).get("rope_theta") or 10000.0
+def _rope_theta(cfg: dict[str, Any], default: float) -> float:
+    return cfg.get("rope_theta") or _rope_params(cfg).get("rope_theta") or default
 
 
-def _rope_scaling(cfg: dict[str, Any]) -> RopeScaling | None:
+def _rope_scaling(cfg: dict[str, Any]) -> RopeScaling | YarnRopeScaling | None:
     params = _rope_params(cfg)
     kind = params.get("rope_type") or params.get("type")
     if kind in (None, "default"):
         return None
+    if kind == "yarn":
+        return _yarn_scaling(cfg, params)
     if kind != "llama3":
-        raise ValueError(f"unsupported rope scaling type {kind!r}; supported: llama3")
+        raise ValueError(f"unsupported rope scaling type {kind!r}; supported: llama3, yarn")
     return RopeScaling(
         factor=float(params["factor"]),
         low_freq_factor=float(params["low_freq_factor"]),
         high_freq_factor=float(params["high_freq_factor"]),
         original_max_position_embeddings=int(params["original_max_position_embeddings"]),
     )
+
+
+def _yarn_scaling(cfg: dict[str, Any], params: dict[str, Any]) -> YarnRopeScaling:
+    """YaRN's parameters with transformers' defaults: the original context from the config's
+    top level, else the rope parameters, else ``max_position_embeddings``; the attention
+    factor, unless given, ``0.1 ln(factor) + 1`` (or the ratio of two such terms with
+    ``mscale`` and ``mscale_all_dim``). ``factor`` is required, as transformers requires it."""
+    if params.get("factor") is None:
+        raise ValueError("yarn rope scaling without a factor")
+    factor = float(params["factor"])
+    original = int(
+        cfg.get("original_max_position_embeddings")
+        or params.get("original_max_position_embeddings")
+        or cfg.get("max_position_embeddings", 4096)
+    )
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+        if mscale and mscale_all_dim:
+            attention_factor = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+        else:
+            attention_factor = _yarn_mscale(factor)
+    return YarnRopeScaling(
+        factor=factor,
+        original_max_position_embeddings=original,
+        beta_fast=float(params.get("beta_fast") or 32.0),
+        beta_slow=float(params.get("beta_slow") or 1.0),
+        truncate=bool(params.get("truncate", True)),
+        attention_factor=float(attention_factor),
+    )
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 @dataclass(frozen=True)

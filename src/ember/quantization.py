@@ -19,6 +19,10 @@ Whatever the checkpoint says of activations, ember quantizes them per token and 
 it multiplies in FP8 (at least as accurate as one static scale); a static ``input_scale`` is read
 and checked, not used. ``--quantization fp8`` on a checkpoint of float weights (safetensors or
 GGUF) quantizes each linear layer's weight as it loads, with a scale per output channel.
+
+``quant_method: mxfp4`` (gpt-oss as OpenAI publishes it) holds only the experts in MXFP4
+(``*_blocks`` / ``*_scales``), which the model dequantizes to its dtype as they load
+(`ember.weights.mxfp4`): for the linear layers it is a checkpoint of float weights.
 """
 
 from __future__ import annotations
@@ -59,13 +63,16 @@ def fp8_scheme(hf_config: dict[str, Any], requested: str | None = None) -> Fp8Sc
     if not config:
         return Fp8Scheme(from_checkpoint=False) if requested == "fp8" else None
     method = _as_object(config).get("quant_method")
+    if method == "mxfp4":  # only the experts, dequantized as they load
+        return Fp8Scheme(from_checkpoint=False) if requested == "fp8" else None
     if method == "fp8":
         return _plain_fp8(config)
     if method == "compressed-tensors":
         return _compressed_tensors(config)
     raise ValueError(
         f"config.json: quant_method {method!r} is not supported; ember loads FP8 checkpoints "
-        "(quant_method fp8, or compressed-tensors FP8) and bf16/fp16/fp32 ones"
+        "(quant_method fp8, or compressed-tensors FP8), gpt-oss's MXFP4 experts (quant_method "
+        "mxfp4) and bf16/fp16/fp32 ones"
     )
 
 

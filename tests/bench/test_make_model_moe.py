@@ -28,19 +28,35 @@ def parameter_count(preset: str) -> int:
 @pytest.mark.parametrize(
     ("preset", "billions"),
     # Qwen3-30B-A3B: 30.5 B. Mixtral-8x7B: 46.7 B, plus 0.14 B for the padded vocabulary.
+    # gpt-oss-20b: 20.91 B, gpt-oss-120b: 116.83 B (OpenAI's model card).
     # Llama-4-Scout-17B-16E: 109 B, less its vision tower and projector (0.87 B).
-    [("qwen3-30b-a3b", 30.5), ("mixtral-8x7b", 46.7 + 0.14), ("llama-4-scout-17b-16e", 109 - 0.87)],
+    [
+        ("qwen3-30b-a3b", 30.5),
+        ("mixtral-8x7b", 46.7 + 0.14),
+        ("gpt-oss-20b", 20.91),
+        ("gpt-oss-120b", 116.83),
+        ("llama-4-scout-17b-16e", 109 - 0.87),
+    ],
 )
 def test_real_presets_have_their_models_parameter_counts(preset, billions):
     assert parameter_count(preset) / 1e9 == pytest.approx(billions, rel=5e-3)
     assert preset not in DENSE_PRESETS
 
 
-@pytest.mark.parametrize("preset", ["tiny-qwen3-moe", "tiny-mixtral", "tiny-llama4"])
-def test_tiny_presets_load_and_generate_as_transformers_does(preset, tmp_path):
+@pytest.mark.parametrize(
+    ("preset", "quantization"),
+    [
+        ("tiny-qwen3-moe", None),
+        ("tiny-mixtral", None),
+        ("tiny-gpt-oss", None),
+        ("tiny-gpt-oss", "mxfp4"),
+        ("tiny-llama4", None),
+    ],
+)
+def test_tiny_presets_load_and_generate_as_transformers_does(preset, quantization, tmp_path):
     import transformers
 
-    out = make_model(preset, tmp_path / preset, device="cpu")
+    out = make_model(preset, tmp_path / preset, device="cpu", quantization=quantization)
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == PRESETS[preset]["architectures"]
     llm = LLM(str(out), dtype="float32", max_model_len=128)
@@ -54,3 +70,8 @@ def test_tiny_presets_load_and_generate_as_transformers_does(preset, tmp_path):
             torch.tensor([prompt]), max_new_tokens=6, do_sample=False, pad_token_id=0
         )
     assert ours[0].outputs[0].token_ids == theirs[0, len(prompt) :].tolist()
+
+
+def test_mxfp4_is_for_gpt_oss_presets_only(tmp_path):
+    with pytest.raises(ValueError, match="not made for this preset"):
+        make_model("tiny-mixtral", tmp_path / "m", device="cpu", quantization="mxfp4")

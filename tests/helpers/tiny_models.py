@@ -31,6 +31,7 @@ TINY_ARCHITECTURES = (
     "MixtralForCausalLM",
     "Llama4ForCausalLM",
     "Llama4ForConditionalGeneration",
+    "GptOssForCausalLM",
 )
 SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_VOCAB_SIZE = 49152
@@ -45,6 +46,7 @@ _DEFAULT_ROPE_THETA = {
     "Qwen3MoeForCausalLM": 1000000.0,
     "MixtralForCausalLM": 1000000.0,
     "Llama4ForCausalLM": 500000.0,
+    "GptOssForCausalLM": 150000.0,
 }
 # Eight experts, two per token: a few tokens leave some experts without any.
 _TINY_MOE_FIELDS = {
@@ -65,6 +67,23 @@ _TINY_MOE_FIELDS = {
         "interleave_moe_layer_step": 2,
         "attention_chunk_size": 16,
         "floor_scale": 8,
+    },
+    # gpt-oss's own RoPE (YaRN over a 4096-token original context, its published parameters)
+    # and a window shorter than the tests' prompts on every other layer.
+    "GptOssForCausalLM": {
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
+        "sliding_window": 16,
+        "max_position_embeddings": 131072,
+        "rope_parameters": {
+            "rope_type": "yarn",
+            "rope_theta": 150000.0,
+            "factor": 32.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 4096,
+        },
     },
 }
 # Multimodal architectures -> their text model's: the text model is that architecture's tiny
@@ -264,5 +283,7 @@ def _randomise_norms_and_biases(model: torch.nn.Module, seed: int) -> None:
         if name.endswith("norm.weight"):
             noise = torch.randn(param.shape, generator=generator) * INITIALIZER_RANGE
             param.copy_(1.0 + noise)
-        elif name.endswith(".bias"):
+        elif name.endswith((".bias", "_bias")):  # gpt-oss's experts' too
             param.copy_(torch.randn(param.shape, generator=generator) * INITIALIZER_RANGE)
+        elif name.endswith(".sinks"):  # large enough to matter against a few keys
+            param.copy_(torch.randn(param.shape, generator=generator))

@@ -16,7 +16,14 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.mark.parametrize(
-    "arch", ["LlamaForCausalLM", "Qwen3ForCausalLM", "MixtralForCausalLM", "Llama4ForCausalLM"]
+    "arch",
+    [
+        "LlamaForCausalLM",
+        "Qwen3ForCausalLM",
+        "MixtralForCausalLM",
+        "GptOssForCausalLM",
+        "Llama4ForCausalLM",
+    ],
 )
 def test_triton_backend_matches_reference_backend(arch, tmp_path, device, gen):
     path = make_tiny_model(arch, tmp_path)

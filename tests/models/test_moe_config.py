@@ -157,3 +157,45 @@ def test_fp8_weights_are_refused_for_llama4():
     cfg = dataclasses.replace(plain, fp8=Fp8Scheme(from_checkpoint=True))
     with pytest.raises(ValueError, match="not supported for Llama 4"):
         model_class(cfg.architecture).checkpoint_layout(cfg)
+
+
+def gpt_oss(**fields) -> ModelConfig:
+    """A gpt-oss config.json as OpenAI publishes them: only what differs from transformers'
+    defaults may be left out."""
+    config = {
+        **BASE,
+        "architectures": ["GptOssForCausalLM"],
+        "num_local_experts": 8,
+        "experts_per_token": 2,
+        "rope_scaling": {"rope_type": "yarn", "factor": 32.0},
+        **fields,
+    }
+    return ModelConfig.from_hf_dict(config)
+
+
+def test_gpt_oss_experts_and_attention_as_transformers_reads_them():
+    cfg = gpt_oss()
+    # OpenAI's name for the top k; the experts are of intermediate_size, every layer sparse.
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size) == (8, 2, 96)
+    assert all(cfg.is_moe_layer(i) for i in range(6))
+    # attention_bias defaults to on and covers o_proj; theta defaults to 150000.
+    assert cfg.attention_bias and cfg.o_proj_bias and cfg.rope_theta == 150000.0
+    # Without layer_types: sliding first, then alternating, a window of 128; sinks everywhere.
+    assert [layer.window for layer in cfg.layer_attention] == [128, None] * 3
+    assert all(layer.sinks for layer in cfg.layer_attention)
+
+
+def test_gpt_oss_without_its_attention_bias_has_no_output_bias():
+    cfg = gpt_oss(attention_bias=False)
+    assert not cfg.attention_bias and not cfg.o_proj_bias
+
+
+def test_only_gpt_oss_output_projection_takes_the_attention_bias():
+    config = {**BASE, "architectures": ["Qwen2ForCausalLM"], "attention_bias": True}
+    assert not ModelConfig.from_hf_dict(config).o_proj_bias
+
+
+@pytest.mark.parametrize(("field", "value"), [("swiglu_limit", 10.0), ("swiglu_alpha", 1.0)])
+def test_gpt_oss_with_another_swiglu_is_refused(field, value):
+    with pytest.raises(ValueError, match=f"{field}={value} is not supported"):
+        gpt_oss(**{field: value})

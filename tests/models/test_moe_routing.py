@@ -14,7 +14,14 @@ T, H, E, K = 40, 16, 8, 3
 
 
 def hf_router(routing: Routing, norm_topk_prob: bool, dtype: torch.dtype):
-    if routing is Routing.MIXTRAL:
+    if routing is Routing.GPT_OSS:
+        config = transformers.GptOssConfig(
+            hidden_size=H, num_local_experts=E, num_experts_per_tok=K
+        )
+        module = transformers.models.gpt_oss.modeling_gpt_oss.GptOssTopKRouter(config)
+        # The bias shifts some experts enough to change which are picked.
+        module.bias.data.copy_(torch.randn(E, generator=torch.Generator().manual_seed(3)))
+    elif routing is Routing.MIXTRAL:
         config = transformers.MixtralConfig(
             hidden_size=H, num_local_experts=E, num_experts_per_tok=K
         )
@@ -32,14 +39,21 @@ def hf_router(routing: Routing, norm_topk_prob: bool, dtype: torch.dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize(
     ("routing", "norm_topk_prob"),
-    [(Routing.MIXTRAL, True), (Routing.QWEN3_MOE, False), (Routing.QWEN3_MOE, True)],
-    ids=["mixtral", "qwen3-moe", "qwen3-moe-norm-topk"],
+    [
+        (Routing.MIXTRAL, True),
+        (Routing.QWEN3_MOE, False),
+        (Routing.QWEN3_MOE, True),
+        (Routing.GPT_OSS, True),
+    ],
+    ids=["mixtral", "qwen3-moe", "qwen3-moe-norm-topk", "gpt-oss"],
 )
 def test_route_picks_what_transformers_picks(routing, norm_topk_prob, dtype):
     hf = hf_router(routing, norm_topk_prob, dtype)
     x = torch.randn(T, H, generator=torch.Generator().manual_seed(1)).to(dtype)
     with torch.no_grad():
         logits, hf_weights, hf_ids = hf(x)
+        if routing is Routing.GPT_OSS:  # the model's router: one linear with its bias
+            assert torch.equal(logits, torch.nn.functional.linear(x, hf.weight, hf.bias))
     weights, ids = route(routing, logits, K, norm_topk_prob)
     assert weights.dtype == torch.float32 and ids.dtype == torch.int32
     assert weights.shape == ids.shape == (T, K)
@@ -79,3 +93,11 @@ def test_llama4_route_is_the_sigmoid_of_the_top_logit_as_transformers_scores_it(
     assert torch.equal(ids.long(), hf_ids)
     assert torch.equal(weights, hf_weights.float())
     assert (scores > 0).sum(-1).eq(1).all()  # one expert a token, as ember runs it
+
+
+def test_gpt_oss_weights_are_a_softmax_of_the_top_k_rounded_to_the_logits_dtype():
+    logits = torch.randn(T, E, generator=torch.Generator().manual_seed(4)).bfloat16()
+    weights, ids = route(Routing.GPT_OSS, logits, K, False)
+    assert torch.equal(weights, weights.bfloat16().float())
+    top = logits.gather(1, ids.long()).float()
+    torch.testing.assert_close(weights, torch.softmax(top, -1), atol=4e-3, rtol=0)

@@ -1,11 +1,12 @@
-"""MXFP4 dequantization against transformers' own (its gpt-oss loader), and its exactness."""
+"""MXFP4 dequantization against transformers' own (its gpt-oss loader), and its exactness;
+quantization to the nearest MXFP4 value of each group's scale."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from ember.weights.mxfp4 import dequantize_mxfp4
+from ember.weights.mxfp4 import dequantize_mxfp4, quantize_mxfp4
 
 
 def _random_mxfp4(gen, experts, rows, cols):
@@ -55,3 +56,33 @@ def test_mismatched_shapes_are_refused():
         dequantize_mxfp4(blocks, torch.zeros(2, 4, 2, dtype=torch.uint8))
     with pytest.raises(ValueError, match="uint8"):
         dequantize_mxfp4(blocks.to(torch.int16), torch.zeros(2, 4, 3, dtype=torch.uint8))
+
+
+def test_quantized_values_are_the_nearest_of_their_groups_grid():
+    gen = torch.Generator().manual_seed(2)
+    weight = torch.randn(2, 6, 96, generator=gen) * torch.rand(2, 6, 1, generator=gen)
+    blocks, scales = quantize_mxfp4(weight)
+    assert blocks.shape == (2, 6, 3, 16) and scales.shape == (2, 6, 3)
+    restored = dequantize_mxfp4(blocks, scales, torch.float32)
+    # Each group's scale is the smallest power of two bringing its largest value within 6.
+    groups = weight.view(2, 6, 3, 32).abs().amax(-1)
+    step = torch.exp2(scales.float() - 127)
+    assert (groups <= 6 * step).all() and (groups > 3 * step).all()
+    # Every value within half the grid's gap around it (the widest gap, between 4 and 6, is 2).
+    error = (restored - weight).abs().view(2, 6, 3, 32)
+    assert (error <= step[..., None]).all()
+    assert (restored.sign() * weight.sign() >= 0).all()
+
+
+def test_values_on_the_grid_quantize_to_themselves():
+    gen = torch.Generator().manual_seed(3)
+    blocks, scales = _random_mxfp4(gen, 2, 4, 64)
+    values = dequantize_mxfp4(blocks, scales, torch.float32)
+    again = dequantize_mxfp4(*quantize_mxfp4(values), torch.float32)
+    assert torch.equal(again, values)
+
+
+def test_zero_groups_quantize_to_zero():
+    blocks, scales = quantize_mxfp4(torch.zeros(1, 2, 32))
+    assert not blocks.any()
+    assert not dequantize_mxfp4(blocks, scales, torch.float32).any()

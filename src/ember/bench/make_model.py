@@ -9,6 +9,11 @@ the GEMM keeps the preset's full shape and cost. A preset names its architecture
 not Llama's; the tensors written are those ember reads for it (its `CheckpointLayout`), a
 mixture of experts' one tensor per expert, as transformers saves them.
 
+The gpt-oss presets have OpenAI's published shapes (config.json as published, but for the
+tokenizer's special ids) and write the experts in transformers' layout in bf16;
+``--quantization mxfp4`` writes them as OpenAI publishes them instead, MXFP4 blocks and scales
+(`ember.weights.mxfp4`) under ``quant_method: mxfp4``.
+
 ``--quantization fp8`` writes the decoder's linear weights as llm-compressor's "FP8_DYNAMIC"
 checkpoints hold them (the compressed-tensors layout): float8 e4m3 with a ``weight_scale`` per
 output channel ``[out, 1]`` in the model's dtype, activations dynamic per token, the output head
@@ -27,9 +32,50 @@ import torch
 from safetensors.torch import save_file
 
 from ember.layers.fp8 import FP8_DTYPE, FP8_E4M3_MAX
+from ember.weights.mxfp4 import quantize_mxfp4
 
 # Ids the SmolLM2 tokenizer defines; rows of the output projection past them are zero.
 TOKENIZER_VOCAB = 49152
+
+
+def _gpt_oss(num_layers: int, num_experts: int, **shape) -> dict:
+    """A gpt-oss config.json's fields (OpenAI's published values) for a model of
+    ``num_layers`` layers of ``num_experts`` experts; ``shape`` overrides them."""
+    return {
+        "architectures": ["GptOssForCausalLM"],
+        "model_type": "gpt_oss",
+        "hidden_size": 2880,
+        "intermediate_size": 2880,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+        "head_dim": 64,
+        "num_local_experts": num_experts,
+        "num_experts_per_tok": 4,
+        "experts_per_token": 4,
+        "vocab_size": 201088,
+        "max_position_embeddings": 131072,
+        "initial_context_length": 4096,
+        "rope_theta": 150000,
+        "rope_scaling": {
+            "rope_type": "yarn",
+            "factor": 32.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 4096,
+        },
+        "sliding_window": 128,
+        "layer_types": [
+            "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)
+        ],
+        "attention_bias": True,
+        "rms_norm_eps": 1e-5,
+        "swiglu_limit": 7.0,
+        "tie_word_embeddings": False,
+        **shape,
+    }
+
 
 PRESETS: dict[str, dict] = {
     "llama-3.1-8b": {
@@ -142,6 +188,8 @@ PRESETS: dict[str, dict] = {
         "attn_scale": 0.1,
         "tie_word_embeddings": False,
     },
+    "gpt-oss-20b": _gpt_oss(num_layers=24, num_experts=32),
+    "gpt-oss-120b": _gpt_oss(num_layers=36, num_experts=128),
     "tiny": {
         "hidden_size": 256,
         "intermediate_size": 768,
@@ -215,6 +263,19 @@ PRESETS: dict[str, dict] = {
         "attn_scale": 0.1,
         "tie_word_embeddings": False,
     },
+    "tiny-gpt-oss": _gpt_oss(
+        num_layers=4,
+        num_experts=8,
+        hidden_size=256,
+        intermediate_size=256,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=32,
+        num_experts_per_tok=2,
+        experts_per_token=2,
+        vocab_size=49152,
+        sliding_window=16,
+    ),
 }
 
 # The presets whose every MLP is dense (the others are mixtures of experts).
@@ -225,7 +286,19 @@ DENSE_PRESETS = tuple(
 )
 
 _SHARD_BYTES = 4 << 30
-QUANTIZATIONS = ("fp8",)
+QUANTIZATIONS = ("fp8", "mxfp4")
+# config.json's quantization_config of OpenAI's gpt-oss checkpoints: the experts in MXFP4.
+GPT_OSS_MXFP4 = {
+    "quant_method": "mxfp4",
+    "modules_to_not_convert": [
+        "model.layers.*.self_attn",
+        "model.layers.*.mlp.router",
+        "model.embed_tokens",
+        "lm_head",
+    ],
+}
+# gpt-oss's expert weights, which its MXFP4 checkpoints hold as blocks and scales.
+_MXFP4_TENSORS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 
 # config.json's quantization_config of an llm-compressor FP8_DYNAMIC checkpoint: FP8 weights
 # with a scale per output channel, FP8 activations quantized per token at run time.
@@ -249,7 +322,10 @@ COMPRESSED_TENSORS_FP8 = {
 
 def hf_config(preset: str, quantization: str | None = None) -> dict:
     shape = dict(PRESETS[preset])
-    quantized = {"quantization_config": COMPRESSED_TENSORS_FP8} if quantization == "fp8" else {}
+    quantized = {
+        "fp8": {"quantization_config": COMPRESSED_TENSORS_FP8},
+        "mxfp4": {"quantization_config": GPT_OSS_MXFP4},
+    }.get(quantization or "", {})
     return {
         **quantized,
         "architectures": ["LlamaForCausalLM"],
@@ -276,6 +352,8 @@ def tensor_shapes(cfg: dict) -> list[tuple[str, tuple[int, ...]]]:
 
 
 def random_tensor(name: str, shape: tuple[int, ...], gen: torch.Generator, device: str):
+    if name.endswith(("bias", "sinks")):  # biases and attention sinks: small
+        return 0.05 * torch.randn(shape, generator=gen, device=device)
     if len(shape) == 1:  # norms: around 1 so activations keep their scale
         return 1.0 + 0.05 * torch.randn(shape, generator=gen, device=device)
     fan_in = shape[1]
@@ -293,6 +371,16 @@ def fp8_channel_quantized(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     return quantized.to(FP8_DTYPE), scale
 
 
+def mxfp4_experts(name: str, weight: torch.Tensor) -> dict[str, torch.Tensor]:
+    """gpt-oss's stacked expert weight ``name`` (transformers' layout: [E, in, out]) as MXFP4
+    blocks and scales over its input columns, an expert at a time."""
+    quantized = [quantize_mxfp4(expert.T) for expert in weight]
+    return {
+        f"{name}_blocks": torch.stack([blocks for blocks, _ in quantized]),
+        f"{name}_scales": torch.stack([scales for _, scales in quantized]),
+    }
+
+
 def make_model(
     preset: str,
     out: Path,
@@ -307,6 +395,9 @@ def make_model(
         raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
     if quantization not in (None, *QUANTIZATIONS):
         raise ValueError(f"unknown quantization {quantization!r}; choose one of {QUANTIZATIONS}")
+    gpt_oss = PRESETS[preset].get("architectures") == ["GptOssForCausalLM"]
+    if (quantization == "mxfp4" and not gpt_oss) or (quantization == "fp8" and gpt_oss):
+        raise ValueError(f"{preset}: --quantization {quantization} is not made for this preset")
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     out.mkdir(parents=True, exist_ok=True)
     cfg = hf_config(preset, quantization)
@@ -336,6 +427,8 @@ def make_model(
         if quantization == "fp8" and name.endswith("_proj.weight"):
             weight, scale = fp8_channel_quantized(tensor)
             tensors = {name: weight, name.removesuffix("weight") + "weight_scale": scale}
+        if quantization == "mxfp4" and name.endswith(_MXFP4_TENSORS):
+            tensors = mxfp4_experts(name, tensor)
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
         if shard_bytes + nbytes > _SHARD_BYTES:
             flush()
@@ -388,7 +481,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--quantization",
         choices=QUANTIZATIONS,
         help="fp8: the decoder's linear weights in float8 e4m3 with a bf16 scale per output "
-        "channel, in the compressed-tensors layout of llm-compressor's FP8_DYNAMIC checkpoints",
+        "channel, in the compressed-tensors layout of llm-compressor's FP8_DYNAMIC checkpoints; "
+        "mxfp4 (gpt-oss presets): the experts in MXFP4, as OpenAI publishes them",
     )
     parser.add_argument(
         "--tokenizer-dir",

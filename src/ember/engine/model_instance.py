@@ -367,15 +367,15 @@ class ModelInstance:
             self.model.load_weights(ckpt.iter_tensors(self.dtype), on_tensor, headers)
         else:
             placer = self.model.weight_placer(headers)
-            quantizes = placer.quantizes
+            grouped = placer.transforms
             load_extents(
                 extents(),
                 lambda extent: placer.target(extent.name, extent.shape, extent.dtype),
                 self.device,
                 on_tensor=on_tensor,
                 files=getattr(ckpt, "weight_files", None),
-                group_of=(lambda extent: placer.load_group(extent.name)) if quantizes else None,
-                after_group=placer.quantize_landed if quantizes else None,
+                group_of=(lambda extent: placer.load_group(extent.name)) if grouped else None,
+                after_group=placer.transform_landed if grouped else None,
             )
             placer.finish()
         if self.device.type == "cuda":

@@ -12,11 +12,12 @@ import math
 
 import torch
 
-from ember.config import RopeScaling
+from ember.config import RopeScaling, YarnRopeScaling
 from ember.kernels.attention_plan import KeyStart, key_start
 from ember.layers.forward_context import ForwardContext
 from ember.layers.fp8 import FP8_DTYPE, FP8_E4M3_MAX, Fp8Weight, dense_weight
 from ember.layers.row_norm import RowNorm
+from ember.layers.yarn_rope import yarn_inv_freq
 
 # ---------------------------------------------------------------------------------------------
 # FP8 KV cache (docs/CONTRACTS.md, "FP8 KV cache")
@@ -70,16 +71,26 @@ def _llama3_scaled_inv_freq(inv_freq: torch.Tensor, scaling: RopeScaling) -> tor
 
 
 def build_cos_sin_cache(
-    head_dim: int, max_positions: int, theta: float, rope_scaling: RopeScaling | None
+    head_dim: int,
+    max_positions: int,
+    theta: float,
+    rope_scaling: RopeScaling | YarnRopeScaling | None,
 ) -> torch.Tensor:
-    """float32 ``[max_positions, head_dim]``: cos in ``[:, :head_dim//2]``, sin in the rest."""
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
-    inv_freq = 1.0 / (theta**exponents)
-    if rope_scaling is not None:
+    """float32 ``[max_positions, head_dim]``: cos in ``[:, :head_dim//2]``, sin in the rest
+    (under YaRN both times its attention factor, as transformers scales them)."""
+    if isinstance(rope_scaling, YarnRopeScaling):
+        inv_freq = yarn_inv_freq(head_dim, theta, rope_scaling)
+    else:
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
+        inv_freq = 1.0 / (theta**exponents)
+    if isinstance(rope_scaling, RopeScaling):
         inv_freq = _llama3_scaled_inv_freq(inv_freq, rope_scaling)
     positions = torch.arange(max_positions, dtype=torch.float32)
     angles = positions[:, None] * inv_freq[None, :]
-    return torch.cat([angles.cos(), angles.sin()], dim=-1)
+    cos, sin = angles.cos(), angles.sin()
+    if isinstance(rope_scaling, YarnRopeScaling):
+        cos, sin = cos * rope_scaling.attention_factor, sin * rope_scaling.attention_factor
+    return torch.cat([cos, sin], dim=-1)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -51,10 +51,17 @@ def sub_block_input(
 
 
 def add_sub_block_output(
-    ops: Ops, stream: ResidualStream, x: torch.Tensor, weight: torch.Tensor
+    ops: Ops,
+    stream: ResidualStream,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
 ) -> ResidualStream:
-    """A sub-block's exit, ``stream + x @ weight.T``: added now with its statistics (deferred),
-    or left pending for the next fused add + norm kernel (plain)."""
+    """A sub-block's exit, ``stream + x @ weight.T (+ bias)``: added now with its statistics
+    (deferred), or left pending for the next fused add + norm kernel (plain). A bias (gpt-oss's
+    o_proj) is added to the product before it joins the stream, as transformers adds it."""
+    if bias is not None:
+        return add_sub_block_result(ops, stream, ops.linear(x, weight, bias))
     if stream.row_norm is not None:
         parts = ops.linear_add(x, weight, stream.hidden)
         return ResidualStream(

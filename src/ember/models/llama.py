@@ -46,7 +46,12 @@ from ember.layers.residual import (
     sub_block_input,
 )
 from ember.models.checkpoint_layout import CheckpointLayout, Shapes
-from ember.models.weight_placer import KV_SCALE_NAMES, SCALAR_SHAPES, WeightPlacer
+from ember.models.weight_placer import (
+    KV_SCALE_NAMES,
+    SCALAR_SHAPES,
+    TensorConversion,
+    WeightPlacer,
+)
 from ember.weights.checkpoint import TensorHeader
 
 
@@ -123,6 +128,8 @@ def attention_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         tensors["self_attn.q_proj.bias"] = (cfg.q_size,)
         tensors["self_attn.k_proj.bias"] = (cfg.kv_size,)
         tensors["self_attn.v_proj.bias"] = (cfg.kv_size,)
+    if cfg.o_proj_bias:
+        tensors["self_attn.o_proj.bias"] = (hidden,)
     if cfg.qk_norm:
         tensors["self_attn.q_norm.weight"] = (cfg.head_dim,)
         tensors["self_attn.k_norm.weight"] = (cfg.head_dim,)
@@ -186,7 +193,7 @@ class Attention(nn.Module):
         self.qkv_proj = Projection(
             cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, cfg.attention_bias, fp8
         )
-        self.o_proj = Projection(cfg.q_size, cfg.hidden_size, bias=False, fp8=fp8)
+        self.o_proj = Projection(cfg.q_size, cfg.hidden_size, bias=cfg.o_proj_bias, fp8=fp8)
         if cfg.qk_norm:
             self.q_norm = nn.Parameter(torch.ones(cfg.head_dim))
             self.k_norm = nn.Parameter(torch.ones(cfg.head_dim))
@@ -265,7 +272,9 @@ class Attention(nn.Module):
             kv_scales=(self.k_scale, self.v_scale),
             **self.attention_options(),
         )
-        return add_sub_block_output(self.ops, stream, out.view(n, cfg.q_size), self.o_proj.operand)
+        return add_sub_block_output(
+            self.ops, stream, out.view(n, cfg.q_size), self.o_proj.operand, self.o_proj.bias
+        )
 
 
 def scale_queries_by_position(
@@ -324,6 +333,9 @@ class DecoderLayer(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     """Token ids in, final hidden states out; `compute_logits` on the rows that sample."""
+
+    # Whether some checkpoint tensors are converted into their parameters (`tensor_conversion`).
+    converts_tensors = False
 
     def __init__(self, cfg: ModelConfig, ops: Ops, attention: AttentionBackend) -> None:
         super().__init__()
@@ -432,8 +444,8 @@ class LlamaForCausalLM(nn.Module):
             target = placer.target(hf_name, tuple(tensor.shape), tensor.dtype)
             if target is not None:
                 target.copy_(tensor)
-                if placer.quantizes:
-                    placer.quantize_landed()
+                if placer.transforms:
+                    placer.transform_landed()
             if on_tensor is not None:
                 on_tensor(count)
         placer.finish()
@@ -477,6 +489,11 @@ class LlamaForCausalLM(nn.Module):
         ):
             if param_name.endswith(projection):
                 return param_name.removesuffix(projection) + norm
+        return None
+
+    def tensor_conversion(self, hf_name: str) -> TensorConversion | None:
+        """How the checkpoint tensor ``hf_name`` becomes (part of) a parameter where it is not
+        copied into one (`ember.models.weight_placer`): never here."""
         return None
 
     def _param_name(self, hf_name: str) -> tuple[str | None, int | None]:

@@ -36,12 +36,13 @@ class Routing(enum.Enum):
     # Softmax over all experts (float32), the top k, renormalised iff ``norm_topk_prob``; the
     # weights rounded to the logits' dtype, as transformers' Qwen3MoeTopKRouter returns them.
     QWEN3_MOE = "qwen3_moe"
+    # The top k of the logits (the router's bias already in them), then a softmax over those k
+    # alone, rounded to the logits' dtype (transformers' GptOssTopKRouter).
+    GPT_OSS = "gpt_oss"
     # The sigmoid of each chosen logit (the top k of the logits, in their dtype), rounded to the
     # logits' dtype, as transformers' Llama4Router scores them. Llama 4 scales the expert's
     # input by it, not its output (`ember.models.llama4`).
     LLAMA4 = "llama4"
-    # To come as a branch of `route`: gpt-oss (the top k of the logits, with the router's bias,
-    # then a softmax over those k).
 
 
 def route(
@@ -49,6 +50,10 @@ def route(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(topk_weights, topk_ids)`` of router ``logits`` [T, E] (the model's dtype): float32 and
     int32, both [T, top_k], the experts in descending order of probability."""
+    if routing is Routing.GPT_OSS:
+        top, ids = torch.topk(logits, top_k, dim=-1)
+        weights = torch.softmax(top.float(), dim=-1).to(logits.dtype).float()
+        return weights, ids.to(torch.int32)
     if routing is Routing.LLAMA4:
         top, ids = torch.topk(logits, top_k, dim=-1)
         return torch.sigmoid(top.float()).to(logits.dtype).float(), ids.to(torch.int32)
@@ -67,22 +72,40 @@ def route(
 
 class SparseMoeBlock(nn.Module):
     """The MLP of a decoder layer as ``num_experts`` gated experts, ``num_experts_per_tok`` per
-    token: ``gate`` (the router, [E, H], no bias), ``w13`` and ``w2`` (the stacked experts)."""
+    token: ``gate`` (the router, [E, H]), ``w13`` and ``w2`` (the stacked experts).
+    ``activation``: the experts' (`Ops.moe_experts`); ``biases``: the router and the experts
+    have biases (gpt-oss: ``gate.bias`` [E], ``b13`` [E, 2I] in w13's row order, ``b2``
+    [E, H])."""
 
-    def __init__(self, cfg: ModelConfig, ops: Ops, routing: Routing) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        ops: Ops,
+        routing: Routing,
+        activation: str = "silu",
+        biases: bool = False,
+    ) -> None:
         super().__init__()
-        self.ops, self.routing = ops, routing
+        self.ops, self.routing, self.activation = ops, routing, activation
         self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
         experts, hidden, inter = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
-        self.gate = Projection(hidden, experts, bias=False)
+        self.gate = Projection(hidden, experts, bias=biases)
         self.w13 = nn.Parameter(torch.empty(experts, 2 * inter, hidden))
         self.w2 = nn.Parameter(torch.empty(experts, hidden, inter))
+        self.register_parameter(
+            "b13", nn.Parameter(torch.empty(experts, 2 * inter)) if biases else None
+        )
+        self.register_parameter(
+            "b2", nn.Parameter(torch.empty(experts, hidden)) if biases else None
+        )
 
     def forward(self, stream: ResidualStream, norm_weight: torch.Tensor) -> ResidualStream:
         x, row_norm, stream = sub_block_input(self.ops, stream, norm_weight)
         if row_norm is not None:
             raise ValueError("a mixture-of-experts block reads the plain residual stream only")
-        logits = self.ops.linear(x, self.gate.weight)
+        logits = self.ops.linear(x, self.gate.weight, self.gate.bias)
         weights, ids = route(self.routing, logits, self.top_k, self.norm_topk_prob)
-        out = self.ops.moe_experts(x, self.w13, self.w2, weights, ids)
+        out = self.ops.moe_experts(
+            x, self.w13, self.w2, weights, ids, activation=self.activation, b13=self.b13, b2=self.b2
+        )
         return add_sub_block_result(self.ops, stream, out)

@@ -6,12 +6,18 @@ import importlib
 
 from ember.config import LLAMA4_ARCHITECTURES, MOE_ARCHITECTURES, SUPPORTED_ARCHITECTURES
 
+# Architectures implemented in a module of their own (the class named as the architecture).
+_OWN_MODULES = {
+    "GptOssForCausalLM": "ember.models.gpt_oss",
+    **{arch: "ember.models.llama4" for arch in LLAMA4_ARCHITECTURES},
+}
+
 
 def _location(arch: str) -> tuple[str, str]:
-    """Where the class of ``arch`` lives: Llama 4 in its own module; the Llama file covers the
-    dense family, and its mixture-of-experts members have a class each."""
-    if arch in LLAMA4_ARCHITECTURES:
-        return "ember.models.llama4", arch
+    """Where the class of ``arch`` lives: a module of its own, else the Llama file (the dense
+    family) or, for its mixture-of-experts members, `ember.models.llama_moe`."""
+    if arch in _OWN_MODULES:
+        return _OWN_MODULES[arch], arch
     if arch in MOE_ARCHITECTURES:
         return "ember.models.llama_moe", arch
     return "ember.models.llama", "LlamaForCausalLM"

@@ -16,12 +16,17 @@ FP8 weights (`ember.quantization`) take more than a copy:
   dtype and `quantize_landed` quantizes it into the FP8 weight and its row scales once its bytes
   (and, where the model defers its norms, its norm's) have landed; the scratch is dropped then,
   so a loader that lands a layer at a time holds one layer's float weights at most.
+
+A checkpoint tensor stored in another layout than its parameter's (gpt-oss's transposed,
+interleaved or MXFP4 experts) has a `TensorConversion` from its model: it lands in scratch of its
+own shape and dtype, and `transform_landed` computes the parameter from it once every tensor the
+conversion reads has landed, a layer at a time like the quantization above.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -60,6 +65,29 @@ class _Quantization:
     norm: str | None
 
 
+@dataclass(frozen=True)
+class TensorConversion:
+    """How a parameter is computed from checkpoint tensors rather than copied from one:
+    ``inputs`` (HF name, shape) land in scratch, then ``convert(param, *landed)`` fills the
+    parameter named ``param`` from them (in ``inputs``' order)."""
+
+    param: str
+    inputs: tuple[tuple[str, tuple[int, ...]], ...]
+    convert: Callable[..., None]
+
+
+@dataclass
+class _Landing:
+    """A conversion's scratch, by HF name, as its inputs are handed out."""
+
+    conversion: TensorConversion
+    scratch: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def complete(self) -> bool:
+        return len(self.scratch) == len(self.conversion.inputs)
+
+
 class WeightPlacer:
     """Maps checkpoint tensors (HF names) onto a model's fused parameters and checks, once all
     have been copied, that every parameter got its tensors and that they hold finite values.
@@ -73,6 +101,9 @@ class WeightPlacer:
         self._fp8_checkpoint = scheme is not None and scheme.from_checkpoint
         # Whether float weights are quantized as they load (call `quantize_landed`).
         self.quantizes = scheme is not None and not scheme.from_checkpoint
+        # Whether some tensors are converted into their parameters once landed.
+        self.converts = model.converts_tensors
+        self._landings: dict[str, _Landing] = {}  # by parameter name
         self._float_dtype = model.embed_tokens.weight.dtype
         self._placed: set[str] = set()
         self._targets: list[tuple[str, torch.Tensor]] = []  # (HF name, what it fills), in order
@@ -89,6 +120,9 @@ class WeightPlacer:
         model = self._model
         if self._fp8_checkpoint and _is_scalar(hf_name):
             return self._scalar_target(hf_name, shape)
+        conversion = model.tensor_conversion(hf_name) if self.converts else None
+        if conversion is not None:
+            return self._conversion_target(hf_name, shape, dtype, conversion)
         name, shard = model._param_name(hf_name)
         if name is None:
             return None
@@ -116,6 +150,30 @@ class WeightPlacer:
         land together and `quantize_landed` quantizes them before the next layer arrives."""
         return layer_of(hf_name)
 
+    @property
+    def transforms(self) -> bool:
+        """Whether landed tensors are quantized or converted: a loader then lands them a group
+        at a time (`load_group`) and calls `transform_landed` after each."""
+        return self.quantizes or self.converts
+
+    def transform_landed(self) -> None:
+        """Quantize and convert every tensor whose bytes (and those it waits for) have landed:
+        call once every target handed out so far has been filled."""
+        self.quantize_landed()
+        self.convert_landed()
+
+    def convert_landed(self) -> None:
+        """Compute each parameter whose conversion's inputs have all landed; drop their scratch."""
+        for name, landing in list(self._landings.items()):
+            if not landing.complete:
+                continue
+            inputs = landing.conversion.inputs
+            param = self._params[name].data
+            landing.conversion.convert(param, *(landing.scratch[hf] for hf, _ in inputs))
+            self._targets.append((inputs[0][0], param))
+            self._placed.add(name)
+            del self._landings[name]
+
     def quantize_landed(self) -> None:
         """Quantize every weight waiting whose bytes have landed, and whose norm's have where one
         folds in: call once every target handed out so far has been filled."""
@@ -133,6 +191,13 @@ class WeightPlacer:
         cache's scales, put weights stored in another order in the ops' order
         (`arrange_loaded_weights`), and fold the norms if the model defers them (after the check:
         folding would hide a bad norm)."""
+        self.convert_landed()
+        waiting = next(iter(self._landings.values()), None)
+        if waiting is not None:
+            absent = [hf for hf, _ in waiting.conversion.inputs if hf not in waiting.scratch]
+            raise ValueError(
+                f"checkpoint lacks {absent[0]!r}, which {waiting.conversion.param} needs"
+            )
         self._model._check_all_loaded(self._params, self._placed)
         self.quantize_landed()
         for value, rows in self._tensor_scales:
@@ -150,6 +215,32 @@ class WeightPlacer:
         self._model.arrange_loaded_weights()
         if self._model.defers_norms:
             self._model._fold_norm_weights()
+
+    # -- conversions -------------------------------------------------------------------------------
+
+    def _conversion_target(
+        self,
+        hf_name: str,
+        shape: tuple[int, ...],
+        dtype: torch.dtype | None,
+        conversion: TensorConversion,
+    ) -> torch.Tensor:
+        """Scratch of ``hf_name``'s shape and dtype (the model's where unknown) for a tensor
+        ``conversion`` reads."""
+        if conversion.param not in self._params:
+            raise ValueError(
+                f"{self._describe(hf_name)} has no place in {self._model.cfg.architecture}"
+            )
+        expected = dict(conversion.inputs)[hf_name]
+        if tuple(shape) != tuple(expected):
+            raise ValueError(
+                f"{self._describe(hf_name)} has shape {tuple(shape)}, expected {tuple(expected)}"
+            )
+        landing = self._landings.setdefault(conversion.param, _Landing(conversion))
+        device = self._params[conversion.param].device
+        scratch = torch.empty(shape, dtype=dtype or self._float_dtype, device=device)
+        landing.scratch[hf_name] = scratch
+        return scratch
 
     # -- FP8 ---------------------------------------------------------------------------------------
 

@@ -23,6 +23,11 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 DEFAULT_TEMPLATE_NAME = "default"
 TOOL_USE_TEMPLATE_NAME = "tool_use"
 
+# Names a message's reasoning (chain of thought) comes under, the first set one wins: the
+# template sees it under the first two (gpt-oss's templates read "thinking"), as transformers
+# passes it.
+REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+
 # The arguments that the renderer (`ChatTemplate.render`, `Tokenizer.encode_chat`) and Jinja's
 # `Template.render` name themselves: extra template variables must not reuse them.
 RENDER_ARGUMENTS = frozenset(
@@ -68,14 +73,16 @@ class ChatTemplate:
 
         `special_tokens` (bos_token, eos_token, ...) become template variables, but only those
         that are set: an unset one stays undefined, so it renders as "" and not as "None".
-        Other keyword arguments are passed to the template as they are.
+        A message's reasoning reaches the template as both ``reasoning_content`` and
+        ``thinking`` (`REASONING_FIELDS`). Other keyword arguments are passed to the template
+        as they are.
         """
         template = self._template(self._pick_name(tools))
         variables = {k: v for k, v in (special_tokens or {}).items() if v is not None}
         variables.update(kwargs)
         try:
             return template.render(
-                messages=messages,
+                messages=[_with_reasoning_aliases(message) for message in messages],
                 tools=tools,
                 documents=None,
                 add_generation_prompt=add_generation_prompt,
@@ -140,6 +147,16 @@ class _GenerationBlock(jinja2.ext.Extension):
         lineno = next(parser.stream).lineno
         body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
         return jinja2.nodes.Scope(body).set_lineno(lineno)
+
+
+def _with_reasoning_aliases(message: Any) -> Any:
+    """``message`` with its reasoning under both names templates read it by (a new dict)."""
+    if not isinstance(message, Mapping):
+        return message
+    reasoning = next((message[k] for k in REASONING_FIELDS if message.get(k) is not None), None)
+    if reasoning is None:
+        return message
+    return {"thinking": reasoning, **message, "reasoning_content": reasoning}
 
 
 def _raise_exception(message: str) -> None:

@@ -5,6 +5,7 @@ each byte two FP4 (e2m1) codes, the low nibble the even column; and ``*_scales``
 [..., rows, cols / 32], one power-of-two exponent (e8m0, bias 127) per 32 columns. A value is
 ``E2M1[code] * 2 ** (scale - 127)``. ember dequantizes at load into the model's dtype; every
 value of the format is exact in bfloat16 (a 2-bit mantissa times a power of two).
+`quantize_mxfp4` writes the format (for checkpoints made by `ember bench make-model` and tests).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 BLOCK_COLUMNS = 32  # columns sharing one scale
 _E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # codes 0-7; 8-15 are their negatives
 _SCALE_BIAS = 127
+_E2M1_MAX = 6.0
 # Rows decoded at once: bounds the int64 index and float32 temporaries to tens of MB.
 _ROWS_PER_CHUNK = 1 << 14
 
@@ -45,3 +47,26 @@ def dequantize_mxfp4(
         scaled = torch.ldexp(values, exponents[start : start + rows.shape[0], :, None])
         out[start : start + rows.shape[0]] = scaled.view(rows.shape[0], -1).to(dtype)
     return out.view(*lead, groups * BLOCK_COLUMNS)
+
+
+def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(blocks, scales)`` of ``weight`` [..., rows, cols] (cols a multiple of 32): each group
+    of 32 columns scaled by the smallest power of two that brings its largest magnitude within
+    6, then every value rounded to the nearest FP4 (e2m1) value, ties to the smaller
+    magnitude."""
+    *lead, rows, cols = weight.shape
+    if cols % BLOCK_COLUMNS:
+        raise ValueError(f"MXFP4 needs a multiple of {BLOCK_COLUMNS} columns, not {cols}")
+    groups = weight.float().reshape(*lead, rows, cols // BLOCK_COLUMNS, BLOCK_COLUMNS)
+    largest = groups.abs().amax(dim=-1)
+    exponents = torch.ceil(torch.log2(largest / _E2M1_MAX)).nan_to_num(0, posinf=0, neginf=0)
+    # log2 may round: make sure the largest value fits, then keep the byte's range.
+    exponents += (largest > _E2M1_MAX * torch.exp2(exponents)).float()
+    exponents = exponents.clamp(-_SCALE_BIAS, _SCALE_BIAS)
+    scaled = groups / torch.exp2(exponents)[..., None]
+    magnitudes = torch.tensor(_E2M1_VALUES, dtype=torch.float32, device=weight.device)
+    nearest = (scaled.abs()[..., None] - magnitudes).abs().argmin(dim=-1)
+    codes = (nearest + 8 * (scaled < 0)).to(torch.uint8)
+    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    scales = (exponents + _SCALE_BIAS).to(torch.uint8)
+    return blocks.contiguous(), scales.contiguous()
