@@ -30,6 +30,7 @@ from helpers.tiny_models import make_tiny_model
 from ember import LLM, SamplingParams
 from ember.bench.parity import compare_greedy
 from ember.kernels.fp8_gemm import fp8_linear, quantize_rows_fp8, takes_scaled_mm
+from ember.kernels.tuning import LinearRoutes
 from ember.layers.fp8 import Fp8Weight, dense_weight, quantize_rows
 from ember.layers.ops import reference_ops
 
@@ -42,7 +43,7 @@ ARCHS = DENSE_ARCHS
 PARAMS = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=5)
 PROMPT_PARAMS = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
 # Steps of at most this many rows take the skinny FP8 kernel (bf16 activations) throughout.
-SKINNY_STEP_ROWS = 64
+SKINNY_STEP_ROWS = LinearRoutes().fp8_skinny_max_rows
 
 
 @pytest.fixture(scope="module", params=ARCHS)

@@ -127,8 +127,8 @@ def test_the_router_sends_decode_sized_fp8_products_to_the_skinny_kernel():
     routes = LinearRoutes()
     router = LinearRouter(routes)
     assert router.takes_fp8_skinny(1, bf16, cuda)
-    assert router.takes_fp8_skinny(routes.skinny_max_rows, torch.float16, cuda)
-    assert not router.takes_fp8_skinny(routes.skinny_max_rows + 1, bf16, cuda)  # _scaled_mm
+    assert router.takes_fp8_skinny(routes.fp8_skinny_max_rows, torch.float16, cuda)
+    assert not router.takes_fp8_skinny(routes.fp8_skinny_max_rows + 1, bf16, cuda)  # _scaled_mm
     assert not router.takes_fp8_skinny(0, bf16, cuda)
     assert not router.takes_fp8_skinny(4, torch.float32, cuda)  # dequantized, exact fp32
     assert not router.takes_fp8_skinny(4, bf16, torch.device("cpu"))

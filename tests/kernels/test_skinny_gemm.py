@@ -155,3 +155,19 @@ def test_default_configs_fit_in_shared_memory(m, elem_bytes):
     assert shared_memory_estimate(gated, elem_bytes, gated=True) == shared_memory_estimate(
         default_config(m, 28672, 4096, elem_bytes), elem_bytes
     )
+
+
+@pytest.mark.parametrize("m", [1, 16, 33, 64])
+def test_fp8_weights_take_twice_the_k_where_the_tiles_still_fit(m):
+    """An FP8 weight's tiles move as many weight bytes a stage as a bf16 weight's."""
+    from ember.kernels.skinny_gemm import default_config, shared_memory_estimate
+    from ember.kernels.tiles import SHARED_MEMORY_BUDGET
+
+    for n, k in [(4096, 4096), (4096, 14336), (128256, 4096), (6144, 4096), (28672, 4096)]:
+        for gated in (False, True) if n == 28672 else (False,):
+            half = default_config(m, n, k, 2, gated)
+            fp8 = default_config(m, n, k, 2, gated, weight_bytes=1)
+            assert shared_memory_estimate(fp8, 2, gated, 1) <= SHARED_MEMORY_BUDGET
+            fits = shared_memory_estimate({**half, "BLOCK_K": 2 * half["BLOCK_K"]}, 2, gated, 1)
+            if fits <= SHARED_MEMORY_BUDGET:
+                assert fp8 == {**half, "BLOCK_K": 2 * half["BLOCK_K"]}

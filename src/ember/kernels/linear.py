@@ -62,10 +62,12 @@ class LinearRouter:
 
     def takes_fp8_skinny(self, m: int, dtype: torch.dtype, device: torch.device) -> bool:
         """Whether a product of ``m`` rows of ``dtype`` by an FP8 weight goes to the skinny
-        kernel: every decode-sized one, which reads the weight's bytes once either way and here
-        needs no kernel to quantize its activations."""
+        kernel (up to `LinearRoutes.fp8_skinny_max_rows`), which reads the weight's bytes once
+        as cuBLASLt's FP8 GEMM does and needs no kernel to quantize its activations."""
         return (
-            device.type == "cuda" and dtype in _HALF_DTYPES and 0 < m <= self.routes.skinny_max_rows
+            device.type == "cuda"
+            and dtype in _HALF_DTYPES
+            and 0 < m <= self.routes.fp8_skinny_max_rows
         )
 
     def takes_gated_skinny(

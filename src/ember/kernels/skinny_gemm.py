@@ -162,7 +162,12 @@ def block_m_for(m: int) -> int:
 
 
 def default_config(
-    m: int, n: int, k: int, elem_bytes: int = 2, gated: bool = False
+    m: int,
+    n: int,
+    k: int,
+    elem_bytes: int = 2,
+    gated: bool = False,
+    weight_bytes: int | None = None,
 ) -> dict[str, int]:
     """Tiles for an ``[m, k] x [n, k]^T`` product, chosen on an H200 (8B shapes) by `ember bench
     tune --sections gemm`, `python -m ember.bench.compile_check` (shared memory) and step A/Bs
@@ -177,6 +182,9 @@ def default_config(
 
     ``gated`` (`skinny_gemm_silu`; ``n`` counts gate and up): the same tiles, each program's
     columns split between a gate and an up tile, so a stage moves as many weight bytes.
+
+    ``weight_bytes`` (default ``elem_bytes``): an FP8 weight (1) takes twice the K of its
+    activations' tiles, so each stage still moves as many weight bytes.
     """
     if n >= 16 * k:
         block_n, block_k, stages, warps = (
@@ -194,6 +202,9 @@ def default_config(
         block_n, block_k, stages, warps = 32, 128, 6, 4
     if gated:
         block_n //= 2
+    weight_bytes = weight_bytes or elem_bytes
+    if weight_bytes < elem_bytes and block_k * elem_bytes // weight_bytes <= k:
+        block_k = block_k * elem_bytes // weight_bytes
     config = {
         "BLOCK_M": block_m_for(m),
         "BLOCK_N": block_n,
@@ -201,21 +212,26 @@ def default_config(
         "STAGES": stages,
         "num_warps": warps,
     }
-    return fit_shared_memory(config, elem_bytes, gated)
+    return fit_shared_memory(config, elem_bytes, gated, weight_bytes)
 
 
-def shared_memory_estimate(config: dict[str, int], elem_bytes: int, gated: bool = False) -> int:
-    """Bytes of the pipelined x and w tiles (two w tiles when ``gated``), what Triton stages in
-    shared memory."""
-    rows = config["BLOCK_M"] + config["BLOCK_N"] * (2 if gated else 1)
-    return rows * config["BLOCK_K"] * elem_bytes * config["STAGES"]
+def shared_memory_estimate(
+    config: dict[str, int], elem_bytes: int, gated: bool = False, weight_bytes: int | None = None
+) -> int:
+    """Bytes of the pipelined x and w tiles (two w tiles when ``gated``; ``weight_bytes`` an
+    element, default ``elem_bytes``), what Triton stages in shared memory."""
+    x_bytes = config["BLOCK_M"] * elem_bytes
+    w_bytes = config["BLOCK_N"] * (2 if gated else 1) * (weight_bytes or elem_bytes)
+    return (x_bytes + w_bytes) * config["BLOCK_K"] * config["STAGES"]
 
 
-def fit_shared_memory(config: dict[str, int], elem_bytes: int, gated: bool = False):
+def fit_shared_memory(
+    config: dict[str, int], elem_bytes: int, gated: bool = False, weight_bytes: int | None = None
+):
     """Halve BLOCK_K, then drop stages, until the tiles fit (fp32 at BLOCK_M 64 asks 544 KiB)."""
     return shrink_to_fit(
         config,
-        lambda c: shared_memory_estimate(c, elem_bytes, gated),
+        lambda c: shared_memory_estimate(c, elem_bytes, gated, weight_bytes),
         [("BLOCK_K", 64, True), ("STAGES", 2, False)],
     )
 
@@ -243,10 +259,12 @@ def _check_operands(x: torch.Tensor, weight: torch.Tensor) -> None:
 
 def _resolved_config(x, weight, config: dict[str, int] | None, gated=False) -> dict[str, int]:
     """``config`` (a copy), or the shape's default tiles; checked against the rows. The tiles are
-    sized by ``x``'s element size: an FP8 weight's tiles take the half-precision ones, which
-    stage no more bytes."""
+    sized by ``x``'s element size and the weight's: an FP8 weight's take twice the K."""
     m, k = x.shape
-    config = dict(config or default_config(m, weight.shape[0], k, x.element_size(), gated))
+    config = dict(
+        config
+        or default_config(m, weight.shape[0], k, x.element_size(), gated, weight.element_size())
+    )
     if config["BLOCK_M"] < m:
         raise ValueError(f"BLOCK_M {config['BLOCK_M']} is smaller than M {m}")
     return config

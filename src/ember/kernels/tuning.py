@@ -51,6 +51,10 @@ class LinearRoutes:
     split_k_rows: tuple[int, int] = (SKINNY_GEMM_MAX_ROWS + 1, 256)
     split_k_max_parts: int = 2
     split_k_min_part_k: int = 2048
+    # Products by an FP8 weight up to this many rows take the skinny kernel (bf16 activations,
+    # the weight widened tile by tile); past it the activations are quantized for cuBLASLt's
+    # FP8 GEMM. Not yet chosen by a measurement: every decode-sized product.
+    fp8_skinny_max_rows: int = SKINNY_GEMM_MAX_ROWS
 
 
 @dataclass(frozen=True)
