@@ -99,6 +99,26 @@ def test_what_ember_cannot_load_is_refused_with_the_reason(config, message):
         fp8_scheme(config)
 
 
+@pytest.mark.parametrize(
+    "routers",
+    [
+        ["re:.*mlp.gate$"],  # llm-compressor's Qwen MoE recipe
+        ["re:.*block_sparse_moe.gate"],  # its Mixtral recipe
+        ["model.layers.0.mlp.gate", "model.layers.1.mlp.gate"],  # each layer's, by name
+    ],
+)
+def test_a_mixture_of_experts_may_leave_its_routers_in_float(routers):
+    assert fp8_scheme(compressed(ignore=["lm_head", *routers])).from_checkpoint
+    plain = {"quantization_config": {**PLAIN_FP8, "ignored_layers": ["lm_head", *routers]}}
+    assert fp8_scheme(plain).weight_scales == "tensor"
+
+
+@pytest.mark.parametrize("module", ["re:.*gate_proj", "model.layers.0.mlp.experts.0.gate_proj"])
+def test_an_unquantized_projection_named_like_a_router_is_refused(module):
+    with pytest.raises(ValueError, match="leaves"):
+        fp8_scheme(compressed(ignore=["lm_head", module]))
+
+
 def test_two_config_groups_are_refused():
     config = compressed()
     groups = config["quantization_config"]["config_groups"]

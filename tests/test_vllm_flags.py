@@ -129,6 +129,15 @@ def test_quantization_fp8_reaches_every_served_model():
     assert [spec.engine.quantization for spec in config_of("a=x").models] == [None]
 
 
+def test_load_format_dummy_reaches_every_served_model():
+    """Dummy weights for every model, .gguf ones too; the other formats load from the source."""
+    config = config_of("a=x", "b=y.gguf", "--load-format", "dummy")
+    assert [spec.engine.load_format for spec in config.models] == ["dummy", "dummy"]
+    assert all(spec.engine.dummy_weights for spec in config.models)
+    (plain,) = config_of("a=x").models
+    assert plain.engine.load_format == "auto" and not plain.engine.dummy_weights
+
+
 def test_prefix_caching_is_on_unless_turned_off():
     (on,) = config_of().models
     (off,) = config_of("--no-enable-prefix-caching").models

@@ -21,7 +21,9 @@
 # EMBER_PEER_DEVICE=cpu EMBER_SERVE_OUTPUT_LEN=8 EMBER_MT_CONVERSATIONS=8 EMBER_MT_OUTPUT_LEN=16):
 #   EMBER_STEP_ARGS (e.g. "--sections attention"), EMBER_TUNE_ARGS (e.g. "--sections split_k stream_k"),
 #   EMBER_BENCH_PRESET (llama-3.1-8b), EMBER_BENCH_QUANTIZATION (unset; fp8: the benchmarks'
-#   checkpoint with FP8 linear weights, llm-compressor's layout), EMBER_GPU_TESTS
+#   checkpoint with FP8 linear weights, llm-compressor's layout), EMBER_BENCH_LOAD_FORMAT (unset;
+#   dummy: the preset's config and tokenizer only, its weights made on the GPU by step, profile
+#   and serve: for shapes whose checkpoint does not fit the disk), EMBER_GPU_TESTS
 #   ("tests/gpu tests/kernels"),
 #   EMBER_SERVE_PROMPTS ("1000 4000"), EMBER_PINNED_PROMPTS (1000), EMBER_PEER_PROMPTS (1000),
 #   EMBER_PEER_DEVICE (cuda), EMBER_SERVE_OUTPUT_LEN (unset), EMBER_MT_CONVERSATIONS (200),
@@ -56,7 +58,8 @@ export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
 export EMBER_TEST_TOKENIZER_DIR=$ROOT/.gpu_assets/tokenizer
 PRESET=${EMBER_BENCH_PRESET:-llama-3.1-8b}
 QUANTIZATION=${EMBER_BENCH_QUANTIZATION:-}
-MODEL=/tmp/$PRESET-random${QUANTIZATION:+-$QUANTIZATION}
+LOAD_FORMAT=${EMBER_BENCH_LOAD_FORMAT:-}
+MODEL=/tmp/$PRESET-random${QUANTIZATION:+-$QUANTIZATION}${LOAD_FORMAT:+-$LOAD_FORMAT}
 # A command the device kills loses the archive; each step here gets what is left of the budget.
 DEADLINE=$(( $(date +%s) + ${EMBER_RUN_SECONDS:-570} ))
 limited() {
@@ -78,7 +81,7 @@ make_model() {
     stamp "make-model $PRESET ${QUANTIZATION}"
     limited $PY -m ember.cli bench make-model --preset "$PRESET" --out "$MODEL" \
       --tokenizer-dir "$EMBER_TEST_TOKENIZER_DIR" ${QUANTIZATION:+--quantization "$QUANTIZATION"} \
-      || exit 1
+      ${LOAD_FORMAT:+--config-only} || exit 1
   fi
 }
 
@@ -104,13 +107,15 @@ stage_tests() {
 stage_step() {
   make_model
   stamp "bench step"
-  limited $PY -m ember.cli bench step --model "$MODEL" --out "$RES" ${EMBER_STEP_ARGS:-}
+  limited $PY -m ember.cli bench step --model "$MODEL" --out "$RES" ${EMBER_STEP_ARGS:-} \
+    ${LOAD_FORMAT:+--load-format "$LOAD_FORMAT"}
 }
 
 stage_profile() {
   make_model
   stamp "bench profile"
-  limited $PY -m ember.cli bench profile --model "$MODEL" --out "$RES/profile"
+  limited $PY -m ember.cli bench profile --model "$MODEL" --out "$RES/profile" \
+    ${LOAD_FORMAT:+--load-format "$LOAD_FORMAT"}
 }
 
 stage_tune() {  # needs no checkpoint: the sweeps allocate the 8B shapes themselves
@@ -133,7 +138,7 @@ serve_once() {  # NAME [extra bench-serve args...]
   stamp "bench serve $name ($SERVER_ARGS)"
   limited $PY -m ember.cli bench serve --launch "$MODEL" --server-args="$SERVER_ARGS" \
     "${SERVE_COMMON[@]}" --server-log "$RES/server_${name}.log" \
-    --output-json "$RES/serve_${name}.json" "$@"
+    --output-json "$RES/serve_${name}.json" ${LOAD_FORMAT:+--load-format "$LOAD_FORMAT"} "$@"
 }
 
 stage_serve() {  # the first size, then the pinned run (its ratio to the first), then the rest

@@ -34,7 +34,7 @@ from ember.server.config import (
     RestartPolicy,
 )
 from ember.server.config_file import CUDA_GRAPH_MODES, ModelEntry
-from ember.vllm_flags import add_vllm_arguments, check_vllm_flags, http_options
+from ember.vllm_flags import SOURCE_FORMATS, add_vllm_arguments, check_vllm_flags, http_options
 
 log = logging.getLogger("ember.cli")
 
@@ -347,6 +347,21 @@ def add_fast_path_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_load_arguments(parser: argparse.ArgumentParser) -> None:
+    """How a benchmark that loads a model in its own process loads it (as `ember serve`'s)."""
+    parser.add_argument(
+        "--load-format",
+        choices=("auto", "dummy"),
+        help="dummy: no weight is read; random ones are made on the device from the model's "
+        "config.json (`ember bench make-model --config-only` writes one)",
+    )
+    parser.add_argument(
+        "--quantization",
+        choices=QUANTIZATION_CHOICES,
+        help="fp8: the linear layers' (and experts') weights quantized to float8 as they load",
+    )
+
+
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     """The `engine_config` options that `ember serve`'s (or a benchmark's) flags set; flags
     left out are left out, so each keeps the one default `ember.config` defines."""
@@ -361,6 +376,8 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
         options["defer_norms"] = False
     if options.get("quantization") not in (None, *QUANTIZATION_CHOICES):
         del options["quantization"]  # gguf: what a .gguf model does anyway; others refused
+    if options.get("load_format") in SOURCE_FORMATS:
+        del options["load_format"]  # checked against the sources: what "auto" does
     return options
 
 

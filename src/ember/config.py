@@ -61,6 +61,11 @@ KV_CACHE_DTYPES = ("auto", *FP8_KV_CACHE_DTYPES)
 # layers to float8 e4m3 as they load, unless the checkpoint holds FP8 weights already.
 QUANTIZATION_CHOICES = ("fp8",)
 
+# How a model's weights are read (`EngineConfig.load_format`, vLLM's `--load-format`): "auto"
+# from its source (safetensors or GGUF); "dummy", none: random weights made on the device from
+# config.json alone (`ember.weights.dummy_weights`).
+LOAD_FORMATS = ("auto", "dummy")
+
 
 @dataclass(frozen=True)
 class RopeScaling:
@@ -466,6 +471,8 @@ class EngineConfig:
     policy: ModelPolicy = field(default_factory=ModelPolicy)
     # One of QUANTIZATION_CHOICES, or None: the checkpoint as it is (FP8 weights stay FP8).
     quantization: str | None = None
+    # One of LOAD_FORMATS; "dummy": random weights, seeded by `seed`, no weight file read.
+    load_format: str = "auto"
 
     def __post_init__(self) -> None:
         if self.quantization is not None and self.quantization not in QUANTIZATION_CHOICES:
@@ -473,6 +480,15 @@ class EngineConfig:
                 f"quantization must be one of {', '.join(QUANTIZATION_CHOICES)} (or left out), "
                 f"not {self.quantization!r}"
             )
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(
+                f"load_format must be one of {', '.join(LOAD_FORMATS)}, not {self.load_format!r}"
+            )
+
+    @property
+    def dummy_weights(self) -> bool:
+        """Whether the weights are random, made on the device (`load_format` "dummy")."""
+        return self.load_format == "dummy"
 
     @property
     def asks_for_triton(self) -> bool:

@@ -23,10 +23,15 @@ GGUF) quantizes each linear layer's weight as it loads, with a scale per output 
 ``quant_method: mxfp4`` (gpt-oss as OpenAI publishes it) holds only the experts in MXFP4
 (``*_blocks`` / ``*_scales``), which the model dequantizes to its dtype as they load
 (`ember.weights.mxfp4`): for the linear layers it is a checkpoint of float weights.
+
+In a mixture of experts, every expert's projections are FP8 too (one scale per expert and
+output channel, or per expert tensor); the routers stay in the model's dtype, and a checkpoint
+names them among its unquantized modules.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +40,10 @@ from ember.config import QUANTIZATION_CHOICES
 # Modules a checkpoint may leave unquantized: the output head, which ember keeps in the model's
 # dtype anyway (the embeddings are no Linear layer).
 _UNQUANTIZED_MODULES = frozenset({"lm_head", "re:.*lm_head", "re:lm_head"})
+# The last name of a mixture of experts' router, which ember keeps in the model's dtype too (its
+# logits decide the experts: llm-compressor's recipes leave it out, as "re:.*mlp.gate$",
+# "re:.*block_sparse_moe.gate" or each layer's "model.layers.0.mlp.gate").
+_ROUTER_NAMES = frozenset({"gate", "router"})
 
 
 @dataclass(frozen=True)
@@ -141,14 +150,22 @@ def _compressed_tensors(config: dict[str, Any]) -> Fp8Scheme:
 
 
 def _check_unquantized(modules: list[str] | None) -> None:
-    """ValueError unless the modules a checkpoint leaves in float are at most the output head:
-    ember reads every other linear layer in FP8."""
-    others = [name for name in modules or () if name not in _UNQUANTIZED_MODULES]
+    """ValueError unless the modules a checkpoint leaves in float are at most the output head
+    and the experts' routers: ember reads every other linear layer in FP8."""
+    others = [
+        name for name in modules or () if name not in _UNQUANTIZED_MODULES and not _is_router(name)
+    ]
     if others:
         raise ValueError(
             f"config.json: the checkpoint leaves {others[:3]} unquantized; ember loads FP8 "
-            "checkpoints whose every linear layer but lm_head is FP8"
+            "checkpoints whose every linear layer but lm_head (and the experts' routers) is FP8"
         )
+
+
+def _is_router(module: str) -> bool:
+    """Whether ``module`` (a name, or a compressed-tensors ``re:`` pattern) names routers."""
+    pattern = module.removeprefix("re:").rstrip("$")
+    return re.split(r"[.*\]]", pattern)[-1] in _ROUTER_NAMES
 
 
 def _as_object(config: Any) -> dict[str, Any]:

@@ -10,11 +10,13 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from ember.config import KV_CACHE_DTYPES, QUANTIZATION_CHOICES
+from ember.config import KV_CACHE_DTYPES, LOAD_FORMATS, QUANTIZATION_CHOICES
 from ember.server.config import CorsConfig
 from ember.server.tool_calls.registry import PARSER_NAMES
 
-LOAD_FORMATS = ("auto", "safetensors", "gguf")
+# --load-format values that name what a model's source is: checked against every model, and
+# then what "auto" does.
+SOURCE_FORMATS = ("safetensors", "gguf")
 # ember computes at most this many alternatives per token (vLLM's default --max-logprobs).
 MAX_LOGPROBS = 20
 
@@ -33,9 +35,12 @@ def add_vllm_arguments(parser: argparse.ArgumentParser) -> None:
     )
     model.add_argument(
         "--load-format",
-        choices=LOAD_FORMATS,
+        choices=(*LOAD_FORMATS, *SOURCE_FORMATS),
         help="auto (the default: from the source), safetensors (a model directory) or gguf "
-        "(a .gguf file); one that does not match a model is refused",
+        "(a .gguf file), one that does not match a model refused; dummy: no weight is read, "
+        "random ones (seeded by --seed) are made on the device from the model's config.json, "
+        "for benchmarks of shapes whose checkpoint is not on disk (`ember bench make-model "
+        "--config-only` writes such a folder)",
     )
     model.add_argument(
         "--quantization",

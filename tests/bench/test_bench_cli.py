@@ -339,3 +339,24 @@ def test_profile_logic_runs_on_a_cpu(tiny_bench, tmp_path):
     full = inst.limits.max_num_seqs
     with pytest.raises(ValueError, match="needs a slot"):
         profile_mixed(bench, batch=full, context=16, chunk=24, trace=None)
+
+
+def test_load_format_dummy_reaches_the_benchmarks_models():
+    """`ember bench step` and `profile` load with it (and with --quantization fp8); `serve`
+    passes it to the server it launches."""
+    import argparse
+
+    from ember.bench import serve, step_bench
+    from ember.cli import engine_options
+
+    parser = argparse.ArgumentParser()
+    step_bench.add_arguments(parser)
+    args = parser.parse_args(["--model", "m", "--load-format", "dummy", "--quantization", "fp8"])
+    options = engine_options(args)
+    assert (options["load_format"], options["quantization"]) == ("dummy", "fp8")
+    parser = argparse.ArgumentParser()
+    serve.add_serve_bench_arguments(parser)
+    argv = ["--launch", "m", "--server-args=--seed 3", "--load-format", "dummy"]
+    spec = serve.launch_spec(parser.parse_args(argv))
+    assert spec.model == "m" and spec.server_args == ("--seed", "3", "--load-format", "dummy")
+    assert serve.launch_spec(parser.parse_args(argv[:3])).server_args == ("--seed", "3")

@@ -75,3 +75,34 @@ def test_tiny_presets_load_and_generate_as_transformers_does(preset, quantizatio
 def test_mxfp4_is_for_gpt_oss_presets_only(tmp_path):
     with pytest.raises(ValueError, match="not made for this preset"):
         make_model("tiny-mixtral", tmp_path / "m", device="cpu", quantization="mxfp4")
+
+
+@pytest.mark.parametrize(
+    ("preset", "expert", "router"),
+    [
+        ("tiny-qwen3-moe", "mlp.experts.15.down_proj", "mlp.gate"),
+        ("tiny-mixtral", "block_sparse_moe.experts.7.w3", "block_sparse_moe.gate"),
+    ],
+)
+def test_fp8_presets_write_each_experts_weights_in_fp8_and_load(preset, expert, router, tmp_path):
+    from safetensors import safe_open
+
+    from ember.layers.fp8 import FP8_DTYPE
+
+    out = make_model(preset, tmp_path / preset, device="cpu", quantization="fp8")
+    config = json.loads((out / "config.json").read_text())
+    assert f"re:.*{router.split('.')[0]}.gate$" in config["quantization_config"]["ignore"]
+    (weights,) = out.glob("*.safetensors")
+    with safe_open(str(weights), framework="pt") as reader:
+        layer = "model.layers.1"
+        assert reader.get_tensor(f"{layer}.{expert}.weight").dtype == FP8_DTYPE
+        scale = reader.get_tensor(f"{layer}.{expert}.weight_scale")
+        assert scale.dtype == torch.bfloat16 and scale.shape[1] == 1
+        assert reader.get_tensor(f"{layer}.{router}.weight").dtype == torch.bfloat16
+    llm = LLM(str(out), max_model_len=128)
+    block = llm.instance.model.layers[1].mlp
+    assert block.w13.dtype == FP8_DTYPE and block.gate.weight.dtype == torch.float32
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    assert (
+        len(llm.generate([{"prompt_token_ids": [5, 9, 14]}], params)[0].outputs[0].token_ids) == 4
+    )

@@ -1,5 +1,6 @@
 """The fused MoE kernels compiled on the GPU: bf16 at the gpt-oss-20b and Qwen3-30B-A3B expert
-shapes against the plain reference, on both paths and each block size the table picks; and a
+shapes against the plain reference, on both paths and each block size the table picks, over
+bf16 and FP8 experts; and a
 CUDA graph captured once and replayed under routings that change between replays (one that
 sends every token to one expert among them).
 
@@ -15,6 +16,7 @@ from helpers.moe_reference import moe_reference
 from ember.bench.tune_moe import MOE_SHAPES, expert_weights
 from ember.kernels.fused_moe import fused_moe
 from ember.kernels.moe_tiles import MoeTuning
+from ember.layers.fp8 import Fp8Weight, dense_weight, quantize_rows
 
 pytestmark = [
     pytest.mark.gpu,
@@ -70,6 +72,29 @@ def test_bf16_matches_the_reference_on_the_default_table(experts, tokens):
         x, **weights, topk_weights=topk_weights, topk_ids=topk_ids, activation=activation
     )
     assert_near_reference(out, x, weights, topk_ids, topk_weights, activation)
+
+
+@pytest.mark.parametrize("tokens", [1, 24, 300])
+def test_fp8_experts_match_the_reference_on_their_dequantized_weights(experts, tokens):
+    """FP8 experts (a scale per expert and row) on each path: the bf16 activations against the
+    reference on the weights they stand for."""
+    shape, weights, activation = experts
+    fp8 = {**weights, "w13": fp8_experts(weights["w13"]), "w2": fp8_experts(weights["w2"])}
+    g = torch.Generator(device="cuda").manual_seed(tokens)
+    x = torch.randn(tokens, shape.hidden, generator=g, device="cuda").bfloat16()
+    topk_ids, topk_weights = random_routing(tokens, shape.num_experts, shape.top_k, tokens)
+    out = fused_moe(x, **fp8, topk_weights=topk_weights, topk_ids=topk_ids, activation=activation)
+    dequantized = {
+        **weights,
+        "w13": dense_weight(fp8["w13"], torch.float32),
+        "w2": dense_weight(fp8["w2"], torch.float32),
+    }
+    assert_near_reference(out, x, dequantized, topk_ids, topk_weights, activation)
+
+
+def fp8_experts(stacked: torch.Tensor) -> Fp8Weight:
+    weight, scale = quantize_rows(stacked.reshape(-1, stacked.shape[-1]))
+    return Fp8Weight(weight.view(stacked.shape), scale.view(stacked.shape[:2]))
 
 
 @pytest.mark.parametrize("by_pair_max_tokens", [8, 0])

@@ -5,14 +5,18 @@
 - "fp8": ``quant_method: fp8`` (AutoFP8), a float32 ``weight_scale`` per tensor (shape ``[]``)
   and a static ``input_scale`` beside each weight.
 
-Either may carry KV-cache scales too. `dequantized_checkpoint` writes the float32 weights an FP8
-checkpoint stands for (``weight * scale``), the reference its logits must match.
+Either may carry KV-cache scales too. A mixture of experts' experts are quantized one by one
+(``mlp.experts.{e}.gate_proj``, Mixtral's ``block_sparse_moe.experts.{e}.w1``), its routers left
+in float and named among the unquantized modules, as llm-compressor's MoE recipes and AutoFP8
+write them. `dequantized_checkpoint` writes the float32 weights an FP8 checkpoint stands for
+(``weight * scale``), the reference its logits must match.
 """
 
 from __future__ import annotations
 
 import copy
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -30,6 +34,12 @@ STATIC_INPUT_SCALE = 0.02
 # What `ember bench make-model --quantization fp8` writes, as llm-compressor does.
 COMPRESSED_TENSORS = COMPRESSED_TENSORS_FP8
 PLAIN_FP8 = {"quant_method": "fp8", "activation_scheme": "static", "ignored_layers": ["lm_head"]}
+
+
+# A linear layer's weight: a projection's, or an expert's (Mixtral's w1/w2/w3 included).
+_LINEAR_WEIGHT = re.compile(r".*(_proj|\.experts\.\d+\.\w+)\.weight")
+# A router: "model.layers.{i}.mlp.gate.weight", Mixtral's "...block_sparse_moe.gate.weight".
+_ROUTER_WEIGHT = re.compile(r"(model\.layers\.\d+\.(\w+)\.gate)\.weight")
 
 
 def _quantized(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -50,7 +60,7 @@ def fp8_checkpoint(
     weights = load_file(str(source / WEIGHTS))
     written: dict[str, torch.Tensor] = {}
     for name, tensor in weights.items():
-        if not name.endswith("_proj.weight"):
+        if not _LINEAR_WEIGHT.fullmatch(name):
             written[name] = tensor
             continue
         stem = name.removesuffix("weight")
@@ -71,6 +81,12 @@ def fp8_checkpoint(
     quantization = copy.deepcopy(
         COMPRESSED_TENSORS if layout == "compressed-tensors" else PLAIN_FP8
     )
+    routers = sorted({m[1] for m in map(_ROUTER_WEIGHT.fullmatch, weights) if m is not None})
+    if layout == "compressed-tensors" and routers:  # llm-compressor: one pattern
+        blocks = sorted({name.split(".")[3] for name in routers})
+        quantization["ignore"] += [f"re:.*{block}.gate$" for block in blocks]
+    elif routers:  # AutoFP8: every module by name
+        quantization["ignored_layers"] += routers
     config["quantization_config"] = quantization
     (out / "config.json").write_text(json.dumps(config, indent=2))
     return out

@@ -1,12 +1,14 @@
 """`moe_experts_reference`, the specification the fused MoE kernel is checked against
 (docs/CONTRACTS.md, "Mixture of experts"): each token's routed experts, weighted and summed,
-as a per-token loop computes them and as transformers' expert modules do."""
+as a per-token loop computes them and as transformers' expert modules do; FP8 experts as their
+dequantized weights."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from ember.layers.fp8 import Fp8Weight, dense_weight, quantize_rows
 from ember.layers.reference_ops import moe_experts_reference
 
 transformers = pytest.importorskip("transformers")
@@ -119,6 +121,27 @@ def test_bf16_rounds_once_after_a_float32_sum():
     assert out.dtype == torch.bfloat16
     expected = per_token_loop(x, w13.bfloat16(), w2.bfloat16(), weights, ids)
     torch.testing.assert_close(out.double(), expected, atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_experts_are_dequantized_expert_by_expert(dtype):
+    """`Fp8Weight` experts compute exactly what their weights dequantized to the activations'
+    dtype compute; an expert no token chose is not dequantized (its scales may be NaN)."""
+    x = tokens().to(dtype)
+    w13, w2, _, _ = experts()
+    fp8 = [Fp8Weight(*quantized(w)) for w in (w13, w2)]
+    weights, ids = routing(random_ids(T, [0, 2, 3, 7]))
+    expected = moe_experts_reference(x, *(dense_weight(w, dtype) for w in fp8), weights, ids)
+    for unused in (1, 4):
+        fp8[0].scale[unused] = float("nan")
+    out = moe_experts_reference(x, *fp8, weights, ids)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out, expected, atol=0, rtol=0)
+
+
+def quantized(stacked: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    weight, scale = quantize_rows(stacked.reshape(-1, stacked.shape[-1]))
+    return weight.view(stacked.shape), scale.view(stacked.shape[:2])
 
 
 def test_swiglu_oai_clamps_large_gate_and_up_values():

@@ -72,15 +72,40 @@ def test_dense_architectures_have_no_experts():
     assert cfg.num_experts == 0 and not any(cfg.is_moe_layer(i) for i in range(6))
 
 
-def test_fp8_weights_are_refused_for_a_mixture_of_experts():
+def fp8_layout(from_checkpoint: bool, weight_scales: str = "channel", stored=()):
     import dataclasses
 
     from ember.models.registry import model_class
     from ember.quantization import Fp8Scheme
 
-    cfg = dataclasses.replace(qwen3_moe(), fp8=Fp8Scheme(from_checkpoint=False))
-    with pytest.raises(ValueError, match="FP8 weights .* not supported for mixture-of-experts"):
-        model_class(cfg.architecture).checkpoint_layout(cfg)
+    scheme = Fp8Scheme(from_checkpoint=from_checkpoint, weight_scales=weight_scales)
+    cfg = dataclasses.replace(qwen3_moe(mlp_only_layers=[1]), fp8=scheme)
+    return model_class(cfg.architecture).checkpoint_layout(cfg, stored)
+
+
+def test_an_fp8_checkpoint_holds_a_scale_beside_each_experts_weights():
+    layout = fp8_layout(from_checkpoint=True)
+    expert = "model.layers.0.mlp.experts.15.down_proj"
+    assert layout.shape_of(f"{expert}.weight") == (64, 24)
+    assert layout.shape_of(f"{expert}.weight_scale") == frozenset({(64, 1), (64,)})
+    assert layout.shape_of(f"{expert}.input_scale") == frozenset({(), (1,)})  # optional
+    assert f"{expert}.input_scale" not in set(layout.names())
+    assert layout.shape_of("model.layers.1.mlp.up_proj.weight_scale") == frozenset({(96, 1), (96,)})
+    assert layout.shape_of("model.layers.0.mlp.gate.weight_scale") is None  # the router: float
+    per_tensor = fp8_layout(from_checkpoint=True, weight_scales="tensor")
+    assert per_tensor.shape_of(f"{expert}.weight_scale") == frozenset({(), (1,)})
+
+
+def test_float_experts_quantized_at_load_hold_no_scales():
+    layout = fp8_layout(from_checkpoint=False)
+    assert layout.shape_of("model.layers.0.mlp.experts.0.gate_proj.weight_scale") is None
+    stacked = fp8_layout(False, stored=["model.layers.0.mlp.experts.gate_up_proj"])
+    assert stacked.shape_of("model.layers.0.mlp.experts.gate_up_proj") == (16, 48, 64)
+
+
+def test_fp8_experts_stored_stacked_are_refused():
+    with pytest.raises(ValueError, match="FP8 experts stored stacked are not supported"):
+        fp8_layout(True, stored=["model.layers.0.mlp.experts.gate_up_proj"])
 
 
 def llama4_text(**fields) -> dict:

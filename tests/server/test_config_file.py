@@ -129,6 +129,12 @@ def test_a_models_quantization_overrides_the_flag(write):
     assert a.engine.quantization == b.engine.quantization == "fp8"
 
 
+def test_a_models_load_format_overrides_the_flag(write):
+    path = write('[[models]]\nname = "a"\nsource = "x"\nload_format = "dummy"\n')
+    b, a = config_of("b=y", "--config", path).models
+    assert (a.engine.load_format, b.engine.load_format) == ("dummy", "auto")
+
+
 def test_command_line_models_come_first_then_the_files(write):
     path = write('[[models]]\nname = "b"\nsource = "y"\n')
     config = config_of("a=x", "z", "--config", path)
@@ -187,6 +193,10 @@ def test_an_unknown_key_names_the_key_and_the_file(write, text, message):
         (
             '[[models]]\nsource = "x"\nquantization = "awq"\n',
             "quantization must be one of fp8, not 'awq'",
+        ),
+        (
+            '[[models]]\nsource = "x"\nload_format = "pt"\n',
+            "load_format must be one of auto, dummy, not 'pt'",
         ),
         ('[[models]]\nsource = "x"\naliases = "y"\n', "'aliases' must be a list of names"),
         ("[[models]]\nsource = 3\n", "source must be a string"),

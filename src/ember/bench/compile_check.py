@@ -285,13 +285,43 @@ def _attention_configs(kv_fp8: bool) -> list[CompiledConfig]:
 # Token counts at which the fused MoE's default tiles take each path: by pair (a decode),
 # grouped on 16-row blocks, on tensor-core blocks (a prefill).
 _MOE_TOKENS = (1, 16, 4096)
+# Of those, the ones compiled over FP8 experts too (the same tiles, weights widened to bf16).
+_FP8_MOE_TOKENS = (1, 4096)
 
 
 def moe_configs() -> list[CompiledConfig]:
     """The fused MoE's kernels as its default table launches them (bf16, no biases: the
-    biases' loads come after the main loop) for each shape of `ember.bench.tune_moe`, and the
-    alignment where the path runs it (the sum over k stages nothing in shared memory)."""
+    biases' loads come after the main loop) for each shape of `ember.bench.tune_moe`, over FP8
+    experts too at `_FP8_MOE_TOKENS`, and the alignment where the path runs it (the sum over k
+    stages nothing in shared memory)."""
     from ember.bench.tune_moe import MOE_SHAPES
+
+    bf16_types = {
+        **{p: "*bf16" for p in ("x_ptr", "w_ptr", "bias_ptr", "out_ptr", "a_ptr")},
+        **{p: "*i32" for p in ("sorted_ids_ptr", "experts_ptr", "expert_of_block_ptr")},
+        **{p: "*i32" for p in ("ids_ptr", "used_blocks_ptr")},
+        **{p: "*fp32" for p in ("weights_ptr", "w_scale_ptr")},
+    }
+    divisible = {*bf16_types, "inter", "hidden"} | {
+        f"stride_{s}" for s in ("xt", "we", "wn", "se", "be", "om", "am", "ot")
+    }
+    results = []
+    for name, shape in MOE_SHAPES.items():
+        for tokens in _MOE_TOKENS:
+            for fp8 in (False, True) if tokens in _FP8_MOE_TOKENS else (False,):
+                types = {**bf16_types, "w_ptr": "*fp8e4nv"} if fp8 else bf16_types
+                case = f"{name} T={tokens}" + (", fp8 experts" if fp8 else "")
+                for kernel, constexprs, warps in _moe_launches(shape, tokens, fp8):
+                    shared = compile_for_sm90(kernel, types, divisible, constexprs, warps)
+                    kernel_name = kernel.fn.__name__.strip("_")
+                    results.append(CompiledConfig(kernel_name, case, constexprs, warps, shared))
+    return results
+
+
+def _moe_launches(shape, tokens: int, fp8: bool) -> list[tuple[object, dict, int]]:
+    """``(kernel, constexprs, num_warps)`` of each launch of a fused MoE of ``shape`` at
+    ``tokens`` on the default table; ``fp8``: over FP8 experts (the alignment then left out:
+    it reads no weight)."""
     from ember.kernels.moe_align import _align_kernel
     from ember.kernels.moe_gemm import (
         _down_by_token_kernel,
@@ -300,62 +330,45 @@ def moe_configs() -> list[CompiledConfig]:
     )
     from ember.kernels.moe_tiles import MoeTuning, next_power_of_2
 
-    types = {
-        **{p: "*bf16" for p in ("x_ptr", "w_ptr", "bias_ptr", "out_ptr", "a_ptr")},
-        **{p: "*i32" for p in ("sorted_ids_ptr", "experts_ptr", "expert_of_block_ptr")},
-        **{p: "*i32" for p in ("ids_ptr", "used_blocks_ptr")},
-        "weights_ptr": "*fp32",
-    }
-    divisible = {*types, "inter", "hidden"} | {
-        f"stride_{s}" for s in ("xt", "we", "wn", "be", "om", "am", "ot")
-    }
-    results = []
-    for name, shape in MOE_SHAPES.items():
-        for tokens in _MOE_TOKENS:
-            tiles = MoeTuning().tiles_for(shape, tokens)
-            case = f"{name} T={tokens}"
-            base = {"HAS_BIAS": False, "DOT_PRECISION": "tf32"}
-            launches = []
-            for product, k in (("gate_up", shape.hidden), ("down", shape.intermediate)):
-                gemm = getattr(tiles, product)
-                common = {
-                    **base,
-                    "EVEN_K": k % gemm.block_k == 0,
-                    "BLOCK_M": tiles.block_m,
-                    "BLOCK_N": gemm.block_n,
-                    "BLOCK_K": gemm.block_k,
-                    "STAGES": gemm.stages,
-                }
-                if product == "gate_up":
-                    kernel = _gate_up_kernel
-                    constexprs = {
-                        **common,
-                        "TOP_K": shape.top_k,
-                        "BY_PAIR": tiles.by_pair,
-                        "ACTIVATION": 0,
-                        "GROUP_M": gemm.group_m,
-                    }
-                elif tiles.by_pair:
-                    kernel = _down_by_token_kernel
-                    slots = next_power_of_2(shape.top_k)
-                    constexprs = {**common, "TOP_K": shape.top_k, "SLOTS": slots}
-                else:
-                    kernel = _down_grouped_kernel
-                    constexprs = {**common, "GROUP_M": gemm.group_m}
-                launches.append((kernel, constexprs, gemm.num_warps))
-            if not tiles.by_pair:
-                experts = next_power_of_2(shape.num_experts)
-                align = {
-                    "BLOCK_M": tiles.block_m,
-                    "EXPERTS": experts,
-                    "CHUNK": max(16, min(1024, 4096 // experts)),
-                }
-                launches.append((_align_kernel, align, 8 if experts >= 64 else 4))
-            for kernel, constexprs, warps in launches:
-                shared = compile_for_sm90(kernel, types, divisible, constexprs, warps)
-                kernel_name = kernel.fn.__name__.strip("_")
-                results.append(CompiledConfig(kernel_name, case, constexprs, warps, shared))
-    return results
+    tiles = MoeTuning().tiles_for(shape, tokens)
+    base = {"HAS_BIAS": False, "W_SCALED": fp8, "DOT_PRECISION": "tf32"}
+    launches = []
+    for product, k in (("gate_up", shape.hidden), ("down", shape.intermediate)):
+        gemm = getattr(tiles, product)
+        common = {
+            **base,
+            "EVEN_K": k % gemm.block_k == 0,
+            "BLOCK_M": tiles.block_m,
+            "BLOCK_N": gemm.block_n,
+            "BLOCK_K": gemm.block_k,
+            "STAGES": gemm.stages,
+        }
+        if product == "gate_up":
+            kernel = _gate_up_kernel
+            constexprs = {
+                **common,
+                "TOP_K": shape.top_k,
+                "BY_PAIR": tiles.by_pair,
+                "ACTIVATION": 0,
+                "GROUP_M": gemm.group_m,
+            }
+        elif tiles.by_pair:
+            kernel = _down_by_token_kernel
+            slots = next_power_of_2(shape.top_k)
+            constexprs = {**common, "TOP_K": shape.top_k, "SLOTS": slots}
+        else:
+            kernel = _down_grouped_kernel
+            constexprs = {**common, "GROUP_M": gemm.group_m}
+        launches.append((kernel, constexprs, gemm.num_warps))
+    if not tiles.by_pair and not fp8:
+        experts = next_power_of_2(shape.num_experts)
+        align = {
+            "BLOCK_M": tiles.block_m,
+            "EXPERTS": experts,
+            "CHUNK": max(16, min(1024, 4096 // experts)),
+        }
+        launches.append((_align_kernel, align, 8 if experts >= 64 else 4))
+    return launches
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,12 +17,20 @@ tokenizer's special ids) and write the experts in transformers' layout in bf16;
 ``--quantization fp8`` writes the decoder's linear weights as llm-compressor's "FP8_DYNAMIC"
 checkpoints hold them (the compressed-tensors layout): float8 e4m3 with a ``weight_scale`` per
 output channel ``[out, 1]`` in the model's dtype, activations dynamic per token, the output head
-left in bf16; so the GPU benchmarks load the FP8 form users load.
+left in bf16; a mixture of experts' every expert so too, its routers left in bf16 (named in the
+config's ``ignore``, as llm-compressor's MoE recipes leave them); so the GPU benchmarks load
+the FP8 form users load.
+
+``--config-only`` writes config.json, generation_config.json and the tokenizer files but no
+weight: what ``--load-format dummy`` (`ember.weights.dummy_weights`) needs to run a shape
+whose checkpoint does not fit the disk.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
+import dataclasses
 import json
 import shutil
 import time
@@ -322,8 +330,9 @@ COMPRESSED_TENSORS_FP8 = {
 
 def hf_config(preset: str, quantization: str | None = None) -> dict:
     shape = dict(PRESETS[preset])
+    architecture = shape.get("architectures", ["LlamaForCausalLM"])[0]
     quantized = {
-        "fp8": {"quantization_config": COMPRESSED_TENSORS_FP8},
+        "fp8": {"quantization_config": _fp8_config(architecture)},
         "mxfp4": {"quantization_config": GPT_OSS_MXFP4},
     }.get(quantization or "", {})
     return {
@@ -338,6 +347,32 @@ def hf_config(preset: str, quantization: str | None = None) -> dict:
         "torch_dtype": "bfloat16",
         **shape,
     }
+
+
+def _fp8_config(architecture: str) -> dict:
+    """`COMPRESSED_TENSORS_FP8`, leaving a mixture of experts' routers in float too."""
+    from ember.models.registry import model_class
+
+    config = copy.deepcopy(COMPRESSED_TENSORS_FP8)
+    block = getattr(model_class(architecture), "block_name", None)
+    if block is not None:
+        config["ignore"].append(f"re:.*{block}.gate$")
+    return config
+
+
+def fp8_weight_names(cfg: dict) -> frozenset[str]:
+    """The weights an FP8 checkpoint of ``cfg`` (its ``quantization_config``) holds in FP8: those
+    ember reads a ``weight_scale`` beside."""
+    from ember.config import ModelConfig
+    from ember.models.registry import model_class
+    from ember.quantization import fp8_scheme
+
+    model_config = dataclasses.replace(ModelConfig.from_hf_dict(cfg), fp8=fp8_scheme(cfg))
+    layout = model_class(model_config.architecture).checkpoint_layout(model_config)
+    suffix = ".weight_scale"
+    return frozenset(
+        name.removesuffix(suffix) + ".weight" for name in layout.names() if name.endswith(suffix)
+    )
 
 
 def tensor_shapes(cfg: dict) -> list[tuple[str, tuple[int, ...]]]:
@@ -388,9 +423,11 @@ def make_model(
     device: str | None = None,
     tokenizer_dir: Path | None = None,
     quantization: str | None = None,
+    config_only: bool = False,
 ) -> Path:
     """Write the checkpoint into `out`; returns it. Random bf16 weights, drawn on `device`;
-    ``quantization`` "fp8": the decoder's linear weights in FP8 (the module docstring)."""
+    ``quantization`` "fp8": the decoder's linear weights in FP8 (the module docstring);
+    ``config_only``: the config and tokenizer files alone, no weight."""
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
     if quantization not in (None, *QUANTIZATIONS):
@@ -398,14 +435,29 @@ def make_model(
     gpt_oss = PRESETS[preset].get("architectures") == ["GptOssForCausalLM"]
     if (quantization == "mxfp4" and not gpt_oss) or (quantization == "fp8" and gpt_oss):
         raise ValueError(f"{preset}: --quantization {quantization} is not made for this preset")
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     out.mkdir(parents=True, exist_ok=True)
     cfg = hf_config(preset, quantization)
-    gen = torch.Generator(device=device).manual_seed(seed)
+    if not config_only:
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        generator = torch.Generator(device=device).manual_seed(seed)
+        _write_weights(cfg, out, generator, device, quantization)
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    (out / "generation_config.json").write_text(
+        json.dumps({"bos_token_id": cfg["bos_token_id"], "eos_token_id": cfg["eos_token_id"]})
+    )
+    _write_tokenizer(out, tokenizer_dir)
+    return out
+
+
+def _write_weights(
+    cfg: dict, out: Path, gen: torch.Generator, device: str, quantization: str | None
+) -> None:
+    """The random weights of ``cfg`` in shards of at most `_SHARD_BYTES`, with their index;
+    ``quantization`` "fp8" or "mxfp4" as `make_model` takes it."""
     weight_map: dict[str, str] = {}
     shard: dict[str, torch.Tensor] = {}
     shard_bytes, shard_index, total = 0, 0, 0
-    shapes = tensor_shapes(cfg)
+    in_fp8 = fp8_weight_names(cfg) if quantization == "fp8" else frozenset()
 
     def flush() -> None:
         nonlocal shard, shard_bytes, shard_index
@@ -418,13 +470,13 @@ def make_model(
         shard, shard_bytes = {}, 0
 
     output_rows = "model.embed_tokens.weight" if cfg["tie_word_embeddings"] else "lm_head.weight"
-    for name, shape in shapes:
+    for name, shape in tensor_shapes(cfg):
         tensor = random_tensor(name, shape, gen, device)
         if name == output_rows:
             tensor[TOKENIZER_VOCAB:] = 0
         tensor = tensor.to(torch.bfloat16)
         tensors = {name: tensor}
-        if quantization == "fp8" and name.endswith("_proj.weight"):
+        if name in in_fp8:
             weight, scale = fp8_channel_quantized(tensor)
             tensors = {name: weight, name.removesuffix("weight") + "weight_scale": scale}
         if quantization == "mxfp4" and name.endswith(_MXFP4_TENSORS):
@@ -448,12 +500,6 @@ def make_model(
         "weight_map": {k: renamed[v] for k, v in weight_map.items()},
     }
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-    (out / "config.json").write_text(json.dumps(cfg, indent=2))
-    (out / "generation_config.json").write_text(
-        json.dumps({"bos_token_id": cfg["bos_token_id"], "eos_token_id": cfg["eos_token_id"]})
-    )
-    _write_tokenizer(out, tokenizer_dir)
-    return out
 
 
 def _write_tokenizer(out: Path, tokenizer_dir: Path | None) -> None:
@@ -480,9 +526,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--quantization",
         choices=QUANTIZATIONS,
-        help="fp8: the decoder's linear weights in float8 e4m3 with a bf16 scale per output "
-        "channel, in the compressed-tensors layout of llm-compressor's FP8_DYNAMIC checkpoints; "
-        "mxfp4 (gpt-oss presets): the experts in MXFP4, as OpenAI publishes them",
+        help="fp8: the decoder's linear weights (every expert's too) in float8 e4m3 with a "
+        "bf16 scale per output channel, in the compressed-tensors layout of llm-compressor's "
+        "FP8_DYNAMIC checkpoints; mxfp4 (gpt-oss presets): the experts in MXFP4, as OpenAI "
+        "publishes them",
+    )
+    parser.add_argument(
+        "--config-only",
+        action="store_true",
+        help="write config.json and the tokenizer files but no weight: for `--load-format "
+        "dummy`, which makes the weights on the device",
     )
     parser.add_argument(
         "--tokenizer-dir",
@@ -495,8 +548,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     path = make_model(
-        args.preset, args.out, args.seed, args.device, args.tokenizer_dir, args.quantization
+        args.preset,
+        args.out,
+        args.seed,
+        args.device,
+        args.tokenizer_dir,
+        args.quantization,
+        args.config_only,
     )
     form = f" ({args.quantization})" if args.quantization else ""
-    print(f"wrote {args.preset}{form} to {path} in {time.perf_counter() - start:.1f} s")
+    what = "config and tokenizer" if args.config_only else "checkpoint"
+    print(f"wrote {args.preset}{form}'s {what} to {path} in {time.perf_counter() - start:.1f} s")
     return 0

@@ -94,6 +94,11 @@ def add_server_target_arguments(
     target.add_argument(
         "--server-args", default="", help='extra `ember serve` flags: --server-args="--flag value"'
     )
+    target.add_argument(
+        "--load-format",
+        choices=("auto", "dummy"),
+        help="the launched server's: dummy makes random weights from the model's config.json",
+    )
     target.add_argument("--server-cpus", help="pin the launched server to these CPUs (taskset -c)")
     target.add_argument("--server-startup-timeout", type=float, default=600.0, metavar="SECONDS")
     target.add_argument("--server-log", help=server_log_help)
@@ -148,9 +153,13 @@ def run_serve_bench(args: argparse.Namespace) -> int:
 
 def launch_spec(args: argparse.Namespace) -> LaunchSpec:
     """The `LaunchSpec` that the --launch/--server-* flags describe."""
+    load_format = getattr(args, "load_format", None)
     return LaunchSpec(
         model=args.launch or None,
-        server_args=tuple(shlex.split(args.server_args)),
+        server_args=(
+            *shlex.split(args.server_args),
+            *(("--load-format", load_format) if load_format else ()),
+        ),
         cpus=args.server_cpus,
         startup_timeout_s=args.server_startup_timeout,
         log_path=args.server_log,

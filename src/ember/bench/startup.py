@@ -65,6 +65,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="cold-disk: evict the weight files only (default), or the whole page cache (root)",
     )
     parser.add_argument("--server-args", default="", help="more `ember serve` flags")
+    parser.add_argument(
+        "--load-format",
+        choices=("auto", "dummy"),
+        help="dummy: the server makes random weights from MODEL's config.json (no weight file "
+        "is read: the floors and the cold-disk scenario then read none)",
+    )
     parser.add_argument("--startup-timeout", type=float, default=600.0, metavar="SECONDS")
     parser.add_argument("--output-json", type=Path, help="the report (a PNG timeline beside it)")
     parser.add_argument("--label", default="", help="said in the report and the plot's title")
@@ -81,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    weights = local_weight_files(args.model)
+    weights = [] if args.load_format == "dummy" else local_weight_files(args.model)
     weight_bytes = sum(path.stat().st_size for path in weights)
     if args.upload and args.s3_url:
         seconds = upload(Path(args.model), args.s3_url)
@@ -96,6 +102,7 @@ def run(args: argparse.Namespace) -> int:
             "label": args.label,
             "weight_bytes": weight_bytes,
             "server_args": args.server_args,
+            "load_format": args.load_format or "auto",
             "floors": measure_floors(weights, args.s3_url),
             "scenarios": {},
         }
@@ -116,6 +123,8 @@ def _run_scenario(
     kernels = kernel_dir
     dropped = None
     flags = shlex.split(args.server_args)
+    if args.load_format:
+        flags += ["--load-format", args.load_format]
     if scenario == "cold-kernels":
         kernels = work / f"kernels-empty-{time.monotonic_ns()}"
         _read_files(weights)  # page cache warm

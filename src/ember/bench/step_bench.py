@@ -72,7 +72,9 @@ class StepBench:
             if cfg.tie_word_embeddings or name != "embed_tokens.weight"
         ]
         self.matmul_params = sum(
-            p.numel() for name, p in streamed if not name.endswith(".weight_scale")
+            p.numel()
+            for name, p in streamed
+            if not name.endswith("_scale")  # FP8 row scales
         )
         self.weight_bytes = sum(p.numel() * p.element_size() for _, p in streamed)
         self.loop = TimedLoop.of(instance)
@@ -560,7 +562,11 @@ def _plot(result: dict, path: Path) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, help="checkpoint directory (see make-model)")
+    parser.add_argument(
+        "--model",
+        required=True,
+        help="checkpoint directory (see make-model; with --load-format dummy, its config.json)",
+    )
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     # Room for the largest prefill chunk (8,192) plus a margin.
     parser.add_argument("--max-model-len", type=int, default=8320)
@@ -574,6 +580,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decode-batches", type=int, nargs="+", default=list(DECODE_BATCHES))
     parser.add_argument("--decode-contexts", type=int, nargs="+", default=list(DECODE_CONTEXTS))
     cli.add_fast_path_arguments(parser)
+    cli.add_load_arguments(parser)
     parser.add_argument(
         "--kv-cache-dtype",
         choices=KV_CACHE_DTYPES,

@@ -258,6 +258,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--prefill-chunk", type=int, default=512)
     cli.add_fast_path_arguments(parser)
+    cli.add_load_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -50,7 +50,7 @@ def _engine_main(
     prefetch(
         path
         for config in configs
-        if config.policy.preload
+        if config.policy.preload and not config.dummy_weights
         for path in local_weight_files(config.model)
     )
     from ember.engine.engine_core import run_engine

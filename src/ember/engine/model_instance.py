@@ -41,6 +41,7 @@ from ember.runner.model_runner import ModelRunner
 from ember.runner.sampler import Sampler
 from ember.sampling_params import SamplingParams
 from ember.weights.checkpoint import Checkpoint
+from ember.weights.dummy_weights import fill_dummy_weights
 from ember.weights.parallel_load import load_extents
 
 logger = logging.getLogger(__name__)
@@ -359,11 +360,14 @@ class ModelInstance:
         read on several threads through pinned buffers (`ember.weights.parallel_load`); other
         formats tensor by tensor through `Checkpoint.iter_tensors`. ValueError naming the
         tensor and its file if a loaded tensor holds a NaN or an infinity. Weights quantized at
-        load land a layer at a time, so one layer's float weights are held at most."""
+        load land a layer at a time, so one layer's float weights are held at most. Dummy
+        weights are made on the device instead, the same each time."""
         started = time.perf_counter()
         extents = getattr(ckpt, "tensor_extents", None)
         headers = self.plan.tensor_headers  # to name a bad tensor's file
-        if extents is None:
+        if self.config.dummy_weights:
+            self._make_dummy_weights()
+        elif extents is None:
             self.model.load_weights(ckpt.iter_tensors(self.dtype), on_tensor, headers)
         else:
             placer = self.model.weight_placer(headers)
@@ -381,6 +385,16 @@ class ModelInstance:
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()  # the norm folding, timed too
         return time.perf_counter() - started
+
+    def _make_dummy_weights(self) -> None:
+        """Random weights, seeded by the config's seed (`ember.weights.dummy_weights`); the
+        output head's rows past the tokenizer's ids zero."""
+        model, cfg = self.model, self.model_config
+        head = model.embed_tokens.weight if cfg.tie_word_embeddings else model.lm_head
+        text_ids = self.tokenizer.vocab_size
+        fill_dummy_weights(
+            model, self.config.seed, head, text_ids if text_ids < cfg.vocab_size else None
+        )
 
     # -- requests ---------------------------------------------------------------------------------
 

@@ -4,7 +4,9 @@ tokenizer, dtype and device, the limits it serves under, and its memory footprin
 The engine plans every configured model at start (config.json, the tokenizer and the weight
 files' headers only), so it can validate requests for a model that is not loaded yet and decide
 what fits in its budget. A config whose sizes disagree with its checkpoint's tensors fails
-here, before anything is sized from it (`ember.models.checkpoint_layout`).
+here, before anything is sized from it (`ember.models.checkpoint_layout`). A model of dummy
+weights (`load_format` "dummy") is planned from its config and tokenizer alone: it has no
+weight file to look at.
 """
 
 from __future__ import annotations
@@ -152,8 +154,10 @@ class ModelPlan:
 
     def check_complete(self) -> None:
         """ValueError naming the file and the tensor if the checkpoint lacks one the model
-        reads (headers only: for the load to call before it allocates anything)."""
-        check_complete(self.layout, list(self.tensor_headers.values()))
+        reads (headers only: for the load to call before it allocates anything); dummy weights
+        read none."""
+        if not self.config.dummy_weights:
+            check_complete(self.layout, list(self.tensor_headers.values()))
 
     def kv_blocks_for(self, kv_bytes: int) -> int:
         return max(2, kv_bytes // self.kv_block_bytes)
@@ -187,20 +191,22 @@ class _NoOps:
 def plan_model(config: EngineConfig, checkpoint: Checkpoint | None = None) -> ModelPlan:
     """Read ``config``'s checkpoint metadata, tensor headers and tokenizer; no weight is read.
     ValueError naming the tensor and its file where the config's sizes disagree with the
-    tensors (`check_fits`), or for a quantization ember cannot load (`fp8_scheme`)."""
+    tensors (`check_fits`), or for a quantization ember cannot load (`fp8_scheme`). Dummy
+    weights: the config and tokenizer alone (a ValueError saying so where there is no config)."""
     from ember.models.registry import model_class
 
-    ckpt = checkpoint or open_checkpoint(config.model, download_dir=config.download_dir)
+    ckpt = checkpoint or _open(config)
     device = resolve_device(config.device)
     model_config = dataclasses.replace(
         ModelConfig.from_hf_dict(ckpt.hf_config),
         fp8=fp8_scheme(ckpt.hf_config, config.quantization),
     )
-    headers = ckpt.tensor_headers()
+    headers = [] if config.dummy_weights else ckpt.tensor_headers()
     layout = model_class(model_config.architecture).checkpoint_layout(
         model_config, [header.name for header in headers]
     )
-    check_fits(layout, headers)
+    if not config.dummy_weights:
+        check_fits(layout, headers)
     tokenizer = Tokenizer.from_checkpoint(ckpt)
     model_config = _with_generation_eos(model_config, ckpt, tokenizer)
     max_model_len = min(
@@ -219,6 +225,18 @@ def plan_model(config: EngineConfig, checkpoint: Checkpoint | None = None) -> Mo
         tensor_headers={header.name: header for header in headers},
         layout=layout,
     )
+
+
+def _open(config: EngineConfig) -> Checkpoint:
+    """``config``'s checkpoint; with dummy weights its metadata only (no weight file needed)."""
+    if not config.dummy_weights:
+        return open_checkpoint(config.model, download_dir=config.download_dir)
+    try:
+        return open_checkpoint(config.model, download_dir=config.download_dir, weights=False)
+    except ValueError as error:
+        raise ValueError(
+            f"--load-format dummy makes the weights from the model's config.json: {error}"
+        ) from error
 
 
 def standalone_kv_bytes(plan: ModelPlan, memory: MemoryConfig) -> int:

@@ -10,6 +10,13 @@ The device's `MoeTuning` picks, per shape and token count, the path and tiles
 (`ember.kernels.moe_tiles`): by pair at decode (two launches, each program streaming one chosen
 expert's rows, so a step reads only the chosen experts' weights), grouped past it (alignment,
 two grouped GEMMs, the sum over k; `ember.kernels.moe_gemm`).
+
+FP8 experts (``w13`` and ``w2`` as `Fp8Weight`s: float8 e4m3 with a float32 scale per expert
+and row) run the same kernels: each weight tile is read at one byte an element and widened to
+the activations' dtype for the dot, and each expert's float32 accumulator is multiplied by its
+rows' scales before the epilogue (exact: a row's scale is constant along K). The activations
+stay in their dtype, so a step reads half the expert bytes of bf16 and rounds as the reference
+does on the dequantized weights. The tiles are those of the activations' dtype.
 """
 
 from __future__ import annotations
@@ -26,14 +33,36 @@ from ember.kernels.moe_gemm import (
     sum_over_top_k,
 )
 from ember.kernels.moe_tiles import MoeShape, MoeTiles, MoeTuning
+from ember.layers.fp8 import FP8_DTYPE, Fp8Weight
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def moe_shape(x: torch.Tensor, w13: torch.Tensor, topk_ids: torch.Tensor) -> MoeShape:
-    """The `MoeShape` a call on these operands looks its tiles up by."""
+    """The `MoeShape` a call on these operands looks its tiles up by (``w13``: the weights'
+    tensor; FP8 experts take the tiles of the activations' dtype)."""
     num_experts, two_inter, hidden = w13.shape
     return MoeShape(num_experts, hidden, two_inter // 2, topk_ids.shape[1], x.element_size())
+
+
+def _unpacked(
+    weights: torch.Tensor | Fp8Weight, name: str
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(weight, scale)`` of stacked experts: an `Fp8Weight`'s two tensors, a tensor with no
+    scale. ValueError for a scale that is not float32 ``[E, rows]``."""
+    if not isinstance(weights, Fp8Weight):
+        if weights.dtype == FP8_DTYPE:
+            raise ValueError(f"FP8 {name} needs its scales: pass an Fp8Weight")
+        return weights, None
+    weight, scale = weights
+    if weight.dtype != FP8_DTYPE or scale.dtype != torch.float32:
+        raise ValueError(f"an FP8 {name} must be float8_e4m3fn with float32 scales")
+    if weight.dim() != 3 or scale.shape != weight.shape[:2] or scale.stride(-1) != 1:
+        raise ValueError(
+            f"{name}'s scales must be [E, rows] = {tuple(weight.shape[:2])} with contiguous "
+            f"rows, got {tuple(scale.shape)}"
+        )
+    return weight, scale
 
 
 def _check_operands(x, w13, w2, topk_weights, topk_ids, activation, b13, b2) -> None:
@@ -42,8 +71,8 @@ def _check_operands(x, w13, w2, topk_weights, topk_ids, activation, b13, b2) -> 
     inter = two_inter // 2
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {tuple(ACTIVATIONS)}, not {activation!r}")
-    if x.dtype not in _DTYPES or w13.dtype != x.dtype or w2.dtype != x.dtype:
-        raise ValueError(f"x, w13 and w2 must share a dtype of {_DTYPES}")
+    if x.dtype not in _DTYPES or w13.dtype not in (x.dtype, FP8_DTYPE) or w2.dtype != w13.dtype:
+        raise ValueError(f"x, w13 and w2 must share a dtype of {_DTYPES} (or w13 and w2 FP8)")
     if two_inter % 2 or w13_hidden != hidden or w2.shape != (num_experts, hidden, inter):
         raise ValueError(
             f"want w13 [E, 2I, {hidden}] and w2 [E, {hidden}, I]; got {tuple(w13.shape)} and "
@@ -65,8 +94,8 @@ def _check_operands(x, w13, w2, topk_weights, topk_ids, activation, b13, b2) -> 
 
 def fused_moe(
     x: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
+    w13: torch.Tensor | Fp8Weight,
+    w2: torch.Tensor | Fp8Weight,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     activation: str = "silu",
@@ -77,10 +106,13 @@ def fused_moe(
     tiles: MoeTiles | None = None,
 ) -> torch.Tensor:
     """The MoE experts of ``x [T, H]``: ``w13 [E, 2I, H]`` (gate rows, then up rows), ``w2
-    [E, H, I]``, optional biases ``b13 [E, 2I]`` and ``b2 [E, H]``; routing ``topk_ids`` int
-    ``[T, k]`` (experts in ``[0, E)``) and ``topk_weights [T, k]``; ``activation`` "silu" or
-    "swiglu_oai". Returns ``[T, H]`` in ``x``'s dtype. ``tiles`` (else ``tuning``'s for the
-    shape and T; else the heuristics) choose the path and tiles."""
+    [E, H, I]`` (either an `Fp8Weight`: scales ``[E, 2I]``, ``[E, H]``), optional biases
+    ``b13 [E, 2I]`` and ``b2 [E, H]``; routing ``topk_ids`` int ``[T, k]`` (experts in
+    ``[0, E)``) and ``topk_weights [T, k]``; ``activation`` "silu" or "swiglu_oai". Returns
+    ``[T, H]`` in ``x``'s dtype. ``tiles`` (else ``tuning``'s for the shape and T; else the
+    heuristics) choose the path and tiles."""
+    w13, w13_scale = _unpacked(w13, "w13")
+    w2, w2_scale = _unpacked(w2, "w2")
     _check_operands(x, w13, w2, topk_weights, topk_ids, activation, b13, b2)
     tokens, hidden = x.shape
     top_k = topk_ids.shape[1]
@@ -92,12 +124,12 @@ def fused_moe(
     ids = topk_ids.reshape(-1).to(torch.int32).contiguous()
     weights = topk_weights.reshape(-1).contiguous()
     if tiles.by_pair:
-        inter = gate_up_by_pair(x, w13, b13, ids, top_k, activation, tiles.gate_up)
-        return down_by_token(inter, w2, b2, ids, weights, top_k, tiles.down, out)
+        inter = gate_up_by_pair(x, w13, b13, ids, top_k, activation, tiles.gate_up, scale=w13_scale)
+        return down_by_token(inter, w2, b2, ids, weights, top_k, tiles.down, out, scale=w2_scale)
     blocks = align_pairs(ids, w13.shape[0], tiles.block_m, tuning.align_kernel_max_pairs)
-    inter = gate_up_grouped(x, w13, b13, blocks, top_k, activation, tiles.gate_up)
+    inter = gate_up_grouped(x, w13, b13, blocks, top_k, activation, tiles.gate_up, w13_scale)
     if top_k == 1:  # pair rows are token rows
-        return down_grouped(inter, w2, b2, weights, blocks, tiles.down, out)
+        return down_grouped(inter, w2, b2, weights, blocks, tiles.down, out, scale=w2_scale)
     parts = torch.empty(tokens * top_k, hidden, dtype=x.dtype, device=x.device)
-    down_grouped(inter, w2, b2, weights, blocks, tiles.down, parts)
+    down_grouped(inter, w2, b2, weights, blocks, tiles.down, parts, scale=w2_scale)
     return sum_over_top_k(parts, top_k, out)

@@ -16,6 +16,10 @@ row padded to `tl.dot`'s 16, and stores the intermediate in pair order ``[T * k,
 `down_by_token` runs one program per (token, column tile) that walks the token's k experts in
 one pipelined loop and stores the sum itself: two launches, no alignment.
 
+FP8 experts (``scale`` given: float32 ``[E, rows]``, one per expert and weight row): each
+weight tile is widened to the activations' dtype for the dot (``W_SCALED``) and the expert's
+fp32 accumulator multiplied by its rows' scales before the bias and the roundings below.
+
 Roundings (both paths): gate and up (bias added in fp32) rounded to the dtype, as a GEMM stores
 them; the activation from those, rounded (SiLU rounded before the product, as Hugging Face's
 ``act_fn(gate) * up``); each expert's down output (bias added) rounded, times its routing
@@ -69,6 +73,7 @@ def _grouped_tile(num_blocks, tiles_n, GROUP_M: tl.constexpr):
 def _gate_up_kernel(
     x_ptr,
     w_ptr,
+    w_scale_ptr,
     bias_ptr,
     out_ptr,
     sorted_ids_ptr,
@@ -80,11 +85,13 @@ def _gate_up_kernel(
     stride_xt,
     stride_we,
     stride_wn,
+    stride_se,
     stride_be,
     stride_om,
     TOP_K: tl.constexpr,
     BY_PAIR: tl.constexpr,
     ACTIVATION: tl.constexpr,
+    W_SCALED: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -132,8 +139,15 @@ def _gate_up_kernel(
             x = tl.load(x_rows + ks[None, :], mask=row_valid[:, None] & k_valid, other=0.0)
             w_gate = tl.load(gate_ptrs + ks[None, :], mask=k_valid, other=0.0)
             w_up = tl.load(up_ptrs + ks[None, :], mask=k_valid, other=0.0)
+        if W_SCALED:
+            w_gate = w_gate.to(x_ptr.dtype.element_ty)
+            w_up = w_up.to(x_ptr.dtype.element_ty)
         acc_gate = tl.dot(x, tl.trans(w_gate), acc_gate, input_precision=DOT_PRECISION)
         acc_up = tl.dot(x, tl.trans(w_up), acc_up, input_precision=DOT_PRECISION)
+    if W_SCALED:
+        scales = w_scale_ptr + expert.to(tl.int64) * stride_se
+        acc_gate *= tl.load(scales + w_rows)[None, :]
+        acc_up *= tl.load(scales + inter + w_rows)[None, :]
     if HAS_BIAS:
         bias = bias_ptr + expert.to(tl.int64) * stride_be
         acc_gate += tl.load(bias + w_rows).to(tl.float32)[None, :]
@@ -150,6 +164,7 @@ def _gate_up_kernel(
 def _down_grouped_kernel(
     a_ptr,
     w_ptr,
+    w_scale_ptr,
     bias_ptr,
     weights_ptr,
     out_ptr,
@@ -162,8 +177,10 @@ def _down_grouped_kernel(
     stride_am,
     stride_we,
     stride_wn,
+    stride_se,
     stride_be,
     stride_om,
+    W_SCALED: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -196,7 +213,11 @@ def _down_grouped_kernel(
             k_valid = ks[None, :] < inter
             a = tl.load(a_rows + ks[None, :], mask=row_valid[:, None] & k_valid, other=0.0)
             w = tl.load(w_ptrs + ks[None, :], mask=k_valid, other=0.0)
+        if W_SCALED:
+            w = w.to(a_ptr.dtype.element_ty)
         acc = tl.dot(a, tl.trans(w), acc, input_precision=DOT_PRECISION)
+    if W_SCALED:
+        acc *= tl.load(w_scale_ptr + expert.to(tl.int64) * stride_se + w_rows)[None, :]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + expert.to(tl.int64) * stride_be + w_rows).to(tl.float32)[None, :]
     dtype = out_ptr.dtype.element_ty
@@ -210,6 +231,7 @@ def _down_grouped_kernel(
 def _down_by_token_kernel(
     a_ptr,
     w_ptr,
+    w_scale_ptr,
     bias_ptr,
     ids_ptr,
     weights_ptr,
@@ -220,10 +242,12 @@ def _down_by_token_kernel(
     stride_am,
     stride_we,
     stride_wn,
+    stride_se,
     stride_be,
     stride_ot,
     TOP_K: tl.constexpr,
     SLOTS: tl.constexpr,
+    W_SCALED: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -270,9 +294,15 @@ def _down_by_token_kernel(
             k_valid = ks[None, :] < inter
             a = tl.load(a_ptrs, mask=first_row[:, None] & k_valid, other=0.0)
             w = tl.load(w_ptrs, mask=k_valid, other=0.0)
+        if W_SCALED:
+            w = w.to(a_ptr.dtype.element_ty)
         acc = tl.dot(a, tl.trans(w), acc, input_precision=DOT_PRECISION)
         last = k0 + BLOCK_K >= inter
         expert_out = acc
+        if W_SCALED:  # the expert's scales, read at its last K step only
+            scale_ptrs = w_scale_ptr + expert * stride_se + w_rows
+            scales = tl.load(scale_ptrs, mask=(w_rows < hidden) & last, other=0.0)
+            expert_out = expert_out * scales[None, :]
         if HAS_BIAS:
             bias = tl.load(bias_ptr + expert * stride_be + w_rows).to(tl.float32)
             expert_out += bias[None, :]
@@ -300,7 +330,8 @@ def _sum_over_top_k_kernel(
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
-    # fp32 weights must not silently drop to tf32 on the tensor cores.
+    # fp32 operands (an FP8 weight's widened to fp32 activations too) must not silently drop to
+    # tf32 on the tensor cores.
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
@@ -315,7 +346,19 @@ def _tile_args(tiles: GemmTiles, k: int) -> dict:
 
 
 def _launch_gate_up(
-    x, w13, b13, out, sorted_ids, experts, num_blocks, top_k, activation, tiles, block_m, by_pair
+    x,
+    w13,
+    scale,
+    b13,
+    out,
+    sorted_ids,
+    experts,
+    num_blocks,
+    top_k,
+    activation,
+    tiles,
+    block_m,
+    by_pair,
 ):
     pairs = x.shape[0] * top_k
     inter = w13.shape[1] // 2
@@ -326,6 +369,7 @@ def _launch_gate_up(
         (grid,),
         x,
         w13,
+        scale if scale is not None else w13,
         b13 if b13 is not None else w13,
         out,
         sorted_ids,
@@ -337,30 +381,35 @@ def _launch_gate_up(
         x.stride(0),
         w13.stride(0),
         w13.stride(1),
+        scale.stride(0) if scale is not None else 0,
         b13.stride(0) if b13 is not None else 0,
         out.stride(0),
         TOP_K=top_k,
         BY_PAIR=by_pair,
         ACTIVATION=ACTIVATIONS[activation],
+        W_SCALED=scale is not None,
         HAS_BIAS=b13 is not None,
         BLOCK_M=block_m,
         GROUP_M=tiles.group_m,
-        DOT_PRECISION=_dot_precision(w13.dtype),
+        DOT_PRECISION=_dot_precision(x.dtype),
         **_tile_args(tiles, x.shape[1]),
     )
 
 
-def gate_up_by_pair(x, w13, b13, ids, top_k, activation, tiles: GemmTiles) -> torch.Tensor:
-    """``[T * k, I]`` in pair order: ``act`` of each pair's gate and up products."""
+def gate_up_by_pair(
+    x, w13, b13, ids, top_k, activation, tiles: GemmTiles, scale=None
+) -> torch.Tensor:
+    """``[T * k, I]`` in pair order: ``act`` of each pair's gate and up products. ``scale``:
+    FP8 ``w13``'s float32 ``[E, 2I]`` (None: ``w13`` in ``x``'s dtype), as for each product."""
     out = torch.empty(ids.numel(), w13.shape[1] // 2, dtype=x.dtype, device=x.device)
     _launch_gate_up(
-        x, w13, b13, out, ids, ids, 0, top_k, activation, tiles, MIN_DOT_ROWS, by_pair=True
+        x, w13, scale, b13, out, ids, ids, 0, top_k, activation, tiles, MIN_DOT_ROWS, by_pair=True
     )
     return out
 
 
 def gate_up_grouped(
-    x, w13, b13, blocks: MoeBlocks, top_k, activation, tiles: GemmTiles
+    x, w13, b13, blocks: MoeBlocks, top_k, activation, tiles: GemmTiles, scale=None
 ) -> torch.Tensor:
     """``[max_blocks * block_m, I]`` in sorted order (padding rows left unwritten)."""
     rows = blocks.sorted_ids.numel()
@@ -368,6 +417,7 @@ def gate_up_grouped(
     _launch_gate_up(
         x,
         w13,
+        scale,
         b13,
         out,
         blocks.sorted_ids,
@@ -383,9 +433,10 @@ def gate_up_grouped(
 
 
 def down_grouped(
-    a, w2, b2, weights, blocks: MoeBlocks, tiles: GemmTiles, out: torch.Tensor
+    a, w2, b2, weights, blocks: MoeBlocks, tiles: GemmTiles, out: torch.Tensor, scale=None
 ) -> torch.Tensor:
-    """``out [T * k, H]``: each pair's expert output times its routing weight."""
+    """``out [T * k, H]``: each pair's expert output times its routing weight. ``scale``: FP8
+    ``w2``'s float32 ``[E, H]`` (None: ``w2`` in ``a``'s dtype)."""
     pairs, hidden = out.shape
     num_blocks = blocks.expert_of_block.numel()
     launch(
@@ -393,6 +444,7 @@ def down_grouped(
         (num_blocks * triton.cdiv(hidden, tiles.block_n),),
         a,
         w2,
+        scale if scale is not None else w2,
         b2 if b2 is not None else w2,
         weights,
         out,
@@ -405,27 +457,31 @@ def down_grouped(
         a.stride(0),
         w2.stride(0),
         w2.stride(1),
+        scale.stride(0) if scale is not None else 0,
         b2.stride(0) if b2 is not None else 0,
         out.stride(0),
+        W_SCALED=scale is not None,
         HAS_BIAS=b2 is not None,
         BLOCK_M=blocks.block_m,
         GROUP_M=tiles.group_m,
-        DOT_PRECISION=_dot_precision(w2.dtype),
+        DOT_PRECISION=_dot_precision(a.dtype),
         **_tile_args(tiles, a.shape[1]),
     )
     return out
 
 
 def down_by_token(
-    a, w2, b2, ids, weights, top_k, tiles: GemmTiles, out: torch.Tensor
+    a, w2, b2, ids, weights, top_k, tiles: GemmTiles, out: torch.Tensor, scale=None
 ) -> torch.Tensor:
-    """``out [T, H]``: each token's k weighted expert outputs, summed in slot order."""
+    """``out [T, H]``: each token's k weighted expert outputs, summed in slot order. ``scale``:
+    FP8 ``w2``'s float32 ``[E, H]`` (None: ``w2`` in ``a``'s dtype)."""
     tokens, hidden = out.shape
     launch(
         _down_by_token_kernel,
         (tokens * triton.cdiv(hidden, tiles.block_n),),
         a,
         w2,
+        scale if scale is not None else w2,
         b2 if b2 is not None else w2,
         ids,
         weights,
@@ -436,13 +492,15 @@ def down_by_token(
         a.stride(0),
         w2.stride(0),
         w2.stride(1),
+        scale.stride(0) if scale is not None else 0,
         b2.stride(0) if b2 is not None else 0,
         out.stride(0),
         TOP_K=top_k,
         SLOTS=triton.next_power_of_2(top_k),
+        W_SCALED=scale is not None,
         HAS_BIAS=b2 is not None,
         BLOCK_M=MIN_DOT_ROWS,
-        DOT_PRECISION=_dot_precision(w2.dtype),
+        DOT_PRECISION=_dot_precision(a.dtype),
         **_tile_args(tiles, a.shape[1]),
     )
     return out

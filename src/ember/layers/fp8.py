@@ -2,7 +2,8 @@
 
 An FP8 linear layer's operand is an `Fp8Weight`: ``weight`` float8 e4m3 ``[out, in]`` and
 ``scale`` float32 ``[out]``, one per output row, standing for ``weight.float() * scale[:, None]``
-(docs/CONTRACTS.md, "FP8 weights"). Every op that takes a weight takes one in its place. A row
+(docs/CONTRACTS.md, "FP8 weights"). Every op that takes a weight takes one in its place; a
+mixture of experts' stacked weights are one too, ``[E, out, in]`` with ``[E, out]`` scales. A row
 (of a weight at load, or of activations before an FP8 product) is quantized by `quantize_rows`:
 its scale maps its largest magnitude onto 448, the format's largest finite value.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+from torch import nn
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_E4M3_MAX = 448.0  # float8 e4m3fn's largest finite value
@@ -23,10 +25,22 @@ _QUANTIZE_ROWS = 2048
 
 
 class Fp8Weight(NamedTuple):
-    """An FP8 linear weight: ``weight`` float8 e4m3 ``[out, in]``, ``scale`` float32 ``[out]``."""
+    """An FP8 linear weight: ``weight`` float8 e4m3 ``[out, in]``, ``scale`` float32 ``[out]``
+    (stacked experts: ``[E, out, in]`` and ``[E, out]``)."""
 
     weight: torch.Tensor
     scale: torch.Tensor
+
+
+def held_fp8_weights(model: nn.Module) -> list[Fp8Weight]:
+    """Every FP8 weight in ``model``, with its scales: the ``fp8_weights()`` of each module that
+    holds some (a projection, a mixture of experts' stacked experts), as parameters."""
+    held = []
+    for module in model.modules():
+        fp8_weights = getattr(module, "fp8_weights", None)
+        if fp8_weights is not None:
+            held += fp8_weights()
+    return held
 
 
 def dense_weight(weight: torch.Tensor | Fp8Weight, dtype: torch.dtype) -> torch.Tensor:
@@ -34,7 +48,7 @@ def dense_weight(weight: torch.Tensor | Fp8Weight, dtype: torch.dtype) -> torch.
     float32, rounded once), a tensor as it is."""
     if not isinstance(weight, Fp8Weight):
         return weight
-    return (weight.weight.float() * weight.scale[:, None]).to(dtype)
+    return (weight.weight.float() * weight.scale[..., None]).to(dtype)
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -53,10 +67,13 @@ def quantize_rows_into(
     scale: torch.Tensor,
     column_scale: torch.Tensor | None = None,
 ) -> None:
-    """Quantize ``source [N, K]`` (any float dtype) into ``weight`` (float8 ``[N, K]``) and
-    ``scale`` (float32 ``[N]``) by `quantize_rows`, a block of rows at a time. ``column_scale``
-    ``[K]``: ``source diag(column_scale)`` is quantized (a folded RMSNorm weight), the product
-    taken in float32 and rounded only by the quantization."""
+    """Quantize ``source [..., N, K]`` (any float dtype) into ``weight`` (float8, of its shape)
+    and ``scale`` (float32 ``[..., N]``) by `quantize_rows`, a block of rows at a time (stacked
+    experts' rows as one matrix's). ``column_scale`` ``[K]``: ``source diag(column_scale)`` is
+    quantized (a folded RMSNorm weight), the product taken in float32 and rounded only by the
+    quantization."""
+    source = source.reshape(-1, source.shape[-1])
+    weight, scale = weight.view(-1, weight.shape[-1]), scale.view(-1)
     for first in range(0, source.shape[0], _QUANTIZE_ROWS):
         rows = source[first : first + _QUANTIZE_ROWS].float()
         if column_scale is not None:

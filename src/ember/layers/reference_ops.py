@@ -467,8 +467,8 @@ def expert_activation(gate: torch.Tensor, up: torch.Tensor, activation: str) -> 
 
 def moe_experts_reference(
     x: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
+    w13: torch.Tensor | Fp8Weight,
+    w2: torch.Tensor | Fp8Weight,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     activation: str = "silu",
@@ -477,24 +477,32 @@ def moe_experts_reference(
 ) -> torch.Tensor:
     """``[T, H]`` in ``x``'s dtype: each token's routed experts' outputs, weighted and summed.
 
-    ``w13 [E, 2I, H]`` (gate rows, then up rows), ``w2 [E, H, I]``, optional biases
-    ``b13 [E, 2I]``, ``b2 [E, H]``; ``topk_ids`` int32 and ``topk_weights`` float32 ``[T, k]``.
-    One expert at a time, only those some token chose (their ids read on the host): the
-    expert's products and activation in the model's dtype as transformers computes them, each
-    output times its float32 weight, summed in float32 in expert order, rounded once."""
-    inter = w2.shape[-1]
+    ``w13 [E, 2I, H]`` (gate rows, then up rows), ``w2 [E, H, I]``, either an `Fp8Weight`
+    (scales ``[E, 2I]``, ``[E, H]``), optional biases ``b13 [E, 2I]``, ``b2 [E, H]``;
+    ``topk_ids`` int32 and ``topk_weights`` float32 ``[T, k]``. One expert at a time, only those
+    some token chose (their ids read on the host): an FP8 expert dequantized to ``x``'s dtype,
+    the expert's products and activation in the model's dtype as transformers computes them,
+    each output times its float32 weight, summed in float32 in expert order, rounded once."""
+    inter = (w2.weight if isinstance(w2, Fp8Weight) else w2).shape[-1]
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for expert in torch.unique(topk_ids).tolist():
         tokens, slots = (topk_ids == expert).nonzero(as_tuple=True)
-        gate_up = torch.nn.functional.linear(x[tokens], w13[expert])
+        gate_up = torch.nn.functional.linear(x[tokens], _expert(w13, expert, x.dtype))
         if b13 is not None:
             gate_up = gate_up + b13[expert]
         act = expert_activation(gate_up[:, :inter], gate_up[:, inter:], activation)
-        y = torch.nn.functional.linear(act, w2[expert])
+        y = torch.nn.functional.linear(act, _expert(w2, expert, x.dtype))
         if b2 is not None:
             y = y + b2[expert]
         out.index_add_(0, tokens, y.float() * topk_weights[tokens, slots, None])
     return out.to(x.dtype)
+
+
+def _expert(stacked: torch.Tensor | Fp8Weight, expert: int, dtype: torch.dtype) -> torch.Tensor:
+    """Expert ``expert``'s weight of stacked experts, an FP8 one dequantized to ``dtype``."""
+    if isinstance(stacked, Fp8Weight):
+        return dense_weight(Fp8Weight(stacked.weight[expert], stacked.scale[expert]), dtype)
+    return stacked[expert]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ folded. Loading is `ember.models.weight_placer`'s.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Hashable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -36,7 +36,7 @@ from ember.config import ModelConfig
 from ember.layer_attention import PLAIN, AttentionTemperature, LayerAttention
 from ember.layers.attention import AttentionBackend
 from ember.layers.forward_context import ForwardContext
-from ember.layers.fp8 import FP8_DTYPE, Fp8Weight
+from ember.layers.fp8 import FP8_DTYPE, Fp8Weight, held_fp8_weights
 from ember.layers.ops import Ops
 from ember.layers.residual import (
     ResidualStream,
@@ -45,7 +45,7 @@ from ember.layers.residual import (
     start_stream,
     sub_block_input,
 )
-from ember.models.checkpoint_layout import CheckpointLayout, Shapes
+from ember.models.checkpoint_layout import CheckpointLayout, Shapes, layer_of
 from ember.models.weight_placer import (
     KV_SCALE_NAMES,
     SCALAR_SHAPES,
@@ -74,6 +74,10 @@ class Projection(nn.Module):
     def operand(self) -> torch.Tensor | Fp8Weight:
         """The weight as the ops take it: an `Fp8Weight` of an FP8 projection."""
         return Fp8Weight(self.weight, self.weight_scale) if self.fp8 else self.weight
+
+    def fp8_weights(self) -> list[Fp8Weight]:
+        """Its FP8 weight with its scales (`ember.layers.fp8.held_fp8_weights`), if FP8."""
+        return [self.operand] if self.fp8 else []
 
 
 class Embedding(nn.Module):
@@ -159,13 +163,17 @@ def fp8_scale_tensors(cfg: ModelConfig, per_layer: dict[str, Shapes]) -> dict[st
         return optional
     for name in [name for name in per_layer if name.endswith("_proj.weight")]:
         projection = name.removesuffix(".weight")
-        rows = per_layer[name][0]
-        per_layer[f"{projection}.weight_scale"] = (
-            SCALAR_SHAPES if cfg.fp8.weight_scales == "tensor" else frozenset({(rows, 1), (rows,)})
-        )
+        per_layer[f"{projection}.weight_scale"] = weight_scale_shapes(cfg, per_layer[name][0])
         optional[f"{projection}.input_scale"] = SCALAR_SHAPES
     optional.update(dict.fromkeys(KV_SCALE_NAMES, SCALAR_SHAPES))
     return optional
+
+
+def weight_scale_shapes(cfg: ModelConfig, rows: int) -> frozenset[tuple[int, ...]]:
+    """The shapes an FP8 checkpoint's ``weight_scale`` of a weight of ``rows`` rows may take."""
+    if cfg.fp8 is not None and cfg.fp8.weight_scales == "tensor":
+        return SCALAR_SHAPES
+    return frozenset({(rows, 1), (rows,)})
 
 
 def is_ignored_tensor(cfg: ModelConfig, hf_name: str) -> bool:
@@ -398,14 +406,9 @@ class LlamaForCausalLM(nn.Module):
     # -- weights ---------------------------------------------------------------------------------
 
     def cast_to(self, dtype: torch.dtype) -> LlamaForCausalLM:
-        """The model with its parameters in ``dtype``, but FP8 projections' weights and scales,
-        which keep float8 e4m3 and float32."""
-        kept = {
-            id(param)
-            for module in self.modules()
-            if isinstance(module, Projection) and module.fp8
-            for param in (module.weight, module.weight_scale)
-        }
+        """The model with its parameters in ``dtype``, but FP8 weights and their scales (a
+        projection's, stacked experts'), which keep float8 e4m3 and float32."""
+        kept = {id(param) for weight in held_fp8_weights(self) for param in weight}
         return self._apply(lambda tensor: tensor if id(tensor) in kept else tensor.to(dtype))
 
     @classmethod
@@ -449,6 +452,11 @@ class LlamaForCausalLM(nn.Module):
             if on_tensor is not None:
                 on_tensor(count)
         placer.finish()
+
+    def load_group(self, hf_name: str) -> Hashable:
+        """The tensors a loader lands together before the FP8 weights among them are quantized
+        (`WeightPlacer.load_group`): a decoder layer's (None: the shared tensors)."""
+        return layer_of(hf_name)
 
     def weight_placer(self, headers: Mapping[str, TensorHeader] | None = None) -> WeightPlacer:
         """Where each checkpoint tensor goes, for loaders that copy the bytes themselves

@@ -13,13 +13,18 @@ A checkpoint holds each layer's experts in one of two forms, and either loads in
   save_original_format=False)`` writes this): ``mlp.experts.gate_up_proj`` [E, 2I, H] (gate
   rows, then up rows: the ops' layout already) and ``mlp.experts.down_proj`` [E, H, I], with the
   router at ``mlp.gate.weight``.
+
+FP8 experts (``cfg.fp8``): an FP8 checkpoint holds each expert's projections one by one, as
+llm-compressor writes them (float8 e4m3 beside a ``weight_scale`` per output channel or per
+tensor), its routers in float; float experts, in either form, are quantized as they land, a few
+experts at a time (`load_group`), so the float copy a load holds stays small.
 """
 
 from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Hashable, Mapping
 from types import MappingProxyType
 
 import torch
@@ -27,21 +32,29 @@ from torch import nn
 
 from ember.config import ModelConfig
 from ember.layers.ops import Ops
-from ember.models.checkpoint_layout import CheckpointLayout
+from ember.models.checkpoint_layout import CheckpointLayout, Shapes, layer_of
 from ember.models.llama import (
     LlamaForCausalLM,
     attention_tensors,
     dense_mlp_tensors,
+    fp8_scale_tensors,
     is_ignored_tensor,
     shared_tensors,
+    weight_scale_shapes,
 )
 from ember.models.moe import Routing, SparseMoeBlock
+from ember.models.weight_placer import SCALAR_SHAPES
 
-# model.layers.{i}.{block}.experts.{e}.{projection}.weight
-_PER_EXPERT = re.compile(r"(model\.layers\.\d+)\.(\w+)\.experts\.(\d+)\.(\w+)\.weight")
+# model.layers.{i}.{block}.experts.{e}.{projection}.weight (an FP8 checkpoint's: .weight_scale)
+_PER_EXPERT = re.compile(
+    r"(model\.layers\.\d+)\.(\w+)\.experts\.(\d+)\.(\w+)\.(weight|weight_scale)"
+)
 # model.layers.{i}.mlp.experts.{gate_up_proj | down_proj}
 _STACKED = re.compile(r"(model\.layers\.\d+)\.mlp\.experts\.(gate_up_proj|down_proj)")
 _STACKED_PARAMS = MappingProxyType({"gate_up_proj": "w13", "down_proj": "w2"})
+# Experts whose float weights land (and are quantized, with --quantization fp8) together: a
+# layer of Qwen3-30B-A3B's 128 holds 1.2 GB of bf16, 16 of them 0.15 GB.
+_EXPERTS_PER_LOAD_GROUP = 16
 
 
 class MoeForCausalLM(LlamaForCausalLM):
@@ -72,25 +85,32 @@ class MoeForCausalLM(LlamaForCausalLM):
     ) -> CheckpointLayout:
         """The checkpoint tensors a model of ``cfg`` reads: its experts stacked if
         ``stored_names`` (the checkpoint's) holds a stacked expert tensor, else one by one."""
-        if cfg.fp8 is not None:
-            raise ValueError(
-                f"{cfg.architecture}: FP8 weights (an FP8 checkpoint, or --quantization fp8) "
-                "are not supported for mixture-of-experts models yet; serve it in bf16"
-            )
         stacked = any(_STACKED.fullmatch(name) for name in stored_names)
+        if stacked and cfg.fp8 is not None and cfg.fp8.from_checkpoint:
+            raise ValueError(
+                f"{cfg.architecture}: FP8 experts stored stacked are not supported; ember loads "
+                "FP8 experts stored one tensor per expert, as llm-compressor writes them"
+            )
         experts = _stacked_tensors(cfg) if stacked else cls._per_expert_tensors(cfg)
         dense = dense_mlp_tensors(cfg.hidden_size, cfg.intermediate_size)
+        per_layer = attention_tensors(cfg)
+        optional = {
+            **fp8_scale_tensors(cfg, per_layer),
+            **fp8_scale_tensors(cfg, dense),
+            **_fp8_expert_scales(cfg, experts),
+        }
         return CheckpointLayout(
             cfg.architecture,
             cfg.num_layers,
             shared_tensors(cfg),
-            attention_tensors(cfg),
+            per_layer,
             functools.partial(is_ignored_tensor, cfg),
+            optional,
             layer_specific=functools.partial(_mlp_tensors, cfg, experts, dense),
         )
 
     @classmethod
-    def _per_expert_tensors(cls, cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    def _per_expert_tensors(cls, cfg: ModelConfig) -> dict[str, Shapes]:
         hidden, inter = cfg.hidden_size, cfg.moe_intermediate_size
         shapes = {"w13": (inter, hidden), "w2": (hidden, inter)}
         tensors = {f"{cls.block_name}.gate.weight": (cfg.num_experts, hidden)}
@@ -108,28 +128,37 @@ class MoeForCausalLM(LlamaForCausalLM):
                 return hf_name, None  # no such parameter: the placer refuses it by name
             param, half = place
             shard = 2 * expert + half if param == "w13" else expert
-            return f"{layer.removeprefix('model.')}.mlp.{param}", shard
+            scale = "_scale" if match[5] == "weight_scale" else ""
+            return f"{layer.removeprefix('model.')}.mlp.{param}{scale}", shard
         if match := _STACKED.fullmatch(hf_name):
             return f"{match[1].removeprefix('model.')}.mlp.{_STACKED_PARAMS[match[2]]}", None
         return super()._param_name(hf_name.replace(f".{self.block_name}.", ".mlp."))
 
     def _shard_view(self, data: torch.Tensor, name: str, shard: int) -> torch.Tensor:
-        if name.endswith(".w13"):  # shard 2e: expert e's gate rows, 2e + 1: its up rows
+        # Shard 2e: expert e's gate rows (or their scales), 2e + 1: its up rows.
+        if name.endswith((".w13", ".w13_scale")):
             inter = self.cfg.moe_intermediate_size
             return data[shard // 2].narrow(0, (shard % 2) * inter, inter)
-        if name.endswith(".w2"):
+        if name.endswith((".w2", ".w2_scale")):
             return data[shard]
         return super()._shard_view(data, name, shard)
 
     def _shard_count(self, name: str) -> int:
-        if name.endswith(".w13"):
+        if name.endswith((".w13", ".w13_scale")):
             return 2 * self.cfg.num_experts
-        if name.endswith(".w2"):
+        if name.endswith((".w2", ".w2_scale")):
             return self.cfg.num_experts
         return super()._shard_count(name)
 
+    def load_group(self, hf_name: str) -> Hashable:
+        """A layer's tensors land together, but its experts' (one tensor each), which land
+        `_EXPERTS_PER_LOAD_GROUP` experts at a time."""
+        if match := _PER_EXPERT.fullmatch(hf_name):
+            return layer_of(hf_name), int(match[3]) // _EXPERTS_PER_LOAD_GROUP
+        return super().load_group(hf_name)
 
-def _stacked_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+
+def _stacked_tensors(cfg: ModelConfig) -> dict[str, Shapes]:
     experts, hidden, inter = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
     return {
         "mlp.gate.weight": (experts, hidden),
@@ -138,12 +167,25 @@ def _stacked_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     }
 
 
+def _fp8_expert_scales(cfg: ModelConfig, experts: dict[str, Shapes]) -> dict[str, Shapes]:
+    """An FP8 checkpoint's expert scales: each expert projection's ``weight_scale`` added to
+    ``experts`` (one tensor per expert); returns the static activation scales they may have."""
+    optional: dict[str, Shapes] = {}
+    if cfg.fp8 is None or not cfg.fp8.from_checkpoint:
+        return optional
+    for name in [name for name in experts if ".experts." in name]:
+        stem = name.removesuffix(".weight")
+        experts[f"{stem}.weight_scale"] = weight_scale_shapes(cfg, experts[name][0])
+        optional[f"{stem}.input_scale"] = SCALAR_SHAPES
+    return optional
+
+
 def _mlp_tensors(
     cfg: ModelConfig,
-    experts: Mapping[str, tuple[int, ...]],
-    dense: Mapping[str, tuple[int, ...]],
+    experts: Mapping[str, Shapes],
+    dense: Mapping[str, Shapes],
     layer: int,
-) -> Mapping[str, tuple[int, ...]]:
+) -> Mapping[str, Shapes]:
     """Layer ``layer``'s MLP tensors: its experts' or its dense MLP's."""
     return experts if cfg.is_moe_layer(layer) else dense
 

@@ -3,7 +3,8 @@
 
 The routing is computed here, one variant per model family (`Routing`, `route`); the experts'
 weights are stacked per layer as the ops read them (docs/CONTRACTS.md, "Mixture of experts"):
-``w13`` [E, 2I, H] (gate rows, then up rows) and ``w2`` [E, H, I].
+``w13`` [E, 2I, H] (gate rows, then up rows) and ``w2`` [E, H, I], in the model's dtype or in
+FP8 with a scale per expert and row.
 
 The block reads the residual stream in its plain form only. The deferred form (norm weights
 folded into the projections, each row's 1/rms applied by the projection's reader) would need
@@ -22,6 +23,7 @@ import torch
 from torch import nn
 
 from ember.config import ModelConfig
+from ember.layers.fp8 import FP8_DTYPE, Fp8Weight
 from ember.layers.ops import Ops
 from ember.layers.residual import ResidualStream, add_sub_block_result, sub_block_input
 from ember.models.llama import Projection
@@ -75,7 +77,9 @@ class SparseMoeBlock(nn.Module):
     token: ``gate`` (the router, [E, H]), ``w13`` and ``w2`` (the stacked experts).
     ``activation``: the experts' (`Ops.moe_experts`); ``biases``: the router and the experts
     have biases (gpt-oss: ``gate.bias`` [E], ``b13`` [E, 2I] in w13's row order, ``b2``
-    [E, H])."""
+    [E, H]). With FP8 weights (``cfg.fp8``), ``w13`` and ``w2`` are float8 e4m3 and
+    ``w13_scale`` [E, 2I] and ``w2_scale`` [E, H] their rows' float32 scales; the router keeps
+    the model's dtype."""
 
     def __init__(
         self,
@@ -90,14 +94,29 @@ class SparseMoeBlock(nn.Module):
         self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
         experts, hidden, inter = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
         self.gate = Projection(hidden, experts, bias=biases)
-        self.w13 = nn.Parameter(torch.empty(experts, 2 * inter, hidden))
-        self.w2 = nn.Parameter(torch.empty(experts, hidden, inter))
+        self.fp8 = cfg.fp8 is not None
+        dtype = FP8_DTYPE if self.fp8 else None
+        self.w13 = nn.Parameter(torch.empty(experts, 2 * inter, hidden, dtype=dtype))
+        self.w2 = nn.Parameter(torch.empty(experts, hidden, inter, dtype=dtype))
+        if self.fp8:
+            self.w13_scale = nn.Parameter(torch.empty(experts, 2 * inter, dtype=torch.float32))
+            self.w2_scale = nn.Parameter(torch.empty(experts, hidden, dtype=torch.float32))
         self.register_parameter(
             "b13", nn.Parameter(torch.empty(experts, 2 * inter)) if biases else None
         )
         self.register_parameter(
             "b2", nn.Parameter(torch.empty(experts, hidden)) if biases else None
         )
+
+    def experts(self) -> tuple[torch.Tensor | Fp8Weight, torch.Tensor | Fp8Weight]:
+        """``(w13, w2)`` as `Ops.moe_experts` takes them: `Fp8Weight`s of FP8 experts."""
+        if self.fp8:
+            return Fp8Weight(self.w13, self.w13_scale), Fp8Weight(self.w2, self.w2_scale)
+        return self.w13, self.w2
+
+    def fp8_weights(self) -> list[Fp8Weight]:
+        """The FP8 experts with their scales (`ember.layers.fp8.held_fp8_weights`), if FP8."""
+        return list(self.experts()) if self.fp8 else []
 
     def forward(self, stream: ResidualStream, norm_weight: torch.Tensor) -> ResidualStream:
         x, row_norm, stream = sub_block_input(self.ops, stream, norm_weight)
@@ -106,6 +125,6 @@ class SparseMoeBlock(nn.Module):
         logits = self.ops.linear(x, self.gate.weight, self.gate.bias)
         weights, ids = route(self.routing, logits, self.top_k, self.norm_topk_prob)
         out = self.ops.moe_experts(
-            x, self.w13, self.w2, weights, ids, activation=self.activation, b13=self.b13, b2=self.b2
+            x, *self.experts(), weights, ids, activation=self.activation, b13=self.b13, b2=self.b2
         )
         return add_sub_block_result(self.ops, stream, out)

@@ -25,13 +25,13 @@ conversion reads has landed, a layer at a time like the quantization above.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
-from ember.layers.fp8 import FP8_DTYPE, quantize_rows_into
+from ember.layers.fp8 import FP8_DTYPE, held_fp8_weights, quantize_rows_into
 from ember.models.checkpoint_layout import layer_of
 from ember.weights.checkpoint import TensorHeader
 from ember.weights.finite_check import first_non_finite
@@ -97,6 +97,12 @@ class WeightPlacer:
         self._model = model
         self._headers = headers
         self._params = dict(model.named_parameters())
+        # Each FP8 weight parameter's row scales (by parameter name), and the scales.
+        names = {id(param): name for name, param in self._params.items()}
+        self._scale_of = {
+            names[id(weight.weight)]: names[id(weight.scale)] for weight in held_fp8_weights(model)
+        }
+        self._scales = frozenset(self._scale_of.values())
         scheme = model.cfg.fp8
         self._fp8_checkpoint = scheme is not None and scheme.from_checkpoint
         # Whether float weights are quantized as they load (call `quantize_landed`).
@@ -131,7 +137,7 @@ class WeightPlacer:
         param = self._params[name]
         target = param.data if shard is None else model._shard_view(param.data, name, shard)
         self._placed.add(_key(name, shard))
-        if name.endswith(".weight_scale"):
+        if name in self._scales:
             return self._scale_target(hf_name, target, shape)
         self._check_shape(hf_name, target, shape)
         if target.dtype == FP8_DTYPE and self.quantizes:
@@ -144,11 +150,12 @@ class WeightPlacer:
         self._targets.append((hf_name, target))
         return target
 
-    def load_group(self, hf_name: str) -> int | None:
+    def load_group(self, hf_name: str) -> Hashable:
         """The group a loader that lands a group of tensors at a time puts ``hf_name`` in: its
         decoder layer (None: the shared tensors), so that a layer's float weights and its norms
-        land together and `quantize_landed` quantizes them before the next layer arrives."""
-        return layer_of(hf_name)
+        land together and `quantize_landed` quantizes them before the next layer arrives; a
+        model may cut a layer finer (`load_group` of the model: a few experts at a time)."""
+        return self._model.load_group(hf_name)
 
     @property
     def transforms(self) -> bool:
@@ -265,7 +272,7 @@ class WeightPlacer:
         self, hf_name: str, name: str, shard: int | None, weight: torch.Tensor
     ) -> torch.Tensor:
         """Scratch for a float weight quantized once it (and its norm) has landed."""
-        scale_name = name.removesuffix(".weight") + ".weight_scale"
+        scale_name = self._scale_of[name]
         scale = self._params[scale_name].data
         if shard is not None:
             scale = self._model._shard_view(scale, scale_name, shard)

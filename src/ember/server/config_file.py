@@ -50,6 +50,7 @@ from typing import Any
 from ember.config import (
     ENGINE_OPTIONS,
     KV_CACHE_DTYPES,
+    LOAD_FORMATS,
     MEMORY_OPTIONS,
     PDL_MODES,
     QUANTIZATION_CHOICES,
@@ -306,6 +307,7 @@ _CHOICES = {
     "cuda_graph_mode": CUDA_GRAPH_MODES,
     "kv_cache_dtype": KV_CACHE_DTYPES,
     "quantization": QUANTIZATION_CHOICES,
+    "load_format": LOAD_FORMATS,
 }
 _KIND_NAMES = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
 

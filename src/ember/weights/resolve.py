@@ -30,7 +30,8 @@ def open_checkpoint(
 
     ``download_dir`` is where an object store's models are cached (default: the user's cache
     directory). ``weights=False`` opens what a process that never reads tensors needs (config,
-    tokenizer): an object-store model then downloads no weight file, unless it is a GGUF file.
+    tokenizer): a model directory's weight files are not looked for (it may have none), an
+    object-store model downloads none, unless it is a GGUF file.
     """
     if is_object_url(model):
         if revision is not None:
@@ -47,15 +48,16 @@ def open_checkpoint(
     if path.exists():
         if revision is not None:
             raise ValueError(f"{path}: a revision applies only to Hugging Face model ids")
-        return open_path(path)
+        return open_path(path, weights=weights)
     text = os.fspath(model)
     if not is_model_id(text) or text.endswith(GGUF_SUFFIX):
         raise ModelNotFoundError(f"{text}: no such file or directory")
-    return open_path(find_cached_model(text, revision), name=text)
+    return open_path(find_cached_model(text, revision), name=text, weights=weights)
 
 
-def open_path(path: Path, name: str | None = None) -> Checkpoint:
-    """Open an existing `.gguf` file or model directory."""
+def open_path(path: Path, name: str | None = None, *, weights: bool = True) -> Checkpoint:
+    """Open an existing `.gguf` file or model directory (``weights=False``: its metadata only,
+    as `open_checkpoint`'s)."""
     if path.is_file():
         if path.suffix.lower() != GGUF_SUFFIX:
             raise ValueError(f"{path}: not a .gguf file; pass a .gguf file or a model directory")
@@ -69,7 +71,7 @@ def open_path(path: Path, name: str | None = None) -> Checkpoint:
             listing = ", ".join(p.name for p in gguf_files)
             raise ValueError(f"{path}: holds several .gguf files ({listing}); pass one of them")
         return _open_gguf(gguf_files[0])
-    return HFDirCheckpoint(path, name=name)
+    return HFDirCheckpoint(path, name=name, weights=weights)
 
 
 def _open_object(

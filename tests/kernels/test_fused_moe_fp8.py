@@ -1,0 +1,146 @@
+"""The fused MoE kernels over FP8 experts (Triton's interpreter on a CPU): on both paths, for
+routings that send every token to one expert or leave experts without any, they compute what
+the float64 loop computes on the dequantized weights, and what the reference op computes on
+the same operands; an FP8 operand without its scales is refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers.moe_reference import moe_reference, moe_weights, routing
+
+from ember.kernels.fused_moe import fused_moe
+from ember.kernels.moe_tiles import GemmTiles, MoeTiles
+from ember.layers.fp8 import Fp8Weight, dense_weight, quantize_rows
+from ember.layers.reference_ops import moe_experts_reference
+
+BY_PAIR = MoeTiles(True, 16, GemmTiles(16, 32, 2, 4), GemmTiles(32, 32, 2, 4))
+GROUPED = MoeTiles(False, 16, GemmTiles(32, 64, 2, 4), GemmTiles(32, 32, 2, 4, group_m=2))
+# Rows of 32, column tiles past I and H, K steps that do not divide H or I.
+GROUPED_ODD = MoeTiles(False, 32, GemmTiles(32, 32, 2, 4, group_m=3), GemmTiles(64, 32, 2, 4))
+PATHS = {"by_pair": BY_PAIR, "grouped": GROUPED, "grouped_odd": GROUPED_ODD}
+
+
+def fp8_experts(stacked: torch.Tensor) -> Fp8Weight:
+    """Stacked experts ``[E, N, K]`` quantized per expert and row, as a model holds them."""
+    weight, scale = quantize_rows(stacked.reshape(-1, stacked.shape[-1]))
+    return Fp8Weight(weight.view(stacked.shape), scale.view(stacked.shape[:2]))
+
+
+def on(device, weight: Fp8Weight) -> Fp8Weight:
+    return Fp8Weight(weight.weight.to(device), weight.scale.to(device))
+
+
+def case(gen, *, tokens, num_experts, hidden, inter, top_k, kind, dtype, bias=False):
+    """Inputs with FP8 experts, and the float64 reference on their dequantized weights."""
+    weights = moe_weights(num_experts, hidden, inter, gen, torch.float32, bias)
+    w13, w2 = fp8_experts(weights["w13"]), fp8_experts(weights["w2"])
+    x = torch.randn(tokens, hidden, generator=gen).to(dtype)
+    ids, topk_weights = routing(kind, tokens, num_experts, top_k, gen)
+    biases = {name: weights[name] for name in ("b13", "b2")}
+    inputs = {"x": x, "w13": w13, "w2": w2, "topk_weights": topk_weights, "topk_ids": ids}
+    expected = moe_reference(
+        x,
+        dense_weight(w13, torch.float64),
+        dense_weight(w2, torch.float64),
+        topk_weights,
+        ids,
+        activation="swiglu_oai" if bias else "silu",
+        **biases,
+    )
+    return inputs, biases, expected
+
+
+def run(device, inputs, biases, tiles, activation="silu"):
+    on_device = {
+        name: on(device, value) if isinstance(value, Fp8Weight) else value.to(device)
+        for name, value in inputs.items()
+    }
+    biases = {name: b if b is None else b.to(device) for name, b in biases.items()}
+    return fused_moe(**on_device, **biases, activation=activation, tiles=tiles).cpu()
+
+
+def assert_matches(out, expected, dtype):
+    if dtype == torch.float32:
+        torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=1e-4)
+    else:  # gate, up, the activation, each expert's output and its weighted copy rounded
+        torch.testing.assert_close(out.double(), expected, atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize("path", sorted(PATHS))
+@pytest.mark.parametrize(
+    ("kind", "tokens", "top_k"),
+    [
+        ("random", 5, 2),
+        ("one_expert", 6, 1),  # every token on one expert; the others get none
+        ("one_expert", 3, 2),
+        ("some_experts_empty", 33, 2),
+    ],
+)
+def test_fp8_experts_compute_their_dequantized_weights(gen, device, path, kind, tokens, top_k):
+    hidden, inter = (72, 48) if path == "grouped_odd" else (64, 32)
+    inputs, biases, expected = case(
+        gen,
+        tokens=tokens,
+        num_experts=8,
+        hidden=hidden,
+        inter=inter,
+        top_k=top_k,
+        kind=kind,
+        dtype=torch.float32,
+    )
+    out = run(device, inputs, biases, PATHS[path])
+    assert out.dtype == torch.float32 and out.shape == (tokens, hidden)
+    assert_matches(out, expected, torch.float32)
+
+
+@pytest.mark.parametrize("path", ["by_pair", "grouped"])
+def test_bf16_activations_with_biases(gen, device, path):
+    inputs, biases, expected = case(
+        gen,
+        tokens=9,
+        num_experts=8,
+        hidden=64,
+        inter=64,
+        top_k=2,
+        kind="some_experts_empty",
+        dtype=torch.bfloat16,
+        bias=True,
+    )
+    out = run(device, inputs, biases, PATHS[path], activation="swiglu_oai")
+    assert out.dtype == torch.bfloat16
+    assert_matches(out, expected, torch.bfloat16)
+
+
+@pytest.mark.parametrize("path", ["by_pair", "grouped"])
+def test_the_kernels_and_the_reference_op_agree_on_fp8_experts(gen, device, path):
+    """The Triton ops' ``moe_experts`` and the reference ops' (which dequantize each expert as
+    they loop) on the same `Fp8Weight` operands."""
+    inputs, biases, _ = case(
+        gen,
+        tokens=6,
+        num_experts=8,
+        hidden=64,
+        inter=32,
+        top_k=2,
+        kind="some_experts_empty",
+        dtype=torch.float32,
+    )
+    out = run(device, inputs, biases, PATHS[path])
+    expected = moe_experts_reference(**inputs)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_fp8_experts_need_their_scales():
+    weights = moe_weights(4, 64, 32, torch.Generator().manual_seed(0))
+    w13, w2 = fp8_experts(weights["w13"]), fp8_experts(weights["w2"])
+    x = torch.zeros(2, 64)
+    ids, topk_weights = torch.zeros(2, 2, dtype=torch.int32), torch.full((2, 2), 0.5)
+    with pytest.raises(ValueError, match="needs its scales"):
+        fused_moe(x, w13.weight, w2, topk_weights, ids)
+    with pytest.raises(ValueError, match=r"w2's scales must be \[E, rows\]"):
+        fused_moe(x, w13, Fp8Weight(w2.weight, w2.scale[:, :16]), topk_weights, ids)
+    with pytest.raises(ValueError, match="float32 scales"):
+        fused_moe(x, Fp8Weight(w13.weight, w13.scale.double()), w2, topk_weights, ids)
+    with pytest.raises(ValueError, match="dtype"):  # FP8 gate/up, float down
+        fused_moe(x, w13, weights["w2"], topk_weights, ids)

@@ -1,0 +1,119 @@
+"""`--load-format dummy`: a folder holding only a config and tokenizer (`ember bench make-model
+--config-only`) serves on random weights made on the device, seeded (the same seed the same
+weights, another seed others, and again after a sleep that dropped them), FP8 ones quantized
+as a checkpoint's are at load; a folder without a config is refused, saying why."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers.prefill import ember_prefill_logits
+
+from ember import LLM, SamplingParams
+from ember.bench.make_model import make_model
+from ember.config import EngineConfig
+from ember.layers.fp8 import FP8_DTYPE, dense_weight, held_fp8_weights, quantize_rows
+
+PROMPTS = [[5, 9, 14, 3, 77, 21, 8], [400, 12]]
+
+
+@pytest.fixture(scope="module")
+def config_only(tmp_path_factory):
+    """The tiny presets' config and tokenizer files, no weight."""
+    root = tmp_path_factory.mktemp("config-only")
+    return {
+        preset: make_model(preset, root / preset, config_only=True)
+        for preset in ("tiny", "tiny-qwen3-moe")
+    }
+
+
+def load(path, **options) -> LLM:
+    return LLM(
+        str(path),
+        load_format="dummy",
+        device="cpu",
+        max_model_len=128,
+        kv_cache_memory_bytes=8 << 20,
+        **options,
+    )
+
+
+def parameters(llm: LLM) -> dict[str, torch.Tensor]:
+    return {name: p.detach().clone() for name, p in llm.instance.model.named_parameters()}
+
+
+def test_make_model_config_only_writes_no_weight(config_only):
+    files = {path.name for path in config_only["tiny"].iterdir()}
+    assert {"config.json", "generation_config.json", "tokenizer.json"} <= files
+    assert not any(name.endswith(".safetensors") or "index" in name for name in files)
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-qwen3-moe"])
+def test_a_folder_with_only_a_config_generates_from_dummy_weights(config_only, preset):
+    llm = load(config_only[preset])
+    model = llm.instance.model
+    assert torch.equal(model.layers[1].input_layernorm, torch.ones_like(model.norm))
+    assert torch.equal(model.norm, torch.ones_like(model.norm))
+    down = model.layers[1].mlp.w2 if preset != "tiny" else model.layers[1].mlp.down_proj.weight
+    assert 0.5 < down.std() * down.shape[-1] ** 0.5 < 2  # N(0, 1/fan_in)
+    assert all(torch.isfinite(logits).all() for logits in ember_prefill_logits(llm, PROMPTS))
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+    assert all(len(out.outputs[0].token_ids) == 5 for out in outputs)
+
+
+def test_the_seed_decides_the_weights(config_only):
+    one, again, other = (parameters(load(config_only["tiny"], seed=s)) for s in (0, 0, 1))
+    assert all(torch.equal(one[name], again[name]) for name in one)
+    weights = [name for name in one if one[name].dim() == 2]
+    assert weights and not any(torch.equal(one[name], other[name]) for name in weights)
+
+
+def test_fp8_dummy_weights_are_what_quantizing_them_gives(config_only):
+    """With --quantization fp8, every projection and expert is FP8: each row quantizes to
+    itself (its scale maps its largest value onto 448), and the model computes."""
+    llm = load(config_only["tiny-qwen3-moe"], quantization="fp8")
+    model = llm.instance.model
+    held = held_fp8_weights(model)
+    assert model.layers[1].mlp.w13.dtype == FP8_DTYPE and len(held) > 4
+    for weight in held:
+        rows = dense_weight(weight, torch.float32).reshape(-1, weight.weight.shape[-1])
+        again, scale = quantize_rows(rows)
+        assert torch.equal(
+            again.view(torch.uint8), weight.weight.reshape(again.shape).view(torch.uint8)
+        )
+        torch.testing.assert_close(scale[:, 0], weight.scale.reshape(-1), rtol=1e-6, atol=0)
+    assert model.layers[1].mlp.gate.weight.dtype == torch.float32
+    assert all(torch.isfinite(logits).all() for logits in ember_prefill_logits(llm, PROMPTS))
+
+
+def test_a_sleep_that_drops_the_weights_makes_the_same_ones_on_wake(config_only):
+    llm = load(config_only["tiny"], seed=7)
+    before = parameters(llm)
+    llm.instance.sleep(None)  # no host stash: the weights are dropped
+    llm.instance.wake(None)
+    after = parameters(llm)
+    assert all(torch.equal(before[name], after[name]) for name in before)
+
+
+def test_output_rows_past_the_tokenizer_are_zero(tmp_path):
+    """A vocabulary larger than the tokenizer's (the real presets' 128k beside SmolLM2's 49k):
+    the head's rows past its ids are zero, so greedy decoding keeps to ids that decode."""
+    path = make_model("tiny", tmp_path / "tiny", config_only=True)
+    config = path / "config.json"
+    config.write_text(config.read_text().replace('"vocab_size": 49152', '"vocab_size": 50000'))
+    llm = load(path)
+    head = llm.instance.model.embed_tokens.weight  # tied
+    vocab = llm.instance.tokenizer.vocab_size
+    assert vocab < 50000 and not head[vocab:].any() and head[:vocab].abs().sum(1).all()
+
+
+def test_dummy_weights_need_a_config(tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="dummy makes the weights from the model's config.json: "):
+        load(tmp_path / "empty")
+
+
+def test_an_unknown_load_format_is_refused():
+    with pytest.raises(ValueError, match="load_format must be one of auto, dummy"):
+        EngineConfig(load_format="pt")
