@@ -157,6 +157,7 @@ def test_step_bench_logic_runs_on_a_cpu(tiny_bench):
     }
     assert all(p["pause_ms"] > 20 for p in row["gc"]["slow_passes"])  # gc_heap.SLOW_PASS_S
     assert bench.decode(batch=4, context=250)["skipped"].startswith("KV for")
+    assert "chosen_experts_roofline_ms" not in row  # a dense model
     prefill = bench.prefill(chunk=16, repeat=1)
     assert prefill["tokens_per_s"] > 0
     eager = bench.eager_vs_graph(batch=2, context=32)
@@ -360,3 +361,44 @@ def test_load_format_dummy_reaches_the_benchmarks_models():
     spec = serve.launch_spec(parser.parse_args(argv))
     assert spec.model == "m" and spec.server_args == ("--seed", "3", "--load-format", "dummy")
     assert serve.launch_spec(parser.parse_args(argv[:3])).server_args == ("--seed", "3")
+
+
+def test_expected_chosen_experts_counts_distinct_experts_of_uniform_routing():
+    from ember.bench.step_bench import expected_chosen_experts
+
+    assert expected_chosen_experts(128, 8, 1) == pytest.approx(8)  # one token: its own k
+    assert expected_chosen_experts(8, 8, 5) == pytest.approx(8)  # k = E: every expert
+    gen = torch.Generator().manual_seed(0)
+    counts = [
+        len({int(e) for _ in range(16) for e in torch.randperm(32, generator=gen)[:4]})
+        for _ in range(400)
+    ]
+    assert sum(counts) / len(counts) == pytest.approx(expected_chosen_experts(32, 4, 16), rel=0.02)
+
+
+def test_a_moe_decode_row_has_a_floor_for_its_chosen_experts(tmp_path):
+    """A decode step of a mixture of experts gets a second floor, reading only the experts its
+    tokens choose; a dense model's row has none."""
+    from ember.bench.make_model import make_model
+    from ember.bench.roofline import Ceilings
+    from ember.bench.step_bench import StepBench, expected_chosen_experts
+    from ember.config import engine_config
+    from ember.engine.model_instance import ModelInstance
+
+    path = make_model("tiny-qwen3-moe", tmp_path / "moe", device="cpu")
+    config = engine_config(
+        str(path), device="cpu", num_gpu_blocks_override=64, max_num_seqs=4,
+        max_num_batched_tokens=64, max_model_len=256,
+    )  # fmt: skip
+    ceilings = Ceilings(hbm_bytes_per_s=1e11, bf16_flops_per_s=1e12)
+    bench = StepBench(ModelInstance(config), ceilings, None, None)
+    cfg = bench.cfg
+    assert 0 < bench.expert_bytes < bench.weight_bytes
+    row = bench.decode(batch=2, context=32, steps=2, warmup=1)
+    chosen = expected_chosen_experts(cfg.num_experts, cfg.num_experts_per_tok, 2)
+    assert row["expected_chosen_experts"] == pytest.approx(chosen)
+    assert row["chosen_experts_roofline_ms"] < row["sequential_roofline_ms"]
+    skipped = bench.expert_bytes * (1 - chosen / cfg.num_experts)
+    assert row["sequential_roofline_ms"] - row["chosen_experts_roofline_ms"] == pytest.approx(
+        skipped / 1e11 * 1e3, rel=1e-6
+    )

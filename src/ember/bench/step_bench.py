@@ -77,6 +77,10 @@ class StepBench:
             if not name.endswith("_scale")  # FP8 row scales
         )
         self.weight_bytes = sum(p.numel() * p.element_size() for _, p in streamed)
+        # A mixture of experts' decode step reads only its tokens' chosen experts.
+        self.expert_bytes = sum(
+            p.numel() * p.element_size() for name, p in streamed if _is_expert_weight(name)
+        )
         self.loop = TimedLoop.of(instance)
         self._ids = 0
 
@@ -181,9 +185,30 @@ class StepBench:
             "sequential_roofline_ms": sequential_floor * 1e3,
             "fraction_of_sequential_roofline": sequential_floor / step_s,
             **capped,
+            **self._selected_experts_floor(batch, kv_bytes, gemm_flops, attn_flops, step_s),
             "bytes_moved": bytes_moved,
             "flops": flops,
             "power": power,
+        }
+
+    def _selected_experts_floor(
+        self, batch: int, kv_bytes: float, gemm_flops: float, attn_flops: float, step_s: float
+    ) -> dict:
+        """For a mixture of experts: the sequential floor of a step that reads, of each MoE
+        layer's experts, only as many as ``batch`` tokens choose when the router spreads them
+        uniformly (`expected_chosen_experts`); {} for a dense model."""
+        cfg = self.cfg
+        if not self.expert_bytes:
+            return {}
+        chosen = expected_chosen_experts(cfg.num_experts, cfg.num_experts_per_tok, batch)
+        weight_bytes = self.weight_bytes - self.expert_bytes * (1 - chosen / cfg.num_experts)
+        floor = self.ceil.floor_seconds(weight_bytes, gemm_flops) + self.ceil.floor_seconds(
+            kv_bytes, attn_flops
+        )
+        return {
+            "expected_chosen_experts": chosen,
+            "chosen_experts_roofline_ms": floor * 1e3,
+            "fraction_of_chosen_experts_roofline": floor / step_s,
         }
 
     def _sequential_floor(
@@ -334,6 +359,19 @@ class StepBench:
             "fraction_of_bf16_peak": flops / seconds / self.ceil.bf16_flops_per_s,
             "fraction_of_roofline": floor / seconds,
         }
+
+
+def _is_expert_weight(name: str) -> bool:
+    """Whether parameter ``name`` is a stacked expert tensor (``w13``, ``w2``, their scales and
+    biases: `ember.models.moe.SparseMoeBlock`), read only for the experts a step chooses."""
+    return name.rsplit(".", 1)[-1] in ("w13", "w2", "w13_scale", "w2_scale", "b13", "b2")
+
+
+def expected_chosen_experts(num_experts: int, top_k: int, tokens: int) -> float:
+    """How many of ``num_experts`` experts ``tokens`` tokens choose between them, each ``top_k``
+    distinct ones uniformly at random: each expert is missed by a token with probability
+    1 - k/E, so E (1 - (1 - k/E)^T) are chosen on average."""
+    return num_experts * (1 - (1 - top_k / num_experts) ** tokens)
 
 
 def fill_normal(kv_cache: torch.Tensor, std: float) -> None:
