@@ -155,22 +155,25 @@ stage_serve() {  # the first size, then the pinned run (its ratio to the first),
 # per-channel weight scales), its decode/prefill steps against the FP8 roofline (stage fp8_step),
 # and ShareGPT at concurrency 200 in bf16, then with FP8 weights, then FP8 weights + FP8 KV cache
 # (stage fp8_serve); stage fp8 runs both.
-FP8_MODEL=/tmp/$PRESET-random-fp8
+FP8_MODEL=/tmp/$PRESET-random-fp8${LOAD_FORMAT:+-$LOAD_FORMAT}
 make_fp8_model() {
   if [ ! -f "$FP8_MODEL/config.json" ]; then
     stamp "make-model $PRESET --quantization fp8"
     limited $PY -m ember.cli bench make-model --preset "$PRESET" --out "$FP8_MODEL" \
-      --quantization fp8 --tokenizer-dir "$EMBER_TEST_TOKENIZER_DIR" || return 1
+      --quantization fp8 --tokenizer-dir "$EMBER_TEST_TOKENIZER_DIR" \
+      ${LOAD_FORMAT:+--config-only} || return 1
   fi
 }
 stage_fp8_step() {
   make_fp8_model || return 1
   stamp "bench step fp8 weights"
   limited $PY -m ember.cli bench step --model "$FP8_MODEL" --out "$RES/step_fp8" \
-    --sections decode prefill --decode-batches 1 64 256 ${EMBER_STEP_ARGS:-}
+    --sections decode prefill --decode-batches 1 64 256 ${EMBER_STEP_ARGS:-} \
+    ${LOAD_FORMAT:+--load-format "$LOAD_FORMAT"}
   stamp "bench step fp8 weights + fp8 kv"
   limited $PY -m ember.cli bench step --model "$FP8_MODEL" --out "$RES/step_fp8_kv" \
-    --sections decode --decode-batches 1 64 256 --kv-cache-dtype fp8 ${EMBER_STEP_ARGS:-}
+    --sections decode --decode-batches 1 64 256 --kv-cache-dtype fp8 ${EMBER_STEP_ARGS:-} \
+    ${LOAD_FORMAT:+--load-format "$LOAD_FORMAT"}
 }
 stage_fp8_serve() {
   make_model
