@@ -21,7 +21,8 @@
 # EMBER_PEER_DEVICE=cpu EMBER_SERVE_OUTPUT_LEN=8 EMBER_MT_CONVERSATIONS=8 EMBER_MT_OUTPUT_LEN=16):
 #   EMBER_STEP_ARGS (e.g. "--sections attention"), EMBER_TUNE_ARGS (e.g. "--sections split_k stream_k"),
 #   EMBER_BENCH_PRESET (llama-3.1-8b), EMBER_BENCH_QUANTIZATION (unset; fp8: the benchmarks'
-#   checkpoint with FP8 linear weights, llm-compressor's layout), EMBER_BENCH_LOAD_FORMAT (unset;
+#   checkpoint with FP8 linear weights, llm-compressor's layout; mxfp4, gpt-oss presets: its
+#   experts in MXFP4 as OpenAI publishes them, served packed), EMBER_BENCH_LOAD_FORMAT (unset;
 #   dummy: the preset's config and tokenizer only, its weights made on the GPU by step, profile
 #   and serve: for shapes whose checkpoint does not fit the disk), EMBER_GPU_TESTS
 #   ("tests/gpu tests/kernels"),
@@ -193,10 +194,12 @@ stage_fp8() {
 
 # Mixture of experts (issue 45): the fused MoE kernels' GPU tests, then their tiles and paths
 # timed per expert shape against the chosen experts' bytes (`ember bench tune --sections moe`;
-# EMBER_MOE_SHAPES picks the shapes, one a call fits the time).
+# EMBER_MOE_SHAPES picks the shapes, one a call fits the time; gpt-oss-20b-mxfp4 and
+# gpt-oss-120b-mxfp4 time the kernels' MXFP4 variant on packed experts).
 stage_moe() {
   stamp "GPU tests: fused MoE"
   limited $PY -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_fused_moe.py \
+    tests/gpu/test_gpu_fused_moe_mxfp4.py \
     > "$RES/gpu_tests_moe.log" 2>&1
   tail -n 20 "$RES/gpu_tests_moe.log"
   stamp "bench tune moe"

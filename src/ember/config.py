@@ -132,6 +132,10 @@ class ModelConfig:
     # Set when the model is planned, from the checkpoint's quantization_config and the engine's
     # `quantization` option.
     fp8: Fp8Scheme | None = None
+    # A mixture of experts' weights held packed in MXFP4 (`ember.layers.mxfp4`), as gpt-oss's
+    # checkpoints store them; set when the model is planned (`ember.quantization.mxfp4_experts`).
+    # False with an MXFP4 checkpoint: its experts are dequantized to the model's dtype at load.
+    mxfp4_experts: bool = False
     # Each layer's sliding window, chunks, sinks, NoPE, QK norm (`ember.layer_attention`): one
     # entry per layer, or one entry for every layer; () where every layer is plain attention.
     layer_attention: tuple[LayerAttention, ...] = ()

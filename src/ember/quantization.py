@@ -21,8 +21,8 @@ and checked, not used. ``--quantization fp8`` on a checkpoint of float weights (
 GGUF) quantizes each linear layer's weight as it loads, with a scale per output channel.
 
 ``quant_method: mxfp4`` (gpt-oss as OpenAI publishes it) holds only the experts in MXFP4
-(``*_blocks`` / ``*_scales``), which the model dequantizes to its dtype as they load
-(`ember.weights.mxfp4`): for the linear layers it is a checkpoint of float weights.
+(``*_blocks`` / ``*_scales``), which the model keeps packed (`mxfp4_experts`,
+`ember.layers.mxfp4`): for the linear layers it is a checkpoint of float weights.
 
 In a mixture of experts, every expert's projections are FP8 too (one scale per expert and
 output channel, or per expert tensor); the routers stay in the model's dtype, and a checkpoint
@@ -32,6 +32,7 @@ names them among its unquantized modules.
 from __future__ import annotations
 
 import re
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,6 +45,8 @@ _UNQUANTIZED_MODULES = frozenset({"lm_head", "re:.*lm_head", "re:lm_head"})
 # logits decide the experts: llm-compressor's recipes leave it out, as "re:.*mlp.gate$",
 # "re:.*block_sparse_moe.gate" or each layer's "model.layers.0.mlp.gate").
 _ROUTER_NAMES = frozenset({"gate", "router"})
+# How an MXFP4 checkpoint names its experts' packed values (their scales: ``*_scales``).
+MXFP4_BLOCKS_SUFFIX = "_proj_blocks"
 
 
 @dataclass(frozen=True)
@@ -72,7 +75,7 @@ def fp8_scheme(hf_config: dict[str, Any], requested: str | None = None) -> Fp8Sc
     if not config:
         return Fp8Scheme(from_checkpoint=False) if requested == "fp8" else None
     method = _as_object(config).get("quant_method")
-    if method == "mxfp4":  # only the experts, dequantized as they load
+    if method == "mxfp4":  # only the experts (`mxfp4_experts`)
         return Fp8Scheme(from_checkpoint=False) if requested == "fp8" else None
     if method == "fp8":
         return _plain_fp8(config)
@@ -83,6 +86,16 @@ def fp8_scheme(hf_config: dict[str, Any], requested: str | None = None) -> Fp8Sc
         "(quant_method fp8, or compressed-tensors FP8), gpt-oss's MXFP4 experts (quant_method "
         "mxfp4) and bf16/fp16/fp32 ones"
     )
+
+
+def mxfp4_experts(hf_config: dict[str, Any], stored_names: Collection[str] | None) -> bool:
+    """Whether a model holds its experts packed in MXFP4: its checkpoint stores them so (its
+    tensor names ``stored_names`` hold ``*_proj_blocks``), or, for dummy weights (``stored_names``
+    None), its config.json's ``quant_method`` is mxfp4."""
+    if stored_names is not None:
+        return any(name.endswith(MXFP4_BLOCKS_SUFFIX) for name in stored_names)
+    config = hf_config.get("quantization_config") or {}
+    return _as_object(config).get("quant_method") == "mxfp4"
 
 
 def _plain_fp8(config: dict[str, Any]) -> Fp8Scheme:

@@ -402,3 +402,30 @@ def test_a_moe_decode_row_has_a_floor_for_its_chosen_experts(tmp_path):
     assert row["sequential_roofline_ms"] - row["chosen_experts_roofline_ms"] == pytest.approx(
         skipped / 1e11 * 1e3, rel=1e-6
     )
+
+
+def test_the_chosen_experts_floor_counts_packed_mxfp4_bytes(tmp_path):
+    """gpt-oss with MXFP4 experts: the step benchmark multiplies as many weights as with bf16
+    ones, and reads each expert at its packed half byte a value and a scale byte a 32."""
+    from ember.bench.make_model import make_model
+    from ember.bench.roofline import Ceilings
+    from ember.bench.step_bench import StepBench
+    from ember.config import engine_config
+    from ember.engine.model_instance import ModelInstance
+
+    benches = {}
+    for form in (None, "mxfp4"):
+        path = make_model("tiny-gpt-oss", tmp_path / str(form), device="cpu", quantization=form)
+        config = engine_config(
+            str(path), device="cpu", num_gpu_blocks_override=64, max_model_len=256
+        )
+        ceilings = Ceilings(hbm_bytes_per_s=1e11, bf16_flops_per_s=1e12)
+        benches[form] = StepBench(ModelInstance(config), ceilings, None, None)
+    plain, packed = benches[None], benches["mxfp4"]
+    assert packed.matmul_params == plain.matmul_params
+    cfg = packed.cfg
+    values = cfg.num_layers * cfg.num_experts * 3 * cfg.hidden_size * cfg.moe_intermediate_size
+    biases = cfg.num_layers * cfg.num_experts * (2 * cfg.moe_intermediate_size + cfg.hidden_size)
+    assert plain.expert_bytes == 4 * (values + biases)  # float32 on the CPU
+    assert packed.expert_bytes == values * 17 // 32 + 4 * biases
+    assert plain.weight_bytes - packed.weight_bytes == plain.expert_bytes - packed.expert_bytes

@@ -46,6 +46,11 @@ def test_every_default_configuration_fits_an_h200():
     for kernel in ("gate_up_kernel", "down_by_token_kernel"):  # FP8 experts, widened to bf16
         assert (kernel, "qwen3-30b-a3b T=1, fp8 experts") in cases
     assert ("down_grouped_kernel", "gpt-oss-20b T=4096, fp8 experts") in cases
+    # MXFP4 experts, decoded in registers: every path, tensor-core tiles included.
+    for tokens in (1, 16, 4096):
+        assert ("gate_up_kernel", f"gpt-oss-120b-mxfp4 T={tokens}") in cases
+    assert ("down_by_token_kernel", "gpt-oss-20b-mxfp4 T=1") in cases
+    assert ("down_grouped_kernel", "gpt-oss-20b-mxfp4 T=4096") in cases
     assert ("skinny_gemm", "gate_up m=64, fp8 weights") in cases  # FP8 tiles, widened to bf16
     # The attention kernel as the planner launches it, its heaviest variants among them.
     attention = {r["case"]: r["constexprs"] for r in results if r["kernel"] == "paged_attention"}

@@ -109,7 +109,7 @@ def test_moe_sweep_is_coordinate_descent_over_gate_up_then_down():
             return "OutOfResources: shared memory"
         return 10.0 - (tiles.gate_up == target_gate_up) - (tiles.down == target_down)
 
-    best, times = sweep_path(measure, start, elem_bytes=2)
+    best, times = sweep_path(measure, start, MoeShape(8, 1024, 512, 2))
     assert (best.gate_up, best.down) == (target_gate_up, target_down)
     assert len(times) <= 1 + 2 * len(STREAM_CANDIDATES)
     assert sum(isinstance(us, str) for us in times.values()) == 2  # both 64-column candidates
@@ -153,6 +153,57 @@ def test_every_swept_moe_tiling_computes_the_reference(tokens):
 
     paths = paths_for(shape, tokens, num_sms=132)
     for tiles in paths.values():
-        sweep_path(measure, tiles, shape.elem_bytes)
+        sweep_path(measure, tiles, shape)
     assert any(t.by_pair for t in ran) == (tokens <= 16)
     assert len({t.block_m for t in ran}) == len({t.block_m for t in paths.values()})
+
+
+def test_mxfp4_moe_shapes_sweep_whole_scale_groups_and_count_packed_bytes():
+    """The -mxfp4 shapes' paths and candidates step K by whole 32-value groups; their floor
+    counts each chosen expert's packed bytes and scales, 17/64 of bf16's."""
+    from ember.bench.tune_moe import MOE_SHAPES, candidates, paths_for, selected_bytes
+    from ember.kernels.moe_tiles import MXFP4_GROUP
+
+    packed, plain = MOE_SHAPES["gpt-oss-20b-mxfp4"], MOE_SHAPES["gpt-oss-20b"]
+    assert packed._replace(mxfp4=False) == plain
+    for tokens in (1, 64, 4096):
+        for tiles in paths_for(packed, tokens, 132).values():
+            swept = [tiles.gate_up, tiles.down, *candidates(tiles, mxfp4=True)]
+            assert all(gemm.block_k % MXFP4_GROUP == 0 for gemm in swept)
+    ids = torch.tensor([[0, 1, 2, 3], [0, 1, 2, 4]], dtype=torch.int32)  # five experts chosen
+    x_bytes = 2 * 2 * 2880 * 2
+    assert selected_bytes(packed, ids) - x_bytes == 5 * 3 * 2880 * 2880 * 17 // 32
+    assert selected_bytes(plain, ids) - x_bytes == 5 * 3 * 2880 * 2880 * 2
+
+
+@pytest.mark.parametrize("tokens", [3, 40])
+def test_every_swept_mxfp4_moe_tiling_computes_the_reference(tokens):
+    """The moe sweep over MXFP4 experts (`expert_weights` of an -mxfp4 shape, on the CPU): each
+    candidate runs the kernels to the reference's result on the dequantized weights."""
+    from helpers.moe_reference import moe_reference, routing
+
+    from ember.bench.tune_moe import expert_weights, paths_for, sweep_path
+    from ember.kernels.fused_moe import fused_moe
+    from ember.kernels.moe_tiles import MoeShape
+    from ember.layers.mxfp4 import Mxfp4Weight
+
+    shape = MoeShape(6, 64, 96, 2, elem_bytes=4, mxfp4=True)
+    weights = expert_weights(shape, seed=tokens, device="cpu")
+    assert all(isinstance(w, Mxfp4Weight) for w in weights.values())
+    gen = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, 64, generator=gen)
+    topk_ids, topk_weights = routing("random", tokens, 6, 2, gen)
+    dense = {name: w.dequantize(torch.float64) for name, w in weights.items()}
+    expected = moe_reference(x, **dense, topk_weights=topk_weights, topk_ids=topk_ids)
+    ran = []
+
+    def measure(tiles):
+        out = fused_moe(x, **weights, topk_weights=topk_weights, topk_ids=topk_ids, tiles=tiles)
+        torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=1e-4)
+        ran.append(tiles)
+        return 1.0
+
+    for tiles in paths_for(shape, tokens, num_sms=132).values():
+        sweep_path(measure, tiles, shape)
+    assert any(t.by_pair for t in ran) == (tokens <= 16)
+    assert any(t.gate_up.block_k == 512 for t in ran)  # the longer MXFP4 steps, fitted

@@ -1,6 +1,8 @@
 """gpt-oss on the GPU fast path (Triton attention with sinks and windows, the fused MoE with the
 clamped SwiGLU and expert biases, CUDA graphs) against the reference path and transformers, on
-`ember bench make-model`'s tiny-gpt-oss preset with its experts in bf16 and in MXFP4.
+`ember bench make-model`'s tiny-gpt-oss preset with its experts in bf16 and in MXFP4 (kept
+packed: the Triton path multiplies them in the fused MoE's MXFP4 variant, the reference
+dequantizes each expert it runs).
 
 Skipped without a CUDA GPU; `tools/gpu_run.sh` runs these on the H200.
 """
@@ -33,7 +35,7 @@ def tiny_dir(request, tmp_path_factory):
     saved = os.environ.get("EMBER_TEST_TOKENIZER_DIR")
     return make_model(
         "tiny-gpt-oss",
-        tmp_path_factory.mktemp("tiny-gpt-oss"),
+        tmp_path_factory.mktemp(f"tiny-gpt-oss-{request.param or 'bf16'}-"),
         device="cpu",
         tokenizer_dir=saved and Path(saved),
         quantization=request.param,
@@ -49,6 +51,7 @@ def test_triton_path_matches_reference_path(tiny_dir, dtype):
 
     def run(backend: str) -> list[tuple[list[int], list]]:
         llm = LLM(str(tiny_dir), backend=backend, dtype=dtype, **LLM_ARGS)
+        assert llm.instance.model_config.mxfp4_experts == ("mxfp4" in tiny_dir.name)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
         llm.instance.scheduler.check_invariants()
         if backend == "triton":

@@ -1,7 +1,8 @@
 """`--load-format dummy`: a folder holding only a config and tokenizer (`ember bench make-model
 --config-only`) serves on random weights made on the device, seeded (the same seed the same
 weights, another seed others, and again after a sleep that dropped them), FP8 ones quantized
-as a checkpoint's are at load; a folder without a config is refused, saying why."""
+as a checkpoint's are at load, MXFP4 experts (a gpt-oss config of quant_method mxfp4) packed as
+make-model writes them; a folder without a config is refused, saying why."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from ember import LLM, SamplingParams
 from ember.bench.make_model import make_model
 from ember.config import EngineConfig
 from ember.layers.fp8 import FP8_DTYPE, dense_weight, held_fp8_weights, quantize_rows
+from ember.layers.mxfp4 import Mxfp4Weight, held_mxfp4_weights
+from ember.weights.mxfp4 import quantize_mxfp4
 
 PROMPTS = [[5, 9, 14, 3, 77, 21, 8], [400, 12]]
 
@@ -21,10 +24,12 @@ PROMPTS = [[5, 9, 14, 3, 77, 21, 8], [400, 12]]
 def config_only(tmp_path_factory):
     """The tiny presets' config and tokenizer files, no weight."""
     root = tmp_path_factory.mktemp("config-only")
-    return {
+    presets = {
         preset: make_model(preset, root / preset, config_only=True)
         for preset in ("tiny", "tiny-qwen3-moe")
     }
+    mxfp4 = make_model("tiny-gpt-oss", root / "mxfp4", config_only=True, quantization="mxfp4")
+    return {**presets, "tiny-gpt-oss-mxfp4": mxfp4}
 
 
 def load(path, **options) -> LLM:
@@ -87,8 +92,31 @@ def test_fp8_dummy_weights_are_what_quantizing_them_gives(config_only):
     assert all(torch.isfinite(logits).all() for logits in ember_prefill_logits(llm, PROMPTS))
 
 
-def test_a_sleep_that_drops_the_weights_makes_the_same_ones_on_wake(config_only):
-    llm = load(config_only["tiny"], seed=7)
+def test_mxfp4_dummy_experts_are_packed_as_make_model_writes_them(config_only, tmp_path):
+    """A gpt-oss config of quant_method mxfp4: every expert is packed, its values quantize to
+    themselves, are N(0, 1/fan_in)-sized, the model computes, and the plan counts what
+    a written MXFP4 checkpoint of the preset holds."""
+    llm = load(config_only["tiny-gpt-oss-mxfp4"])
+    held = held_mxfp4_weights(llm.instance.model)
+    cfg = llm.instance.model_config
+    assert cfg.mxfp4_experts and len(held) == 2 * cfg.num_layers
+    for weight in held:
+        assert weight.blocks.dtype == torch.uint8 and weight.blocks.any()
+        values = weight.dequantize(torch.float32)
+        assert 0.5 < values.std() * values.shape[-1] ** 0.5 < 2
+        # The same values again (not always the same bytes: -0 comes back +0, and a group whose
+        # largest value rounded down may take the smaller scale).
+        again = Mxfp4Weight(*quantize_mxfp4(values))
+        assert torch.equal(again.dequantize(torch.float32), values)
+    assert all(torch.isfinite(logits).all() for logits in ember_prefill_logits(llm, PROMPTS))
+    written = make_model("tiny-gpt-oss", tmp_path / "written", device="cpu", quantization="mxfp4")
+    checkpoint = LLM(str(written), device="cpu", max_model_len=128, kv_cache_memory_bytes=8 << 20)
+    assert llm.instance.plan.weight_bytes == checkpoint.instance.plan.weight_bytes
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-gpt-oss-mxfp4"])
+def test_a_sleep_that_drops_the_weights_makes_the_same_ones_on_wake(config_only, preset):
+    llm = load(config_only[preset], seed=7)
     before = parameters(llm)
     llm.instance.sleep(None)  # no host stash: the weights are dropped
     llm.instance.wake(None)

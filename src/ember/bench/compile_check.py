@@ -291,9 +291,9 @@ _FP8_MOE_TOKENS = (1, 4096)
 
 def moe_configs() -> list[CompiledConfig]:
     """The fused MoE's kernels as its default table launches them (bf16, no biases: the
-    biases' loads come after the main loop) for each shape of `ember.bench.tune_moe`, over FP8
-    experts too at `_FP8_MOE_TOKENS`, and the alignment where the path runs it (the sum over k
-    stages nothing in shared memory)."""
+    biases' loads come after the main loop) for each shape of `ember.bench.tune_moe` (its
+    MXFP4 ones over packed experts), over FP8 experts too at `_FP8_MOE_TOKENS`, and the
+    alignment where the path runs it (the sum over k stages nothing in shared memory)."""
     from ember.bench.tune_moe import MOE_SHAPES
 
     bf16_types = {
@@ -305,25 +305,41 @@ def moe_configs() -> list[CompiledConfig]:
     divisible = {*bf16_types, "inter", "hidden"} | {
         f"stride_{s}" for s in ("xt", "we", "wn", "se", "be", "om", "am", "ot")
     }
+    weight_types = {
+        "bf16": {},
+        "fp8": {"w_ptr": "*fp8e4nv"},
+        "mxfp4": {"w_ptr": "*u8", "w_scale_ptr": "*u8"},
+    }
     results = []
     for name, shape in MOE_SHAPES.items():
         for tokens in _MOE_TOKENS:
-            for fp8 in (False, True) if tokens in _FP8_MOE_TOKENS else (False,):
-                types = {**bf16_types, "w_ptr": "*fp8e4nv"} if fp8 else bf16_types
-                case = f"{name} T={tokens}" + (", fp8 experts" if fp8 else "")
-                for kernel, constexprs, warps in _moe_launches(shape, tokens, fp8):
+            for form in _moe_forms(shape, tokens):
+                types = {**bf16_types, **weight_types[form]}
+                case = f"{name} T={tokens}" + (", fp8 experts" if form == "fp8" else "")
+                for kernel, constexprs, warps in _moe_launches(shape, tokens, form):
                     shared = compile_for_sm90(kernel, types, divisible, constexprs, warps)
                     kernel_name = kernel.fn.__name__.strip("_")
                     results.append(CompiledConfig(kernel_name, case, constexprs, warps, shared))
     return results
 
 
-def _moe_launches(shape, tokens: int, fp8: bool) -> list[tuple[object, dict, int]]:
+def _moe_forms(shape, tokens: int) -> tuple[str, ...]:
+    """The expert weights' forms compiled for ``shape`` at ``tokens``: an MXFP4 shape's own;
+    bf16, and FP8 at `_FP8_MOE_TOKENS`, for the others."""
+    if shape.mxfp4:
+        return ("mxfp4",)
+    return ("bf16", "fp8") if tokens in _FP8_MOE_TOKENS else ("bf16",)
+
+
+def _moe_launches(shape, tokens: int, form: str) -> list[tuple[object, dict, int]]:
     """``(kernel, constexprs, num_warps)`` of each launch of a fused MoE of ``shape`` at
-    ``tokens`` on the default table; ``fp8``: over FP8 experts (the alignment then left out:
-    it reads no weight)."""
+    ``tokens`` on the default table; ``form``: the experts' "bf16", "fp8" or "mxfp4" (the
+    alignment compiled with bf16 only: it reads no weight)."""
     from ember.kernels.moe_align import _align_kernel
     from ember.kernels.moe_gemm import (
+        W_FP8,
+        W_MXFP4,
+        W_PLAIN,
         _down_by_token_kernel,
         _down_grouped_kernel,
         _gate_up_kernel,
@@ -331,7 +347,8 @@ def _moe_launches(shape, tokens: int, fp8: bool) -> list[tuple[object, dict, int
     from ember.kernels.moe_tiles import MoeTuning, next_power_of_2
 
     tiles = MoeTuning().tiles_for(shape, tokens)
-    base = {"HAS_BIAS": False, "W_SCALED": fp8, "DOT_PRECISION": "tf32"}
+    w_format = {"bf16": W_PLAIN, "fp8": W_FP8, "mxfp4": W_MXFP4}[form]
+    base = {"HAS_BIAS": False, "W_FORMAT": w_format, "DOT_PRECISION": "tf32"}
     launches = []
     for product, k in (("gate_up", shape.hidden), ("down", shape.intermediate)):
         gemm = getattr(tiles, product)
@@ -360,7 +377,7 @@ def _moe_launches(shape, tokens: int, fp8: bool) -> list[tuple[object, dict, int
             kernel = _down_grouped_kernel
             constexprs = {**common, "GROUP_M": gemm.group_m}
         launches.append((kernel, constexprs, gemm.num_warps))
-    if not tiles.by_pair and not fp8:
+    if not tiles.by_pair and form == "bf16":
         experts = next_power_of_2(shape.num_experts)
         align = {
             "BLOCK_M": tiles.block_m,

@@ -65,17 +65,14 @@ class StepBench:
         kv_elem = instance.kv_cache.element_size()  # 1 for an FP8 cache
         self.kv_bytes_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * kv_elem
         # Every GEMM weight is read once per step, at its own element size (an FP8 weight's one
-        # byte, with its row scales); the embedding table only row by row.
+        # byte, with its row scales; MXFP4 experts' packed half byte, with their group scales);
+        # the embedding table only row by row.
         streamed = [
             (name, p)
             for name, p in instance.model.named_parameters()
             if cfg.tie_word_embeddings or name != "embed_tokens.weight"
         ]
-        self.matmul_params = sum(
-            p.numel()
-            for name, p in streamed
-            if not name.endswith("_scale")  # FP8 row scales
-        )
+        self.matmul_params = sum(_matmul_elements(name, p) for name, p in streamed)
         self.weight_bytes = sum(p.numel() * p.element_size() for _, p in streamed)
         # A mixture of experts' decode step reads only its tokens' chosen experts.
         self.expert_bytes = sum(
@@ -361,10 +358,26 @@ class StepBench:
         }
 
 
+# A mixture of experts' stacked tensors (`ember.models.moe.SparseMoeBlock`): plain or FP8
+# weights and their row scales, MXFP4 ones' packed blocks and group scales, biases.
+_EXPERT_TENSORS = frozenset(
+    {"w13", "w2", "w13_scale", "w2_scale", "w13_blocks", "w2_blocks", "w13_scales", "w2_scales"}
+    | {"b13", "b2"}
+)
+
+
 def _is_expert_weight(name: str) -> bool:
-    """Whether parameter ``name`` is a stacked expert tensor (``w13``, ``w2``, their scales and
-    biases: `ember.models.moe.SparseMoeBlock`), read only for the experts a step chooses."""
-    return name.rsplit(".", 1)[-1] in ("w13", "w2", "w13_scale", "w2_scale", "b13", "b2")
+    """Whether parameter ``name`` is a stacked expert tensor, read only for the experts a step
+    chooses."""
+    return name.rsplit(".", 1)[-1] in _EXPERT_TENSORS
+
+
+def _matmul_elements(name: str, param: torch.Tensor) -> int:
+    """The weight elements parameter ``name`` multiplies by: none for scales (FP8 rows', MXFP4
+    groups'), two a byte for MXFP4's packed blocks, else one an element."""
+    if name.endswith(("_scale", "_scales")):
+        return 0
+    return 2 * param.numel() if name.endswith("_blocks") else param.numel()
 
 
 def expected_chosen_experts(num_experts: int, top_k: int, tokens: int) -> float:

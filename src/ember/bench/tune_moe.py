@@ -12,6 +12,10 @@ the heuristics' time, the best and its tiles; at grouped sizes also the two prod
 against torch's grouped GEMM (``torch._grouped_mm``) on the same blocks, which says whether a
 library path would pay at large prefills. The section's ``table`` holds the best tiles as
 `MeasuredMoeTiles` rows (`measured_rows` reads them back into a `MoeTuning`).
+
+The ``-mxfp4`` shapes are gpt-oss's experts as its checkpoints hold them, packed in MXFP4
+(`ember.layers.mxfp4`): the same sweep over the kernels' MXFP4 variant, its floor counting the
+packed bytes (and their scales), its rows of the table their own (`MoeShape.mxfp4`).
 """
 
 from __future__ import annotations
@@ -30,11 +34,16 @@ from ember.kernels.moe_tiles import (
     default_moe_tiles,
     fit_shared_memory,
 )
+from ember.layers.mxfp4 import Mxfp4Weight
+from ember.weights.mxfp4 import quantize_mxfp4
 
-# Expert shapes of the MoE models ember serves: (E, H, I, k), bf16.
+# Expert shapes of the MoE models ember serves: (E, H, I, k), bf16 activations; the -mxfp4
+# ones with their weights packed, as gpt-oss's checkpoints hold them.
 MOE_SHAPES = {
     "gpt-oss-20b": MoeShape(num_experts=32, hidden=2880, intermediate=2880, top_k=4),
     "qwen3-30b-a3b": MoeShape(num_experts=128, hidden=2048, intermediate=768, top_k=8),
+    "gpt-oss-20b-mxfp4": MoeShape(32, 2880, 2880, 4, mxfp4=True),
+    "gpt-oss-120b-mxfp4": MoeShape(128, 2880, 2880, 4, mxfp4=True),
 }
 MOE_TOKENS = (1, 2, 4, 8, 16, 64, 256, 1024, 4096)
 BY_PAIR_MAX_TOKENS = 16
@@ -48,6 +57,8 @@ STREAM_CANDIDATES = (
     (64, 128, 4, 4),
     (64, 256, 3, 8),
 )
+# MXFP4 weights move a quarter of bf16's bytes a K step: longer steps too.
+MXFP4_STREAM_CANDIDATES = ((16, 512, 4, 4), (32, 512, 3, 8))
 # Tensor-core candidates (prefill): (block_n, block_k, stages, num_warps, group_m).
 GEMM_CANDIDATES = (
     (64, 64, 4, 4, 8),
@@ -79,8 +90,13 @@ def paths_for(shape: MoeShape, tokens: int, num_sms: int) -> dict[str, MoeTiles]
     grouped = default_moe_tiles(shape, tokens, grouped_only)
     for block_m in block_ms_for(shape, tokens):
         tiles = grouped if grouped.block_m == block_m else _grouped_tiles(grouped, block_m)
-        paths[f"grouped_m{block_m}"] = fit_shared_memory(tiles, shape.elem_bytes)
+        paths[f"grouped_m{block_m}"] = fit(tiles, shape)
     return paths
+
+
+def fit(tiles: MoeTiles, shape: MoeShape) -> MoeTiles:
+    """``tiles`` fitted to an SM's shared memory for ``shape``'s activations and weights."""
+    return fit_shared_memory(tiles, shape.elem_bytes, weight_bytes=shape.weight_bytes)
 
 
 def _grouped_tiles(tiles: MoeTiles, block_m: int) -> MoeTiles:
@@ -91,28 +107,40 @@ def _grouped_tiles(tiles: MoeTiles, block_m: int) -> MoeTiles:
     return MoeTiles(False, block_m, GemmTiles(64, 64, 4, warps, 8), GemmTiles(64, 64, 4, warps, 8))
 
 
-def candidates(tiles: MoeTiles) -> list[GemmTiles]:
-    """The product tiles swept for a path: weight-stream ones at 16 rows, tensor-core above."""
+def candidates(tiles: MoeTiles, mxfp4: bool = False) -> list[GemmTiles]:
+    """The product tiles swept for a path: weight-stream ones at 16 rows (longer K steps too
+    for ``mxfp4`` weights), tensor-core above."""
     if tiles.block_m <= 16:
-        return [GemmTiles(*c) for c in STREAM_CANDIDATES]
+        extra = MXFP4_STREAM_CANDIDATES if mxfp4 else ()
+        return [GemmTiles(*c) for c in (*STREAM_CANDIDATES, *extra)]
     return [GemmTiles(*c) for c in GEMM_CANDIDATES]
 
 
 def selected_bytes(shape: MoeShape, topk_ids: torch.Tensor) -> int:
-    """Bytes a step must move: each chosen expert's w13 and w2 once, x in and out out."""
+    """Bytes a step must move: each chosen expert's w13 and w2 once (packed, with their scales,
+    for MXFP4), x in and out out."""
     experts = int(torch.unique(topk_ids).numel())
-    weights = experts * 3 * shape.hidden * shape.intermediate * shape.elem_bytes
-    return weights + 2 * topk_ids.shape[0] * shape.hidden * shape.elem_bytes
+    weights = experts * 3 * shape.hidden * shape.intermediate * shape.weight_bytes
+    return int(weights) + 2 * topk_ids.shape[0] * shape.hidden * shape.elem_bytes
 
 
 def expert_weights(shape: MoeShape, seed: int = 0, device: str = "cuda") -> dict:
-    """Random bf16 ``w13`` and ``w2`` of ``shape``, scaled to keep products near unit size."""
+    """Random bf16 ``w13`` and ``w2`` of ``shape``, scaled to keep products near unit size;
+    for an ``mxfp4`` shape, quantized (an expert at a time) into `Mxfp4Weight`s."""
     g = torch.Generator(device=device).manual_seed(seed)
     e, h, i = shape.num_experts, shape.hidden, shape.intermediate
-    return {
-        "w13": (torch.randn(e, 2 * i, h, generator=g, device=device) / h**0.5).to(torch.bfloat16),
-        "w2": (torch.randn(e, h, i, generator=g, device=device) / i**0.5).to(torch.bfloat16),
-    }
+
+    def draw(rows: int, cols: int) -> torch.Tensor | Mxfp4Weight:
+        if not shape.mxfp4:
+            drawn = torch.randn(e, rows, cols, generator=g, device=device) / cols**0.5
+            return drawn.to(torch.bfloat16)
+        experts = [
+            quantize_mxfp4(torch.randn(rows, cols, generator=g, device=device) / cols**0.5)
+            for _ in range(e)
+        ]
+        return Mxfp4Weight(*(torch.stack(parts) for parts in zip(*experts, strict=True)))
+
+    return {"w13": draw(2 * i, h), "w2": draw(h, i)}
 
 
 def token_inputs(shape: MoeShape, tokens: int, seed: int = 0, device: str = "cuda") -> dict:
@@ -134,10 +162,10 @@ def _run_moe(inputs: dict, tiles: MoeTiles, tuning: MoeTuning) -> None:
     fused_moe(**inputs, tiles=tiles, tuning=tuning)
 
 
-def sweep_path(measure, tiles: MoeTiles, elem_bytes: int) -> tuple[MoeTiles, dict[str, object]]:
+def sweep_path(measure, tiles: MoeTiles, shape: MoeShape) -> tuple[MoeTiles, dict[str, object]]:
     """Coordinate sweep of one path from ``tiles``: gate/up's candidates, then down's with
-    gate/up's best; ``measure(tiles)`` gives µs (or why it failed). Returns the best tiles
-    and every timing by `tiles_key`."""
+    gate/up's best, fitted to ``shape``'s shared memory; ``measure(tiles)`` gives µs (or why it
+    failed). Returns the best tiles and every timing by `tiles_key`."""
     from ember.bench.tune import fastest
 
     times: dict[str, object] = {}
@@ -152,8 +180,8 @@ def sweep_path(measure, tiles: MoeTiles, elem_bytes: int) -> tuple[MoeTiles, dic
     timed(best)
     for product in ("gate_up", "down"):
         trials = {tiles_key(best): best}
-        for gemm in candidates(tiles):
-            trial = fit_shared_memory(replace(best, **{product: gemm}), elem_bytes)
+        for gemm in candidates(tiles, shape.mxfp4):
+            trial = fit(replace(best, **{product: gemm}), shape)
             trials[tiles_key(trial)] = trial
         winner = fastest({key: timed(trial) for key, trial in trials.items()})
         if winner is not None:
@@ -167,13 +195,18 @@ def tiles_key(tiles: MoeTiles) -> str:
 
 def _products_us(inputs: dict, tiles: MoeTiles, tuning: MoeTuning) -> dict[str, object]:
     """µs of the grouped path's two products alone, Triton's and torch's grouped GEMM's, on
-    the same aligned blocks (the alignment, gathers and sum left out of both)."""
+    the same aligned blocks (the alignment, gathers and sum left out of both). MXFP4 experts:
+    torch's grouped GEMM on their dequantized bf16 weights (what dequantizing at load would
+    run)."""
     from ember.bench.roofline import gpu_seconds
     from ember.bench.tune import _us
     from ember.kernels.moe_align import align_pairs
     from ember.kernels.moe_gemm import down_grouped, gate_up_grouped
 
     x, w13, w2 = inputs["x"], inputs["w13"], inputs["w2"]
+    w13_scale = w2_scale = None
+    if isinstance(w13, Mxfp4Weight):
+        (w13, w13_scale), (w2, w2_scale) = w13, w2
     ids = inputs["topk_ids"].reshape(-1).contiguous()
     weights = inputs["topk_weights"].reshape(-1).contiguous()
     k = inputs["topk_ids"].shape[1]
@@ -181,8 +214,12 @@ def _products_us(inputs: dict, tiles: MoeTiles, tuning: MoeTuning) -> dict[str, 
     parts = torch.empty(ids.numel(), x.shape[1], dtype=x.dtype, device=x.device)
 
     def triton_products() -> None:
-        inter = gate_up_grouped(x, w13, None, blocks, k, "silu", tiles.gate_up)
-        down_grouped(inter, w2, None, weights, blocks, tiles.down, parts)
+        inter = gate_up_grouped(x, w13, None, blocks, k, "silu", tiles.gate_up, w13_scale)
+        down_grouped(inter, w2, None, weights, blocks, tiles.down, parts, scale=w2_scale)
+
+    if w13_scale is not None:
+        w13 = Mxfp4Weight(w13, w13_scale).dequantize(x.dtype)
+        w2 = Mxfp4Weight(w2, w2_scale).dequantize(x.dtype)
 
     # torch's grouped GEMM on the same rows: x gathered into sorted order, each expert's run
     # ending at its padded end.
@@ -220,7 +257,7 @@ def bench_moe_point(
 
     best_by_path, us_by_path = {}, {}
     for path, tiles in paths_for(shape, tokens, tuning.num_sms).items():
-        best, times = sweep_path(measure, tiles, shape.elem_bytes)
+        best, times = sweep_path(measure, tiles, shape)
         best_by_path[path] = best
         us_by_path[path] = {"default": times[tiles_key(tiles)], **times}
     winner = fastest({p: us_by_path[p][tiles_key(b)] for p, b in best_by_path.items()})

@@ -28,7 +28,7 @@ from ember.config import (
 )
 from ember.engine.request import Request
 from ember.models.checkpoint_layout import CheckpointLayout, check_complete, check_fits
-from ember.quantization import fp8_scheme
+from ember.quantization import fp8_scheme, mxfp4_experts
 from ember.sampling_params import SamplingParams
 from ember.tokenizer.tokenizer import Tokenizer
 from ember.weights.checkpoint import Checkpoint, TensorHeader
@@ -197,11 +197,15 @@ def plan_model(config: EngineConfig, checkpoint: Checkpoint | None = None) -> Mo
 
     ckpt = checkpoint or _open(config)
     device = resolve_device(config.device)
+    headers = [] if config.dummy_weights else ckpt.tensor_headers()
+    stored_names = None if config.dummy_weights else [header.name for header in headers]
+    # MXFP4 experts stay packed on every device: the Triton ops multiply them packed, the
+    # reference dequantizes each expert it runs, so a CPU run checks the bytes a GPU reads.
     model_config = dataclasses.replace(
         ModelConfig.from_hf_dict(ckpt.hf_config),
         fp8=fp8_scheme(ckpt.hf_config, config.quantization),
+        mxfp4_experts=mxfp4_experts(ckpt.hf_config, stored_names),
     )
-    headers = [] if config.dummy_weights else ckpt.tensor_headers()
     layout = model_class(model_config.architecture).checkpoint_layout(
         model_config, [header.name for header in headers]
     )

@@ -17,6 +17,13 @@ the activations' dtype for the dot, and each expert's float32 accumulator is mul
 rows' scales before the epilogue (exact: a row's scale is constant along K). The activations
 stay in their dtype, so a step reads half the expert bytes of bf16 and rounds as the reference
 does on the dequantized weights. The tiles are those of the activations' dtype.
+
+MXFP4 experts (``w13`` and ``w2`` as `Mxfp4Weight`s: uint8 blocks, two e2m1 values a byte, and
+a uint8 e8m0 scale per 32 values along K) run the same kernels too: each weight tile is read
+packed (a quarter of bf16's bytes, plus 1/32 of a byte a value for the scales) and decoded in
+registers to the activations' dtype for the dot (`ember.kernels.mxfp4`; Hopper has no FP4
+product), exactly the values the reference dequantizes to. Their tiles are their own rows of
+the table (`MoeShape.mxfp4`), each BLOCK_K whole scale groups.
 """
 
 from __future__ import annotations
@@ -32,24 +39,30 @@ from ember.kernels.moe_gemm import (
     gate_up_grouped,
     sum_over_top_k,
 )
-from ember.kernels.moe_tiles import MoeShape, MoeTiles, MoeTuning
+from ember.kernels.moe_tiles import MXFP4_GROUP, MoeShape, MoeTiles, MoeTuning
 from ember.layers.fp8 import FP8_DTYPE, Fp8Weight
+from ember.layers.mxfp4 import BLOCK_BYTES, Mxfp4Weight
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-def moe_shape(x: torch.Tensor, w13: torch.Tensor, topk_ids: torch.Tensor) -> MoeShape:
-    """The `MoeShape` a call on these operands looks its tiles up by (``w13``: the weights'
-    tensor; FP8 experts take the tiles of the activations' dtype)."""
-    num_experts, two_inter, hidden = w13.shape
-    return MoeShape(num_experts, hidden, two_inter // 2, topk_ids.shape[1], x.element_size())
+ExpertWeight = torch.Tensor | Fp8Weight | Mxfp4Weight
 
 
-def _unpacked(
-    weights: torch.Tensor | Fp8Weight, name: str
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``(weight, scale)`` of stacked experts: an `Fp8Weight`'s two tensors, a tensor with no
-    scale. ValueError for a scale that is not float32 ``[E, rows]``."""
+def moe_shape(x: torch.Tensor, w13: ExpertWeight, topk_ids: torch.Tensor) -> MoeShape:
+    """The `MoeShape` a call on these operands looks its tiles up by (FP8 experts take the
+    tiles of the activations' dtype; MXFP4 ones their own)."""
+    weight = w13.weight if isinstance(w13, Fp8Weight) else w13
+    num_experts, two_inter, hidden = weight.shape
+    mxfp4 = isinstance(w13, Mxfp4Weight)
+    return MoeShape(num_experts, hidden, two_inter // 2, topk_ids.shape[1], x.element_size(), mxfp4)
+
+
+def _unpacked(weights: ExpertWeight, name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(weight, scale)`` of stacked experts: an `Fp8Weight`'s or an `Mxfp4Weight`'s two
+    tensors, a tensor with no scale. ValueError for a scale that does not pair."""
+    if isinstance(weights, Mxfp4Weight):
+        return _unpacked_mxfp4(weights, name)
     if not isinstance(weights, Fp8Weight):
         if weights.dtype == FP8_DTYPE:
             raise ValueError(f"FP8 {name} needs its scales: pass an Fp8Weight")
@@ -65,18 +78,40 @@ def _unpacked(
     return weight, scale
 
 
+def _unpacked_mxfp4(weights: Mxfp4Weight, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(blocks, scales)`` of MXFP4 experts, checked: uint8 ``[E, rows, K / 32, 16]`` with
+    contiguous rows and ``[E, rows, K / 32]`` with contiguous groups."""
+    blocks, scales = weights
+    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
+        raise ValueError(f"an MXFP4 {name} must be uint8 blocks with uint8 scales")
+    if blocks.dim() != 4 or blocks.shape[3] != BLOCK_BYTES or scales.shape != blocks.shape[:3]:
+        raise ValueError(
+            f"{name}'s MXFP4 blocks must be [E, rows, K/32, 16] and its scales [E, rows, K/32], "
+            f"got {tuple(blocks.shape)} and {tuple(scales.shape)}"
+        )
+    if blocks.stride(3) != 1 or blocks.stride(2) != BLOCK_BYTES or scales.stride(2) != 1:
+        raise ValueError(f"{name}'s MXFP4 rows must be contiguous")
+    return blocks, scales
+
+
 def _check_operands(x, w13, w2, topk_weights, topk_ids, activation, b13, b2) -> None:
+    """``w13`` and ``w2``: the weights as the op takes them (plain, FP8 or MXFP4)."""
     tokens, hidden = x.shape
-    num_experts, two_inter, w13_hidden = w13.shape
+    num_experts, two_inter, w13_hidden = _logical_shape(w13)
     inter = two_inter // 2
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {tuple(ACTIVATIONS)}, not {activation!r}")
-    if x.dtype not in _DTYPES or w13.dtype not in (x.dtype, FP8_DTYPE) or w2.dtype != w13.dtype:
-        raise ValueError(f"x, w13 and w2 must share a dtype of {_DTYPES} (or w13 and w2 FP8)")
-    if two_inter % 2 or w13_hidden != hidden or w2.shape != (num_experts, hidden, inter):
+    form = _form(w13, x.dtype)
+    if x.dtype not in _DTYPES or form is None or _form(w2, x.dtype) != form:
         raise ValueError(
-            f"want w13 [E, 2I, {hidden}] and w2 [E, {hidden}, I]; got {tuple(w13.shape)} and "
-            f"{tuple(w2.shape)}"
+            f"x, w13 and w2 must share a dtype of {_DTYPES} (or w13 and w2 be both FP8, or "
+            "both MXFP4)"
+        )
+    w2_shape = _logical_shape(w2)
+    if two_inter % 2 or w13_hidden != hidden or w2_shape != (num_experts, hidden, inter):
+        raise ValueError(
+            f"want w13 [E, 2I, {hidden}] and w2 [E, {hidden}, I]; got {_logical_shape(w13)} and "
+            f"{w2_shape}"
         )
     if topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != tokens:
         raise ValueError(
@@ -88,14 +123,38 @@ def _check_operands(x, w13, w2, topk_weights, topk_ids, activation, b13, b2) -> 
     if b2 is not None and b2.shape != (num_experts, hidden):
         raise ValueError(f"b2 must be [{num_experts}, {hidden}], got {tuple(b2.shape)}")
     for name, t in (("x", x), ("w13", w13), ("w2", w2), ("b13", b13), ("b2", b2)):
-        if t is not None and t.stride(-1) != 1:
+        t = t.weight if isinstance(t, Fp8Weight) else t
+        if isinstance(t, torch.Tensor) and t.stride(-1) != 1:
             raise ValueError(f"{name}'s last dim must be contiguous")
+
+
+def _logical_shape(weights: ExpertWeight) -> tuple[int, ...]:
+    return tuple((weights.weight if isinstance(weights, Fp8Weight) else weights).shape)
+
+
+def _form(weights: ExpertWeight, dtype: torch.dtype) -> str | None:
+    """The form of stacked experts the kernels take: "mxfp4", "fp8" or "plain" (in
+    ``dtype``); None for any other."""
+    if isinstance(weights, Mxfp4Weight):
+        return "mxfp4"
+    if isinstance(weights, Fp8Weight):
+        return "fp8" if weights.weight.dtype == FP8_DTYPE else None
+    return "plain" if weights.dtype == dtype else None
+
+
+def _check_mxfp4_tiles(tiles: MoeTiles) -> None:
+    for gemm in (tiles.gate_up, tiles.down):
+        if gemm.block_k % MXFP4_GROUP:
+            raise ValueError(
+                f"MXFP4 experts need a BLOCK_K of whole {MXFP4_GROUP}-value groups, not "
+                f"{gemm.block_k}"
+            )
 
 
 def fused_moe(
     x: torch.Tensor,
-    w13: torch.Tensor | Fp8Weight,
-    w2: torch.Tensor | Fp8Weight,
+    w13: ExpertWeight,
+    w2: ExpertWeight,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     activation: str = "silu",
@@ -106,21 +165,26 @@ def fused_moe(
     tiles: MoeTiles | None = None,
 ) -> torch.Tensor:
     """The MoE experts of ``x [T, H]``: ``w13 [E, 2I, H]`` (gate rows, then up rows), ``w2
-    [E, H, I]`` (either an `Fp8Weight`: scales ``[E, 2I]``, ``[E, H]``), optional biases
+    [E, H, I]`` (both `Fp8Weight`s: scales ``[E, 2I]``, ``[E, H]``; or both `Mxfp4Weight`s),
+    optional biases
     ``b13 [E, 2I]`` and ``b2 [E, H]``; routing ``topk_ids`` int ``[T, k]`` (experts in
     ``[0, E)``) and ``topk_weights [T, k]``; ``activation`` "silu" or "swiglu_oai". Returns
     ``[T, H]`` in ``x``'s dtype. ``tiles`` (else ``tuning``'s for the shape and T; else the
     heuristics) choose the path and tiles."""
+    shape = moe_shape(x, w13, topk_ids)
+    w13_operand, w2_operand = w13, w2
     w13, w13_scale = _unpacked(w13, "w13")
     w2, w2_scale = _unpacked(w2, "w2")
-    _check_operands(x, w13, w2, topk_weights, topk_ids, activation, b13, b2)
+    _check_operands(x, w13_operand, w2_operand, topk_weights, topk_ids, activation, b13, b2)
     tokens, hidden = x.shape
     top_k = topk_ids.shape[1]
     out = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
     if tokens == 0:
         return out
     tuning = tuning or MoeTuning()
-    tiles = tiles or tuning.tiles_for(moe_shape(x, w13, topk_ids), tokens)
+    tiles = tiles or tuning.tiles_for(shape, tokens)
+    if shape.mxfp4:
+        _check_mxfp4_tiles(tiles)
     ids = topk_ids.reshape(-1).to(torch.int32).contiguous()
     weights = topk_weights.reshape(-1).contiguous()
     if tiles.by_pair:

@@ -17,8 +17,11 @@ row padded to `tl.dot`'s 16, and stores the intermediate in pair order ``[T * k,
 one pipelined loop and stores the sum itself: two launches, no alignment.
 
 FP8 experts (``scale`` given: float32 ``[E, rows]``, one per expert and weight row): each
-weight tile is widened to the activations' dtype for the dot (``W_SCALED``) and the expert's
-fp32 accumulator multiplied by its rows' scales before the bias and the roundings below.
+weight tile is widened to the activations' dtype for the dot and the expert's fp32 accumulator
+multiplied by its rows' scales before the bias and the roundings below. MXFP4 experts (``w``
+uint8 ``[E, rows, K / 32, 16]`` packed, ``scale`` uint8 ``[E, rows, K / 32]``): each tile is
+read packed and decoded with its group scales to the activations' dtype before the dot
+(`ember.kernels.mxfp4`), exactly the dequantized weights. ``W_FORMAT`` (constexpr) says which.
 
 Roundings (both paths): gate and up (bias added in fp32) rounded to the dtype, as a GEMM stores
 them; the activation from those, rounded (SiLU rounded before the product, as Hugging Face's
@@ -36,6 +39,7 @@ from ember.kernels.activation import silu_mul_rounded
 from ember.kernels.compile_ahead import launch
 from ember.kernels.moe_align import MoeBlocks
 from ember.kernels.moe_tiles import MIN_DOT_ROWS, GemmTiles
+from ember.kernels.mxfp4 import mxfp4_tile
 
 # The activations `fused_moe` takes, by their kernel constant.
 ACTIVATIONS = {"silu": 0, "swiglu_oai": 1}
@@ -45,6 +49,40 @@ SWIGLU_OAI_LIMIT = tl.constexpr(7.0)
 SWIGLU_OAI_ALPHA = tl.constexpr(1.702)
 # Columns a program of the sum over k adds: 16-byte accesses for 4 warps.
 _SUM_BLOCK = 1024
+# The weights' forms, by their kernel constant (`weight_format`).
+W_PLAIN, W_FP8, W_MXFP4 = 0, 1, 2
+
+
+@triton.jit
+def _dot_weight_tile(
+    a,
+    acc,
+    row_ptrs,
+    scale_row_ptrs,
+    k0,
+    k_size,
+    W_FORMAT: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """``acc + a @ W[:, k0 : k0 + BLOCK_K].T`` for the activations' tile ``a`` ``[M, BLOCK_K]``
+    and the weight rows ``row_ptrs`` ``[BLOCK_N, 1]`` point at (zeros past ``k_size`` unless
+    ``EVEN_K``), their tile widened to ``a``'s dtype. MXFP4 rows (``scale_row_ptrs``: their
+    scales) decode to their even and odd K columns, which multiply ``a``'s (split in registers:
+    an interleaved [N, K] weight operand did not compile for Hopper's wgmma) in two dots."""
+    if W_FORMAT == 2:
+        even, odd = tl.split(tl.reshape(a, (a.shape[0], BLOCK_K // 2, 2)))
+        low, high = mxfp4_tile(row_ptrs, scale_row_ptrs, k0, k_size, a.dtype, EVEN_K, BLOCK_K)
+        acc = tl.dot(even, tl.trans(low), acc, input_precision=DOT_PRECISION)
+        return tl.dot(odd, tl.trans(high), acc, input_precision=DOT_PRECISION)
+    ks = k0 + tl.arange(0, BLOCK_K)
+    if EVEN_K:
+        w = tl.load(row_ptrs + ks[None, :])
+    else:
+        w = tl.load(row_ptrs + ks[None, :], mask=ks[None, :] < k_size, other=0.0)
+    w = w.to(a.dtype)  # FP8 widened; the activations' own dtype as it is
+    return tl.dot(a, tl.trans(w), acc, input_precision=DOT_PRECISION)
 
 
 @triton.jit
@@ -86,12 +124,13 @@ def _gate_up_kernel(
     stride_we,
     stride_wn,
     stride_se,
+    stride_sn,
     stride_be,
     stride_om,
     TOP_K: tl.constexpr,
     BY_PAIR: tl.constexpr,
     ACTIVATION: tl.constexpr,
-    W_SCALED: tl.constexpr,
+    W_FORMAT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -123,28 +162,37 @@ def _gate_up_kernel(
     cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
     # The last column tile re-reads valid rows rather than masking its weight loads.
     w_rows = cols % inter
+    gate_rows = w_rows.to(tl.int64)[:, None]
+    up_rows = (w_rows + inter).to(tl.int64)[:, None]
     w_expert = w_ptr + expert.to(tl.int64) * stride_we
-    gate_ptrs = w_expert + w_rows.to(tl.int64)[:, None] * stride_wn
-    up_ptrs = w_expert + (w_rows + inter).to(tl.int64)[:, None] * stride_wn
+    s_expert = w_scale_ptr + expert.to(tl.int64) * stride_se
+    gate_ptrs, gate_scales = w_expert + gate_rows * stride_wn, s_expert + gate_rows * stride_sn
+    up_ptrs, up_scales = w_expert + up_rows * stride_wn, s_expert + up_rows * stride_sn
     acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in tl.range(0, hidden, BLOCK_K, num_stages=STAGES):
         ks = k0 + tl.arange(0, BLOCK_K)
         if EVEN_K:
             x = tl.load(x_rows + ks[None, :], mask=row_valid[:, None], other=0.0)
-            w_gate = tl.load(gate_ptrs + ks[None, :])
-            w_up = tl.load(up_ptrs + ks[None, :])
         else:
             k_valid = ks[None, :] < hidden
             x = tl.load(x_rows + ks[None, :], mask=row_valid[:, None] & k_valid, other=0.0)
-            w_gate = tl.load(gate_ptrs + ks[None, :], mask=k_valid, other=0.0)
-            w_up = tl.load(up_ptrs + ks[None, :], mask=k_valid, other=0.0)
-        if W_SCALED:
-            w_gate = w_gate.to(x_ptr.dtype.element_ty)
-            w_up = w_up.to(x_ptr.dtype.element_ty)
-        acc_gate = tl.dot(x, tl.trans(w_gate), acc_gate, input_precision=DOT_PRECISION)
-        acc_up = tl.dot(x, tl.trans(w_up), acc_up, input_precision=DOT_PRECISION)
-    if W_SCALED:
+        acc_gate = _dot_weight_tile(
+            x,
+            acc_gate,
+            gate_ptrs,
+            gate_scales,
+            k0,
+            hidden,
+            W_FORMAT,
+            EVEN_K,
+            BLOCK_K,
+            DOT_PRECISION,
+        )
+        acc_up = _dot_weight_tile(
+            x, acc_up, up_ptrs, up_scales, k0, hidden, W_FORMAT, EVEN_K, BLOCK_K, DOT_PRECISION
+        )
+    if W_FORMAT == 1:  # FP8: each row's scale
         scales = w_scale_ptr + expert.to(tl.int64) * stride_se
         acc_gate *= tl.load(scales + w_rows)[None, :]
         acc_up *= tl.load(scales + inter + w_rows)[None, :]
@@ -178,9 +226,10 @@ def _down_grouped_kernel(
     stride_we,
     stride_wn,
     stride_se,
+    stride_sn,
     stride_be,
     stride_om,
-    W_SCALED: tl.constexpr,
+    W_FORMAT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -202,21 +251,21 @@ def _down_grouped_kernel(
     a_rows = a_ptr + rows.to(tl.int64)[:, None] * stride_am
     cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
     w_rows = cols % hidden
-    w_ptrs = w_ptr + expert.to(tl.int64) * stride_we + w_rows.to(tl.int64)[:, None] * stride_wn
+    rows_n = w_rows.to(tl.int64)[:, None]
+    w_ptrs = w_ptr + expert.to(tl.int64) * stride_we + rows_n * stride_wn
+    s_ptrs = w_scale_ptr + expert.to(tl.int64) * stride_se + rows_n * stride_sn
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in tl.range(0, inter, BLOCK_K, num_stages=STAGES):
         ks = k0 + tl.arange(0, BLOCK_K)
         if EVEN_K:
             a = tl.load(a_rows + ks[None, :], mask=row_valid[:, None], other=0.0)
-            w = tl.load(w_ptrs + ks[None, :])
         else:
             k_valid = ks[None, :] < inter
             a = tl.load(a_rows + ks[None, :], mask=row_valid[:, None] & k_valid, other=0.0)
-            w = tl.load(w_ptrs + ks[None, :], mask=k_valid, other=0.0)
-        if W_SCALED:
-            w = w.to(a_ptr.dtype.element_ty)
-        acc = tl.dot(a, tl.trans(w), acc, input_precision=DOT_PRECISION)
-    if W_SCALED:
+        acc = _dot_weight_tile(
+            a, acc, w_ptrs, s_ptrs, k0, inter, W_FORMAT, EVEN_K, BLOCK_K, DOT_PRECISION
+        )
+    if W_FORMAT == 1:  # FP8: each row's scale
         acc *= tl.load(w_scale_ptr + expert.to(tl.int64) * stride_se + w_rows)[None, :]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + expert.to(tl.int64) * stride_be + w_rows).to(tl.float32)[None, :]
@@ -243,11 +292,12 @@ def _down_by_token_kernel(
     stride_we,
     stride_wn,
     stride_se,
+    stride_sn,
     stride_be,
     stride_ot,
     TOP_K: tl.constexpr,
     SLOTS: tl.constexpr,
-    W_SCALED: tl.constexpr,
+    W_FORMAT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -268,6 +318,7 @@ def _down_by_token_kernel(
     cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
     w_rows = cols % hidden
     w_row_offsets = w_rows.to(tl.int64)[:, None] * stride_wn
+    s_row_offsets = w_rows.to(tl.int64)[:, None] * stride_sn
     k_blocks = tl.cdiv(inter, BLOCK_K)
     # The token's experts and weights in registers: an expert id loaded inside the loop, to
     # address the weights, kept Triton from pipelining their loads.
@@ -286,20 +337,19 @@ def _down_by_token_kernel(
         pair = (token * TOP_K + slot).to(tl.int64)
         ks = k0 + tl.arange(0, BLOCK_K)
         a_ptrs = a_ptr + pair * stride_am + ks[None, :] + rows[:, None] * 0
-        w_ptrs = w_ptr + expert * stride_we + w_row_offsets + ks[None, :]
+        w_ptrs = w_ptr + expert * stride_we + w_row_offsets
+        s_ptrs = w_scale_ptr + expert * stride_se + s_row_offsets
         if EVEN_K:
             a = tl.load(a_ptrs, mask=first_row[:, None], other=0.0)
-            w = tl.load(w_ptrs)
         else:
             k_valid = ks[None, :] < inter
             a = tl.load(a_ptrs, mask=first_row[:, None] & k_valid, other=0.0)
-            w = tl.load(w_ptrs, mask=k_valid, other=0.0)
-        if W_SCALED:
-            w = w.to(a_ptr.dtype.element_ty)
-        acc = tl.dot(a, tl.trans(w), acc, input_precision=DOT_PRECISION)
+        acc = _dot_weight_tile(
+            a, acc, w_ptrs, s_ptrs, k0, inter, W_FORMAT, EVEN_K, BLOCK_K, DOT_PRECISION
+        )
         last = k0 + BLOCK_K >= inter
         expert_out = acc
-        if W_SCALED:  # the expert's scales, read at its last K step only
+        if W_FORMAT == 1:  # FP8: the expert's row scales, read at its last K step only
             scale_ptrs = w_scale_ptr + expert * stride_se + w_rows
             scales = tl.load(scale_ptrs, mask=(w_rows < hidden) & last, other=0.0)
             expert_out = expert_out * scales[None, :]
@@ -333,6 +383,19 @@ def _dot_precision(dtype: torch.dtype) -> str:
     # fp32 operands (an FP8 weight's widened to fp32 activations too) must not silently drop to
     # tf32 on the tensor cores.
     return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def weight_format(weight: torch.Tensor, scale: torch.Tensor | None) -> int:
+    """The kernels' ``W_FORMAT`` of stacked experts: plain (no scale), FP8 (float8 weights with
+    float32 row scales) or MXFP4 (uint8 packed weights with uint8 group scales)."""
+    if scale is None:
+        return W_PLAIN
+    return W_MXFP4 if weight.dtype == torch.uint8 else W_FP8
+
+
+def _scale_strides(scale: torch.Tensor | None) -> tuple[int, int]:
+    """(per expert, per row) strides of the scales (0, 0 without)."""
+    return (scale.stride(0), scale.stride(1)) if scale is not None else (0, 0)
 
 
 def _tile_args(tiles: GemmTiles, k: int) -> dict:
@@ -381,13 +444,13 @@ def _launch_gate_up(
         x.stride(0),
         w13.stride(0),
         w13.stride(1),
-        scale.stride(0) if scale is not None else 0,
+        *_scale_strides(scale),
         b13.stride(0) if b13 is not None else 0,
         out.stride(0),
         TOP_K=top_k,
         BY_PAIR=by_pair,
         ACTIVATION=ACTIVATIONS[activation],
-        W_SCALED=scale is not None,
+        W_FORMAT=weight_format(w13, scale),
         HAS_BIAS=b13 is not None,
         BLOCK_M=block_m,
         GROUP_M=tiles.group_m,
@@ -400,7 +463,8 @@ def gate_up_by_pair(
     x, w13, b13, ids, top_k, activation, tiles: GemmTiles, scale=None
 ) -> torch.Tensor:
     """``[T * k, I]`` in pair order: ``act`` of each pair's gate and up products. ``scale``:
-    FP8 ``w13``'s float32 ``[E, 2I]`` (None: ``w13`` in ``x``'s dtype), as for each product."""
+    FP8 ``w13``'s float32 ``[E, 2I]``, or packed MXFP4 ``w13``'s uint8 ``[E, 2I, H / 32]``
+    (None: ``w13`` in ``x``'s dtype), as for each product."""
     out = torch.empty(ids.numel(), w13.shape[1] // 2, dtype=x.dtype, device=x.device)
     _launch_gate_up(
         x, w13, scale, b13, out, ids, ids, 0, top_k, activation, tiles, MIN_DOT_ROWS, by_pair=True
@@ -436,7 +500,8 @@ def down_grouped(
     a, w2, b2, weights, blocks: MoeBlocks, tiles: GemmTiles, out: torch.Tensor, scale=None
 ) -> torch.Tensor:
     """``out [T * k, H]``: each pair's expert output times its routing weight. ``scale``: FP8
-    ``w2``'s float32 ``[E, H]`` (None: ``w2`` in ``a``'s dtype)."""
+    ``w2``'s float32 ``[E, H]`` or MXFP4 ``w2``'s uint8 ``[E, H, I / 32]`` (None: ``w2`` in
+    ``a``'s dtype)."""
     pairs, hidden = out.shape
     num_blocks = blocks.expert_of_block.numel()
     launch(
@@ -457,10 +522,10 @@ def down_grouped(
         a.stride(0),
         w2.stride(0),
         w2.stride(1),
-        scale.stride(0) if scale is not None else 0,
+        *_scale_strides(scale),
         b2.stride(0) if b2 is not None else 0,
         out.stride(0),
-        W_SCALED=scale is not None,
+        W_FORMAT=weight_format(w2, scale),
         HAS_BIAS=b2 is not None,
         BLOCK_M=blocks.block_m,
         GROUP_M=tiles.group_m,
@@ -474,7 +539,7 @@ def down_by_token(
     a, w2, b2, ids, weights, top_k, tiles: GemmTiles, out: torch.Tensor, scale=None
 ) -> torch.Tensor:
     """``out [T, H]``: each token's k weighted expert outputs, summed in slot order. ``scale``:
-    FP8 ``w2``'s float32 ``[E, H]`` (None: ``w2`` in ``a``'s dtype)."""
+    as `down_grouped`'s."""
     tokens, hidden = out.shape
     launch(
         _down_by_token_kernel,
@@ -492,12 +557,12 @@ def down_by_token(
         a.stride(0),
         w2.stride(0),
         w2.stride(1),
-        scale.stride(0) if scale is not None else 0,
+        *_scale_strides(scale),
         b2.stride(0) if b2 is not None else 0,
         out.stride(0),
         TOP_K=top_k,
         SLOTS=triton.next_power_of_2(top_k),
-        W_SCALED=scale is not None,
+        W_FORMAT=weight_format(w2, scale),
         HAS_BIAS=b2 is not None,
         BLOCK_M=MIN_DOT_ROWS,
         DOT_PRECISION=_dot_precision(a.dtype),

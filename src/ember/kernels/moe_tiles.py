@@ -24,6 +24,10 @@ from ember.kernels.tiles import SHARED_MEMORY_BUDGET, shrink_to_fit
 
 # `tl.dot`'s fewest rows: a by-pair program's one row is padded to it.
 MIN_DOT_ROWS = 16
+# MXFP4 weights: two values a byte and one scale byte a group of 32 values along K, which a
+# tile's BLOCK_K must hold whole.
+MXFP4_GROUP = 32
+MXFP4_BYTES_PER_ELEMENT = 0.5 + 1 / MXFP4_GROUP
 
 
 def cdiv(a: int, b: int) -> int:
@@ -36,13 +40,21 @@ def next_power_of_2(n: int) -> int:
 
 class MoeShape(NamedTuple):
     """A MoE layer's experts: ``w13 [E, 2I, H]``, ``w2 [E, H, I]``, ``top_k`` experts a token,
-    weights of ``elem_bytes`` an element."""
+    activations of ``elem_bytes`` an element (bf16 and FP8 weights take their tiles);
+    ``mxfp4``: the weights packed in MXFP4 (their own rows of the table)."""
 
     num_experts: int
     hidden: int
     intermediate: int
     top_k: int
     elem_bytes: int = 2
+    mxfp4: bool = False
+
+    @property
+    def weight_bytes(self) -> float:
+        """Bytes a weight element takes in memory: MXFP4's half a byte and its scale's 1/32,
+        else the activations' size (FP8 experts run on those tiles too)."""
+        return MXFP4_BYTES_PER_ELEMENT if self.mxfp4 else self.elem_bytes
 
 
 @dataclass(frozen=True)
@@ -142,7 +154,7 @@ def default_moe_tiles(shape: MoeShape, tokens: int, tuning: MoeTuning | None = N
             gate_up=_stream_tiles(shape.intermediate, shape.hidden, pairs, tuning.num_sms),
             down=_stream_tiles(shape.hidden, shape.intermediate, tokens, tuning.num_sms),
         )
-        return fit_shared_memory(tiles, shape.elem_bytes, budget // 2)
+        return fit_shared_memory(tiles, shape.elem_bytes, budget // 2, shape.weight_bytes)
     rows_per_expert = pairs / shape.num_experts
     block_m = next((m for m in (16, 32, 64) if rows_per_expert <= m * 1.5), 128)
     if block_m == 16:  # one or two tokens an expert: still a weight stream
@@ -150,16 +162,18 @@ def default_moe_tiles(shape: MoeShape, tokens: int, tuning: MoeTuning | None = N
         gate_up = _stream_tiles(shape.intermediate, shape.hidden, blocks, tuning.num_sms)
         down = _stream_tiles(shape.hidden, shape.intermediate, blocks, tuning.num_sms)
         tiles = MoeTiles(False, block_m, gate_up, down)
-        return fit_shared_memory(tiles, shape.elem_bytes, budget // 2)
+        return fit_shared_memory(tiles, shape.elem_bytes, budget // 2, shape.weight_bytes)
     warps = 4 if block_m <= 32 else 8
     gate_up = GemmTiles(64, 64, 4, warps, group_m=8)
     down = GemmTiles(128 if block_m >= 64 else 64, 64, 4, warps, group_m=8)
-    return fit_shared_memory(MoeTiles(False, block_m, gate_up, down), shape.elem_bytes, budget)
+    tiles = MoeTiles(False, block_m, gate_up, down)
+    return fit_shared_memory(tiles, shape.elem_bytes, budget, shape.weight_bytes)
 
 
 def _stream_tiles(cols: int, k: int, row_programs: int, num_sms: int) -> GemmTiles:
     """Tiles of a weight stream over ``cols`` output columns by ``row_programs`` programs a
-    column tile: the widest of 64, 32, 16 columns whose programs fill two waves."""
+    column tile: the widest of 64, 32, 16 columns whose programs fill two waves. (An MXFP4
+    weight's K, a multiple of 32, gets a BLOCK_K of whole scale groups.)"""
     block_n = 64
     while block_n > 16 and row_programs * cdiv(cols, block_n) < 2 * num_sms:
         block_n //= 2
@@ -167,22 +181,30 @@ def _stream_tiles(cols: int, k: int, row_programs: int, num_sms: int) -> GemmTil
     return GemmTiles(block_n, block_k, stages=4, num_warps=4)
 
 
-def shared_memory_estimate(rows: int, tiles: GemmTiles, elem_bytes: int, gated: bool) -> int:
+def shared_memory_estimate(
+    rows: int, tiles: GemmTiles, elem_bytes: int, gated: bool, weight_bytes: float | None = None
+) -> int:
     """Bytes of the pipelined x and weight tiles (two weight tiles when ``gated``), what Triton
-    stages in shared memory."""
+    stages in shared memory; ``weight_bytes``: a weight element's (None: ``elem_bytes``)."""
     weight_rows = tiles.block_n * (2 if gated else 1)
-    return (rows + weight_rows) * tiles.block_k * elem_bytes * tiles.stages
+    weight = elem_bytes if weight_bytes is None else weight_bytes
+    return int((rows * elem_bytes + weight_rows * weight) * tiles.block_k * tiles.stages)
 
 
 def fit_shared_memory(
-    tiles: MoeTiles, elem_bytes: int, budget: int = SHARED_MEMORY_BUDGET
+    tiles: MoeTiles,
+    elem_bytes: int,
+    budget: int = SHARED_MEMORY_BUDGET,
+    weight_bytes: float | None = None,
 ) -> MoeTiles:
     """Halve BLOCK_K (to 32), then drop stages (to 2), until each product's tiles fit."""
 
     def fit(gemm: GemmTiles, gated: bool) -> GemmTiles:
         config = shrink_to_fit(
             {"block_k": gemm.block_k, "stages": gemm.stages},
-            lambda c: shared_memory_estimate(tiles.block_m, replace(gemm, **c), elem_bytes, gated),
+            lambda c: shared_memory_estimate(
+                tiles.block_m, replace(gemm, **c), elem_bytes, gated, weight_bytes
+            ),
             [("block_k", 32, True), ("stages", 2, False)],
             budget,
         )

@@ -36,7 +36,8 @@ class Ops:
     # (x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights float32 [T, k], topk_ids int32
     # [T, k], activation="silu", b13=None, b2=None) -> [T, H] in x's dtype: each token's routed
     # experts, weighted and summed (docs/CONTRACTS.md, "Mixture of experts"; the Triton ops'
-    # kernels: "Fused MoE"); w13 and w2 may be `Fp8Weight`s (scales [E, 2I], [E, H]).
+    # kernels: "Fused MoE"); w13 and w2 may be `Fp8Weight`s (scales [E, 2I], [E, H]) or packed
+    # `ember.layers.mxfp4.Mxfp4Weight`s ("MXFP4 experts").
     moe_experts: Callable[..., torch.Tensor]
     sample: Callable[..., torch.Tensor]
     # [B, V] float32, bfloat16 or float16 -> int64 [B]: the first maximum of each row

@@ -16,6 +16,7 @@ from ember.config import RopeScaling, YarnRopeScaling
 from ember.kernels.attention_plan import KeyStart, key_start
 from ember.layers.forward_context import ForwardContext
 from ember.layers.fp8 import FP8_DTYPE, FP8_E4M3_MAX, Fp8Weight, dense_weight
+from ember.layers.mxfp4 import Mxfp4Weight
 from ember.layers.row_norm import RowNorm
 from ember.layers.yarn_rope import yarn_inv_freq
 
@@ -467,8 +468,8 @@ def expert_activation(gate: torch.Tensor, up: torch.Tensor, activation: str) -> 
 
 def moe_experts_reference(
     x: torch.Tensor,
-    w13: torch.Tensor | Fp8Weight,
-    w2: torch.Tensor | Fp8Weight,
+    w13: torch.Tensor | Fp8Weight | Mxfp4Weight,
+    w2: torch.Tensor | Fp8Weight | Mxfp4Weight,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     activation: str = "silu",
@@ -478,11 +479,12 @@ def moe_experts_reference(
     """``[T, H]`` in ``x``'s dtype: each token's routed experts' outputs, weighted and summed.
 
     ``w13 [E, 2I, H]`` (gate rows, then up rows), ``w2 [E, H, I]``, either an `Fp8Weight`
-    (scales ``[E, 2I]``, ``[E, H]``), optional biases ``b13 [E, 2I]``, ``b2 [E, H]``;
-    ``topk_ids`` int32 and ``topk_weights`` float32 ``[T, k]``. One expert at a time, only those
-    some token chose (their ids read on the host): an FP8 expert dequantized to ``x``'s dtype,
-    the expert's products and activation in the model's dtype as transformers computes them,
-    each output times its float32 weight, summed in float32 in expert order, rounded once."""
+    (scales ``[E, 2I]``, ``[E, H]``) or an `Mxfp4Weight`, optional biases ``b13 [E, 2I]``,
+    ``b2 [E, H]``; ``topk_ids`` int32 and ``topk_weights`` float32 ``[T, k]``. One expert at a
+    time, only those some token chose (their ids read on the host): an FP8 or MXFP4 expert
+    dequantized to ``x``'s dtype as it runs (the weights stay packed in memory), the expert's
+    products and activation in the model's dtype as transformers computes them, each output
+    times its float32 weight, summed in float32 in expert order, rounded once."""
     inter = (w2.weight if isinstance(w2, Fp8Weight) else w2).shape[-1]
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for expert in torch.unique(topk_ids).tolist():
@@ -498,10 +500,15 @@ def moe_experts_reference(
     return out.to(x.dtype)
 
 
-def _expert(stacked: torch.Tensor | Fp8Weight, expert: int, dtype: torch.dtype) -> torch.Tensor:
-    """Expert ``expert``'s weight of stacked experts, an FP8 one dequantized to ``dtype``."""
+def _expert(
+    stacked: torch.Tensor | Fp8Weight | Mxfp4Weight, expert: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """Expert ``expert``'s weight of stacked experts, an FP8 or MXFP4 one dequantized to
+    ``dtype``."""
     if isinstance(stacked, Fp8Weight):
         return dense_weight(Fp8Weight(stacked.weight[expert], stacked.scale[expert]), dtype)
+    if isinstance(stacked, Mxfp4Weight):
+        return stacked.expert(expert).dequantize(dtype)
     return stacked[expert]
 
 

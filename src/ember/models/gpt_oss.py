@@ -14,8 +14,13 @@ differs from (every conversion runs once a layer's tensors have landed:
   [E, H] is ``b2`` as it is;
 - in OpenAI's published checkpoints (``quant_method: mxfp4``) the two weights are MXFP4 instead:
   ``gate_up_proj_blocks`` [E, 2I, H/32, 16] with ``gate_up_proj_scales`` [E, 2I, H/32] (rows
-  interleaved), ``down_proj_blocks`` [E, H, I/32, 16] with ``down_proj_scales``: dequantized to
-  the model's dtype (`ember.weights.mxfp4`), every value exact in bf16;
+  interleaved), ``down_proj_blocks`` [E, H, I/32, 16] with ``down_proj_scales``. With
+  ``cfg.mxfp4_experts`` (what a plan sets for such a checkpoint) they stay packed
+  (`ember.layers.mxfp4`): they land in ``w13_blocks`` / ``w13_scales`` and ``w2_blocks`` /
+  ``w2_scales`` as they are, and gate_up's rows are put in the ops' order once every tensor has
+  landed (`arrange_loaded_weights`, an expert at a time in place: no layer of scratch). Without
+  it they are dequantized to the model's dtype as they land (`ember.weights.mxfp4`), every
+  value exact in bf16;
 - the router at ``mlp.router.weight`` [E, H] and ``mlp.router.bias`` [E].
 
 In bf16 two roundings differ from transformers' (float32 agrees to its tolerance): its RMSNorm
@@ -86,6 +91,8 @@ class GptOssForCausalLM(MoeForCausalLM):
         match = _EXPERTS.fullmatch(hf_name)
         if match is None or match[2] not in _CONVERSIONS or int(match[1]) >= self.cfg.num_layers:
             return None  # down_proj_bias is b2 as it is
+        if self.cfg.mxfp4_experts and match[2] in _PACKED_PARAMS:
+            return None  # lands packed, as it is
         param, names, convert = _CONVERSIONS[match[2]]
         shapes = expert_tensors(self.cfg, mxfp4=len(names) == 2)
         prefix = f"model.layers.{match[1]}.mlp.experts."
@@ -95,9 +102,23 @@ class GptOssForCausalLM(MoeForCausalLM):
     def _param_name(self, hf_name: str) -> tuple[str | None, int | None]:
         if match := _ROUTER.fullmatch(hf_name):
             return f"layers.{match[1]}.mlp.gate.{match[2]}", None
-        if (match := _EXPERTS.fullmatch(hf_name)) and match[2] == "down_proj_bias":
-            return f"layers.{match[1]}.mlp.b2", None
+        if match := _EXPERTS.fullmatch(hf_name):
+            param = "b2" if match[2] == "down_proj_bias" else _PACKED_PARAMS.get(match[2])
+            if param is not None:
+                return f"layers.{match[1]}.mlp.{param}", None
         return super()._param_name(hf_name)
+
+    @torch.no_grad()
+    def arrange_loaded_weights(self) -> None:
+        """Packed MXFP4 gate_up rows from the checkpoint's interleaved order (gate, up, ...)
+        to the ops' (gate rows, then up rows), an expert at a time."""
+        super().arrange_loaded_weights()
+        if not self.cfg.mxfp4_experts:
+            return
+        for layer in self.layers:
+            for stack in (layer.mlp.w13_blocks, layer.mlp.w13_scales):
+                for expert in stack:
+                    expert.copy_(torch.cat((expert[0::2], expert[1::2])))
 
 
 def expert_tensors(cfg: ModelConfig, mxfp4: bool) -> dict[str, tuple[int, ...]]:
@@ -164,6 +185,15 @@ def _w2_from_mxfp4(w2: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor)
 
 _GATE_UP_MXFP4 = ("w13", ("gate_up_proj_blocks", "gate_up_proj_scales"), _w13_from_mxfp4)
 _DOWN_MXFP4 = ("w2", ("down_proj_blocks", "down_proj_scales"), _w2_from_mxfp4)
+# Packed MXFP4 checkpoint tensors -> the parameters they land in as they are.
+_PACKED_PARAMS = MappingProxyType(
+    {
+        "gate_up_proj_blocks": "w13_blocks",
+        "gate_up_proj_scales": "w13_scales",
+        "down_proj_blocks": "w2_blocks",
+        "down_proj_scales": "w2_scales",
+    }
+)
 # Checkpoint tensor -> (the parameter it fills, the tensors that fill it, how).
 _CONVERSIONS = MappingProxyType(
     {

@@ -407,9 +407,16 @@ class LlamaForCausalLM(nn.Module):
 
     def cast_to(self, dtype: torch.dtype) -> LlamaForCausalLM:
         """The model with its parameters in ``dtype``, but FP8 weights and their scales (a
-        projection's, stacked experts'), which keep float8 e4m3 and float32."""
+        projection's, stacked experts'), which keep float8 e4m3 and float32, and packed ones
+        (MXFP4 experts' uint8 blocks and scales), which keep their integers."""
         kept = {id(param) for weight in held_fp8_weights(self) for param in weight}
-        return self._apply(lambda tensor: tensor if id(tensor) in kept else tensor.to(dtype))
+
+        def cast(tensor: torch.Tensor) -> torch.Tensor:
+            if id(tensor) in kept or not tensor.is_floating_point():
+                return tensor
+            return tensor.to(dtype)
+
+        return self._apply(cast)
 
     @classmethod
     def checkpoint_layout(

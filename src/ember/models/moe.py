@@ -3,8 +3,8 @@
 
 The routing is computed here, one variant per model family (`Routing`, `route`); the experts'
 weights are stacked per layer as the ops read them (docs/CONTRACTS.md, "Mixture of experts"):
-``w13`` [E, 2I, H] (gate rows, then up rows) and ``w2`` [E, H, I], in the model's dtype or in
-FP8 with a scale per expert and row.
+``w13`` [E, 2I, H] (gate rows, then up rows) and ``w2`` [E, H, I], in the model's dtype, in
+FP8 with a scale per expert and row, or packed in MXFP4 (`ember.layers.mxfp4`).
 
 The block reads the residual stream in its plain form only. The deferred form (norm weights
 folded into the projections, each row's 1/rms applied by the projection's reader) would need
@@ -24,9 +24,13 @@ from torch import nn
 
 from ember.config import ModelConfig
 from ember.layers.fp8 import FP8_DTYPE, Fp8Weight
+from ember.layers.mxfp4 import Mxfp4Weight, mxfp4_parameters
 from ember.layers.ops import Ops
 from ember.layers.residual import ResidualStream, add_sub_block_result, sub_block_input
 from ember.models.llama import Projection
+
+# Stacked experts as `Ops.moe_experts` takes them.
+ExpertWeight = torch.Tensor | Fp8Weight | Mxfp4Weight
 
 
 class Routing(enum.Enum):
@@ -78,8 +82,9 @@ class SparseMoeBlock(nn.Module):
     ``activation``: the experts' (`Ops.moe_experts`); ``biases``: the router and the experts
     have biases (gpt-oss: ``gate.bias`` [E], ``b13`` [E, 2I] in w13's row order, ``b2``
     [E, H]). With FP8 weights (``cfg.fp8``), ``w13`` and ``w2`` are float8 e4m3 and
-    ``w13_scale`` [E, 2I] and ``w2_scale`` [E, H] their rows' float32 scales; the router keeps
-    the model's dtype."""
+    ``w13_scale`` [E, 2I] and ``w2_scale`` [E, H] their rows' float32 scales; with MXFP4 experts
+    (``cfg.mxfp4_experts``) they are ``w13_blocks`` / ``w13_scales`` and ``w2_blocks`` /
+    ``w2_scales`` (`ember.layers.mxfp4.Mxfp4Weight`). The router keeps the model's dtype."""
 
     def __init__(
         self,
@@ -95,9 +100,16 @@ class SparseMoeBlock(nn.Module):
         experts, hidden, inter = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
         self.gate = Projection(hidden, experts, bias=biases)
         self.fp8 = cfg.fp8 is not None
+        self.mxfp4 = cfg.mxfp4_experts
+        if self.fp8 and self.mxfp4:
+            raise ValueError("MXFP4 experts beside FP8 weights are not supported")
         dtype = FP8_DTYPE if self.fp8 else None
-        self.w13 = nn.Parameter(torch.empty(experts, 2 * inter, hidden, dtype=dtype))
-        self.w2 = nn.Parameter(torch.empty(experts, hidden, inter, dtype=dtype))
+        if self.mxfp4:
+            self.w13_blocks, self.w13_scales = mxfp4_parameters(experts, 2 * inter, hidden)
+            self.w2_blocks, self.w2_scales = mxfp4_parameters(experts, hidden, inter)
+        else:
+            self.w13 = nn.Parameter(torch.empty(experts, 2 * inter, hidden, dtype=dtype))
+            self.w2 = nn.Parameter(torch.empty(experts, hidden, inter, dtype=dtype))
         if self.fp8:
             self.w13_scale = nn.Parameter(torch.empty(experts, 2 * inter, dtype=torch.float32))
             self.w2_scale = nn.Parameter(torch.empty(experts, hidden, dtype=torch.float32))
@@ -108,8 +120,14 @@ class SparseMoeBlock(nn.Module):
             "b2", nn.Parameter(torch.empty(experts, hidden)) if biases else None
         )
 
-    def experts(self) -> tuple[torch.Tensor | Fp8Weight, torch.Tensor | Fp8Weight]:
-        """``(w13, w2)`` as `Ops.moe_experts` takes them: `Fp8Weight`s of FP8 experts."""
+    def experts(self) -> tuple[ExpertWeight, ExpertWeight]:
+        """``(w13, w2)`` as `Ops.moe_experts` takes them: `Fp8Weight`s of FP8 experts,
+        `Mxfp4Weight`s of MXFP4 ones."""
+        if self.mxfp4:
+            return (
+                Mxfp4Weight(self.w13_blocks, self.w13_scales),
+                Mxfp4Weight(self.w2_blocks, self.w2_scales),
+            )
         if self.fp8:
             return Fp8Weight(self.w13, self.w13_scale), Fp8Weight(self.w2, self.w2_scale)
         return self.w13, self.w2
@@ -117,6 +135,10 @@ class SparseMoeBlock(nn.Module):
     def fp8_weights(self) -> list[Fp8Weight]:
         """The FP8 experts with their scales (`ember.layers.fp8.held_fp8_weights`), if FP8."""
         return list(self.experts()) if self.fp8 else []
+
+    def mxfp4_weights(self) -> list[Mxfp4Weight]:
+        """The MXFP4 experts (`ember.layers.mxfp4.held_mxfp4_weights`), if MXFP4."""
+        return list(self.experts()) if self.mxfp4 else []
 
     def forward(self, stream: ResidualStream, norm_weight: torch.Tensor) -> ResidualStream:
         x, row_norm, stream = sub_block_input(self.ops, stream, norm_weight)

@@ -17,10 +17,13 @@ FP8 weights (`ember.quantization`) take more than a copy:
   (and, where the model defers its norms, its norm's) have landed; the scratch is dropped then,
   so a loader that lands a layer at a time holds one layer's float weights at most.
 
+Packed weights (gpt-oss's MXFP4 experts kept packed: uint8 blocks and scales) land as they are,
+in their own dtype (another is refused).
+
 A checkpoint tensor stored in another layout than its parameter's (gpt-oss's transposed,
-interleaved or MXFP4 experts) has a `TensorConversion` from its model: it lands in scratch of its
-own shape and dtype, and `transform_landed` computes the parameter from it once every tensor the
-conversion reads has landed, a layer at a time like the quantization above.
+interleaved or dequantized MXFP4 experts) has a `TensorConversion` from its model: it lands in
+scratch of its own shape and dtype, and `transform_landed` computes the parameter from it once
+every tensor the conversion reads has landed, a layer at a time like the quantization above.
 """
 
 from __future__ import annotations
@@ -146,6 +149,11 @@ class WeightPlacer:
             raise ValueError(
                 f"{self._describe(hf_name)} is stored as {_dtype_name(dtype)}, but the "
                 "checkpoint's quantization_config makes its projections float8_e4m3fn"
+            )
+        if not target.is_floating_point() and dtype is not None and dtype != target.dtype:
+            raise ValueError(  # packed bytes (MXFP4 blocks and scales) must land as they are
+                f"{self._describe(hf_name)} is stored as {_dtype_name(dtype)}, expected "
+                f"{_dtype_name(target.dtype)}"
             )
         self._targets.append((hf_name, target))
         return target

@@ -3,8 +3,10 @@
 A tensor ``W`` [..., rows, cols] is stored as two: ``*_blocks`` uint8 [..., rows, cols / 32, 16],
 each byte two FP4 (e2m1) codes, the low nibble the even column; and ``*_scales`` uint8
 [..., rows, cols / 32], one power-of-two exponent (e8m0, bias 127) per 32 columns. A value is
-``E2M1[code] * 2 ** (scale - 127)``. ember dequantizes at load into the model's dtype; every
-value of the format is exact in bfloat16 (a 2-bit mantissa times a power of two).
+``E2M1[code] * 2 ** (scale - 127)``. ember keeps gpt-oss's experts packed in this form
+(`ember.layers.mxfp4`) and `dequantize_mxfp4` widens them (the reference ops, expert by expert;
+or a whole model at load); every value of the format is exact in bfloat16 (a 2-bit mantissa
+times a power of two).
 `quantize_mxfp4` writes the format (for checkpoints made by `ember bench make-model` and tests).
 """
 
@@ -64,8 +66,10 @@ def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     exponents += (largest > _E2M1_MAX * torch.exp2(exponents)).float()
     exponents = exponents.clamp(-_SCALE_BIAS, _SCALE_BIAS)
     scaled = groups / torch.exp2(exponents)[..., None]
+    # The nearest magnitude's code: how many midpoints between codes lie below (a tie, on a
+    # midpoint, counts it not: the smaller magnitude).
     magnitudes = torch.tensor(_E2M1_VALUES, dtype=torch.float32, device=weight.device)
-    nearest = (scaled.abs()[..., None] - magnitudes).abs().argmin(dim=-1)
+    nearest = torch.bucketize(scaled.abs().contiguous(), (magnitudes[1:] + magnitudes[:-1]) / 2)
     codes = (nearest + 8 * (scaled < 0)).to(torch.uint8)
     blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
     scales = (exponents + _SCALE_BIAS).to(torch.uint8)
