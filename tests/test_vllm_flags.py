@@ -96,11 +96,23 @@ def test_a_flag_taken_with_a_difference_says_so(argv, note, caplog):
     assert note in caplog.text
 
 
-@pytest.mark.parametrize("parser", ["llama3_json", "hermes", "mistral"])
+@pytest.mark.parametrize("parser", ["llama3_json", "hermes", "mistral", "openai"])
 def test_tool_call_parser_reaches_every_served_model(parser):
     config = config_of("a=x", "b=y.gguf", "--enable-auto-tool-choice", "--tool-call-parser", parser)
     assert [spec.tool_call_parser for spec in config.models] == [parser, parser]
     assert [spec.tool_call_parser for spec in config_of("a=x").models] == [None]
+
+
+def test_reasoning_parser_reaches_every_served_model():
+    config = config_of("a=x", "b=y.gguf", "--reasoning-parser", "openai_gptoss")
+    assert [spec.reasoning_parser for spec in config.models] == ["openai_gptoss"] * 2
+    assert [spec.reasoning_parser for spec in config_of("a=x").models] == [None]
+
+
+def test_a_reasoning_parser_outside_the_choices_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["serve", "--reasoning-parser", "deepseek_r1"])
+    assert exit_.value.code == 2 and "--reasoning-parser" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("value", ["fp8", "fp8_e4m3"])

@@ -439,6 +439,10 @@ def server_config(args: argparse.Namespace):
         models = tuple(
             dataclasses.replace(m, tool_call_parser=args.tool_call_parser) for m in models
         )
+    if getattr(args, "reasoning_parser", None):  # every model's
+        models = tuple(
+            dataclasses.replace(m, reasoning_parser=args.reasoning_parser) for m in models
+        )
     memory = dict(file.memory)  # a flag given wins over the file
     memory.update(
         (name, getattr(args, name)) for name in MEMORY_OPTIONS if getattr(args, name) is not None

@@ -30,6 +30,7 @@ from ember.engine.request import Request
 from ember.models.checkpoint_layout import CheckpointLayout, check_complete, check_fits
 from ember.quantization import fp8_scheme, mxfp4_experts
 from ember.sampling_params import SamplingParams
+from ember.tokenizer.harmony import harmony_stop_token_ids
 from ember.tokenizer.tokenizer import Tokenizer
 from ember.weights.checkpoint import Checkpoint, TensorHeader
 from ember.weights.resolve import open_checkpoint
@@ -310,10 +311,13 @@ def new_request(
 
 
 def _with_generation_eos(cfg: ModelConfig, ckpt: Checkpoint, tokenizer: Tokenizer) -> ModelConfig:
-    """EOS ids come from config.json, generation_config.json and the tokenizer, merged."""
+    """EOS ids come from config.json, generation_config.json and the tokenizer, merged; a
+    harmony vocabulary (gpt-oss) adds `<|return|>` and `<|call|>`, which end an assistant's
+    turn even where a checkpoint's generation_config.json does not list them."""
     ids: list[int] = list(cfg.eos_token_ids)
     gen_eos = ckpt.generation_config.get("eos_token_id")
     ids += gen_eos if isinstance(gen_eos, list) else ([gen_eos] if gen_eos is not None else [])
     if tokenizer.eos_token_id is not None:
         ids.append(tokenizer.eos_token_id)
+    ids += harmony_stop_token_ids(tokenizer.added_token_id)
     return cfg.with_eos(tuple(dict.fromkeys(int(i) for i in ids)))

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ember.config import EngineConfig, MemoryConfig
+from ember.server.harmony.selection import REASONING_PARSER_NAMES
 from ember.server.tool_calls.registry import PARSER_NAMES
 
 DEFAULT_MAX_QUEUE = 1024
@@ -26,12 +27,23 @@ class ServedModelSpec:
     # How the model writes tool calls (`ember.server.tool_calls.registry.PARSERS`); None: the
     # format its chat template shows, if any.
     tool_call_parser: str | None = None
+    # How the model writes its reasoning (`ember.server.harmony.selection`); None: gpt-oss's
+    # harmony format where the tokenizer has its tokens, else no reasoning is read.
+    reasoning_parser: str | None = None
 
     def __post_init__(self) -> None:
         if self.tool_call_parser is not None and self.tool_call_parser not in PARSER_NAMES:
             raise ValueError(
                 f"unknown tool call parser {self.tool_call_parser!r}; choose from "
                 + ", ".join(PARSER_NAMES)
+            )
+        if (
+            self.reasoning_parser is not None
+            and self.reasoning_parser not in REASONING_PARSER_NAMES
+        ):
+            raise ValueError(
+                f"unknown reasoning parser {self.reasoning_parser!r}; choose from "
+                + ", ".join(REASONING_PARSER_NAMES)
             )
 
     @property

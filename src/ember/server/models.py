@@ -3,6 +3,7 @@ what the engine reported about it once loaded (context length, vocabulary size).
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -10,6 +11,7 @@ from pathlib import Path
 from ember.engine.ipc import ModelInfo
 from ember.server.config import ServedModelSpec
 from ember.server.errors import NotFoundError, ServiceUnavailableError
+from ember.server.harmony.selection import uses_harmony
 from ember.tokenizer.tokenizer import Tokenizer
 
 
@@ -38,6 +40,14 @@ class ServedModel:
     @property
     def name(self) -> str:
         return self.spec.name
+
+    @functools.cached_property
+    def reads_harmony(self) -> bool:
+        """Whether chat replies are gpt-oss's harmony format (`ember.server.harmony`)."""
+        spec = self.spec
+        return uses_harmony(
+            spec.reasoning_parser, spec.tool_call_parser, self.tokenizer.added_token_id
+        )
 
     @property
     def max_model_len(self) -> int:

@@ -3,11 +3,14 @@
 With tools, the reply is read back into OpenAI tool calls (`ember.server.tool_calls`); while a
 stream may be writing a call, its text is held back, then sent as `delta.tool_calls`. A
 tool_choice of "required" or a named function holds decoding to such calls (a grammar, as
-structured output's `response_format` does).
+structured output's `response_format` does). gpt-oss's replies are read by their harmony
+channels (`ember.server.harmony`): reasoning, content and calls, the calls' arguments streamed
+as they are written. Both readers are `ember.server.reply`'s.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import AsyncIterator, Callable
 
@@ -16,18 +19,19 @@ from starlette.responses import Response
 
 from ember.server.errors import BadRequestError
 from ember.server.generation import Generation, Sequence
+from ember.server.harmony.parser import HarmonyReader
 from ember.server.logprobs import chat_logprobs
+from ember.server.models import ServedModel
 from ember.server.params import build_sampling_params, check_context_length
 from ember.server.prompts import chat_prompt
 from ember.server.protocol import ChatCompletionRequest
+from ember.server.reply import CallDelta, ReplyDelta, ReplyReader, ToolCallReader, read_reply
 from ember.server.respond import respond
 from ember.server.responses import envelope, full_response, new_id, usage
 from ember.server.sse import ChunkEncoder, sse_event
 from ember.server.state import server_state
 from ember.server.structured_outputs import check_structured_outputs, requested_structured_outputs
-from ember.server.tool_calls.calls import ToolCall
 from ember.server.tool_calls.request import ToolUse, tool_use
-from ember.server.tool_calls.stream import ToolCallStream, parse_output
 from ember.structured_output.params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
@@ -46,6 +50,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
             body.parallel_tool_calls,
             model.spec.tool_call_parser,
             model.tokenizer.chat_template,
+            harmony=model.reads_harmony,
         )
         prompt = await chat_prompt(body, model, tools.template_tools)
         check_context_length(
@@ -58,12 +63,28 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
             vocab_size=model.vocab_size,
             structured_outputs=_output_constraint(body, tools, model.tokenizer.added_token_id),
         )
+        if model.reads_harmony:  # the reader needs the channel markers, special tokens
+            params = dataclasses.replace(params, skip_special_tokens=False)
         generation = Generation(
             state.client, model, state.metrics, [prompt], params, body.n, new_id("chatcmpl")
         )
         generation.start(state.config.max_queue)
-    stream = _stream(generation, body, tools) if body.stream else None
-    return await respond(request, generation, stream, lambda: _response(generation, body, tools))
+    reader = _reader_factory(model, tools)
+    stream = _stream(generation, body, tools, reader) if body.stream else None
+    return await respond(
+        request, generation, stream, lambda: _response(generation, body, tools, reader)
+    )
+
+
+def _reader_factory(model: ServedModel, tools: ToolUse) -> Callable[[], ReplyReader] | None:
+    """What reads a choice's reply (a fresh one per choice); None: the reply is content."""
+    if model.reads_harmony:
+        read_calls = tools.template_tools is not None
+        return lambda: HarmonyReader(read_calls)
+    parser = tools.parser
+    if parser is not None:
+        return lambda: ToolCallReader(parser)
+    return None
 
 
 def _output_constraint(
@@ -84,16 +105,24 @@ def _output_constraint(
     return forced
 
 
-def _response(generation: Generation, body: ChatCompletionRequest, tools: ToolUse) -> dict:
+def _response(
+    generation: Generation,
+    body: ChatCompletionRequest,
+    tools: ToolUse,
+    reader: Callable[[], ReplyReader] | None,
+) -> dict:
     choices = []
     for sequence in generation.sequences:
         message: dict = {"role": "assistant", "content": sequence.text}
-        calls: list[ToolCall] = []
-        if tools.parser is not None:
-            parsed = parse_output(tools.parser, sequence.text)
-            calls = _kept(parsed.calls, 0, tools)
-            _check_choice(tools, sequence, parsed.calls)
-            message["content"] = parsed.content
+        called = False
+        if reader is not None:
+            reply = read_reply(reader(), sequence.text)
+            called = bool(reply.calls)
+            _check_choice(tools, sequence, [call.name for call in reply.calls])
+            message["content"] = reply.content
+            if generation.model.reads_harmony:
+                message["reasoning_content"] = reply.reasoning
+            calls = reply.calls if tools.parallel else reply.calls[:1]
             if calls:
                 message["tool_calls"] = [call.to_openai() for call in calls]
         choices.append(
@@ -103,7 +132,7 @@ def _response(generation: Generation, body: ChatCompletionRequest, tools: ToolUs
                 "logprobs": chat_logprobs(generation.model, sequence.logprobs)
                 if body.logprobs
                 else None,
-                "finish_reason": _finish_reason(sequence, bool(calls)),
+                "finish_reason": _finish_reason(sequence, called),
                 "stop_reason": sequence.stop_reason,
             }
         )
@@ -111,15 +140,17 @@ def _response(generation: Generation, body: ChatCompletionRequest, tools: ToolUs
 
 
 async def _stream(
-    generation: Generation, body: ChatCompletionRequest, tools: ToolUse
+    generation: Generation,
+    body: ChatCompletionRequest,
+    tools: ToolUse,
+    reader: Callable[[], ReplyReader] | None,
 ) -> AsyncIterator[bytes]:
     header = envelope(generation, "chat.completion.chunk")
     if body.include_usage:
         header["usage"] = None  # OpenAI: null on every chunk but the last
     encoder = ChunkEncoder(header)
-    parser = tools.parser
-    readers = {s.index: ToolCallStream(parser) for s in generation.sequences} if parser else {}
-    sent_calls = {s.index: [] for s in generation.sequences}  # every call read, kept or not
+    readers = {s.index: reader() for s in generation.sequences} if reader else {}
+    called = {s.index: [] for s in generation.sequences}  # every call's name, kept or not
 
     def chunk(index: int, delta: dict, logprobs: dict | None, finish: str | None, stop) -> bytes:
         choice = {
@@ -139,15 +170,14 @@ async def _stream(
         events = []
         for delta in deltas:
             sequence = delta.sequence
-            message, read = _delta_message(delta.text, delta.finished, readers.get(sequence.index))
-            seen = sent_calls[sequence.index]
-            kept = _kept(read, len(seen), tools)
+            message, calls = _delta_message(delta.text, delta.finished, readers.get(sequence.index))
+            kept = [call for call in calls if _kept(call, tools)]
             if kept:
-                first = len(_kept(seen, 0, tools))  # the stream's index of this first call
-                message["tool_calls"] = [c.to_openai(first + i) for i, c in enumerate(kept)]
-            seen.extend(read)
-            if delta.finished and parser is not None:
-                _check_choice(tools, sequence, seen)
+                message["tool_calls"] = [call.to_openai() for call in kept]
+            names = called[sequence.index]
+            names.extend(call.name for call in calls if call.name is not None)
+            if delta.finished and reader is not None:
+                _check_choice(tools, sequence, names)
             if not (message or delta.finished or (body.logprobs and delta.logprobs)):
                 continue  # nothing to show yet: a token ending mid-character, or held back
             events.append(
@@ -155,7 +185,7 @@ async def _stream(
                     sequence.index,
                     message,
                     chat_logprobs(generation.model, delta.logprobs) if body.logprobs else None,
-                    _finish_reason(sequence, bool(seen)) if delta.finished else None,
+                    _finish_reason(sequence, bool(names)) if delta.finished else None,
                     sequence.stop_reason if delta.finished else None,
                 )
             )
@@ -167,24 +197,29 @@ async def _stream(
 
 
 def _delta_message(
-    text: str, finished: bool, reader: ToolCallStream | None
-) -> tuple[dict, list[ToolCall]]:
-    """A stream delta's content, and the calls its text completed."""
+    text: str, finished: bool, reader: ReplyReader | None
+) -> tuple[dict, list[CallDelta]]:
+    """A stream delta's reasoning and content, and the pieces of calls its text gave."""
     if reader is None:
         return ({"content": text} if text else {}), []
     read = reader.feed(text)
     if finished:
-        last = reader.finish()
-        read.content += last.content
-        read.calls += last.calls
-    return ({"content": read.content} if read.content else {}), read.calls
+        read.extend(reader.finish())
+    return _message_of(read), read.calls
 
 
-def _kept(calls: list[ToolCall], num_before: int, tools: ToolUse) -> list[ToolCall]:
-    """The calls given to the client: with parallel_tool_calls false, the first call only."""
-    if tools.parallel:
-        return calls
-    return calls[: max(0, 1 - num_before)]
+def _message_of(read: ReplyDelta) -> dict:
+    message = {}
+    if read.reasoning:
+        message["reasoning_content"] = read.reasoning
+    if read.content:
+        message["content"] = read.content
+    return message
+
+
+def _kept(call: CallDelta, tools: ToolUse) -> bool:
+    """Whether a call is given to the client: with parallel_tool_calls false, the first only."""
+    return tools.parallel or call.index == 0
 
 
 def _finish_reason(sequence: Sequence, called: bool) -> str | None:
@@ -192,15 +227,15 @@ def _finish_reason(sequence: Sequence, called: bool) -> str | None:
     return "tool_calls" if called and sequence.finish_reason == "stop" else sequence.finish_reason
 
 
-def _check_choice(tools: ToolUse, sequence: Sequence, calls: list[ToolCall]) -> None:
+def _check_choice(tools: ToolUse, sequence: Sequence, names: list[str]) -> None:
     # Decoding is held to the calls tool_choice demands: a reply without them was cut short
     # (max_tokens, a stop string). It is logged and returned as the model wrote it.
-    missed = tools.missed([call.name for call in calls])
+    missed = tools.missed(names)
     if missed:
         logger.warning("%s: %s", sequence.request_id, missed)
-    if not tools.parallel and len(calls) > 1:
+    if not tools.parallel and len(names) > 1:
         logger.info(
             "%s: parallel_tool_calls is false: %d calls dropped",
             sequence.request_id,
-            len(calls) - 1,
+            len(names) - 1,
         )

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 from collections.abc import Iterator
 from types import SimpleNamespace
+from typing import Any
 
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
@@ -45,23 +46,27 @@ class CharTokenizer:
 
 
 class ScriptedEngine:
-    """Answers every sequence with `reply`, `chunk` tokens per update, one update per loop turn."""
+    """Answers every sequence with `reply` (text, one token per character, or token ids),
+    `chunk` tokens per update, one update per loop turn."""
 
-    def __init__(self, reply: str, chunk: int = 3) -> None:
+    def __init__(self, reply: str | list[int], chunk: int = 3, finish_reason: str = "stop") -> None:
         self.reply = reply
         self.chunk = chunk
+        self.finish_reason = finish_reason  # the last update's ("length": max_tokens hit)
         self.params = []
+        self.prompts: list[list[int]] = []  # every prompt's token ids
 
     def num_waiting(self, model: str) -> int:
         return 0
 
     def submit(self, request_id, model, token_ids, params, inbox, index) -> None:
         self.params.append(params)
-        ids = [ord(c) for c in self.reply]
+        self.prompts.append(list(token_ids))
+        ids = [ord(c) for c in self.reply] if isinstance(self.reply, str) else self.reply
         pieces = [ids[i : i + self.chunk] for i in range(0, len(ids), self.chunk)]
         loop = asyncio.get_running_loop()
         for k, piece in enumerate(pieces):
-            finish = "stop" if k == len(pieces) - 1 else None
+            finish = self.finish_reason if k == len(pieces) - 1 else None
             update = RequestUpdate(request_id, piece, [None] * len(piece), finish)
             loop.call_later(0.001 * (k + 1), inbox.put_nowait, (index, update))
 
@@ -87,10 +92,20 @@ class _Models:
 
 
 def chat_client(
-    template: str, reply: str, tool_call_parser: str | None = None
-) -> tuple[TestClient, CharTokenizer, ScriptedEngine]:
-    spec = ServedModelSpec(EngineConfig(served_model_name=MODEL), tool_call_parser=tool_call_parser)
-    tokenizer = CharTokenizer(template)
+    template: str,
+    reply: str | list[int],
+    tool_call_parser: str | None = None,
+    reasoning_parser: str | None = None,
+    tokenizer: Any = None,
+) -> tuple[TestClient, Any, ScriptedEngine]:
+    """The app over a scripted engine; ``tokenizer``: the model's, instead of a CharTokenizer
+    of ``template`` (a real one replies with token ids)."""
+    spec = ServedModelSpec(
+        EngineConfig(served_model_name=MODEL),
+        tool_call_parser=tool_call_parser,
+        reasoning_parser=reasoning_parser,
+    )
+    tokenizer = tokenizer or CharTokenizer(template)
     model = ServedModel(spec, tokenizer)  # type: ignore[arg-type]
     model.info = SimpleNamespace(max_model_len=1 << 16, vocab_size=0x110000)
     engine = ScriptedEngine(reply)

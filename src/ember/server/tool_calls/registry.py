@@ -14,7 +14,10 @@ PARSERS: dict[str, ToolCallParser] = {
     "llama3_json": Llama3JsonParser(),
     "mistral": MistralParser(),
 }
-PARSER_NAMES = tuple(PARSERS)
+# gpt-oss's tool calls come in its harmony format, read with its channels by
+# `ember.server.harmony` rather than by a text parser of this table.
+HARMONY_PARSER = "openai"
+PARSER_NAMES = (*PARSERS, HARMONY_PARSER)
 
 # What a template writes when it shows the model its tool-call syntax, in the order checked.
 _TEMPLATE_SIGNS = (
@@ -28,7 +31,7 @@ _TEMPLATE_SIGNS = (
 def parser_name_for(configured: str | None, chat_template: str | None) -> str | None:
     """The configured parser, else the one the chat template's syntax names, else None."""
     if configured is not None:
-        if configured not in PARSERS:
+        if configured not in PARSER_NAMES:
             raise ValueError(
                 f"unknown tool call parser {configured!r}; choose from {', '.join(PARSER_NAMES)}"
             )

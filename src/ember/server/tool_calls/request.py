@@ -50,9 +50,11 @@ def tool_use(
     parallel_tool_calls: bool | None,
     configured_parser: str | None,
     chat_template: str | None,
+    harmony: bool = False,
 ) -> ToolUse:
     """Check the tool fields together (400 naming the parameter at fault); the parser is the
-    configured one, else the one the model's chat template shows."""
+    configured one, else the one the model's chat template shows. ``harmony``: the model
+    writes gpt-oss's format, whose calls the harmony reader reads (no text parser)."""
     tools = tools or None  # an empty list offers nothing, as no list
     if tool_choice is None:
         tool_choice = "auto" if tools else "none"
@@ -76,6 +78,14 @@ def tool_use(
                 param="tool_choice",
             )
         dumped = [tool for tool in dumped if tool["function"]["name"] == required_name]
+    if harmony:
+        if tool_choice != "auto":
+            raise BadRequestError(
+                "gpt-oss (the harmony format) takes tool_choice 'auto' or 'none': ember does not "
+                "hold its decoding to a call",
+                param="tool_choice",
+            )
+        return ToolUse(dumped, parallel=parallel_tool_calls is not False)
     parser_name = parser_name_for(configured_parser, chat_template)
     if parser_name is None:
         raise BadRequestError(
