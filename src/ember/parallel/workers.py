@@ -136,6 +136,11 @@ class ShardWorkers:
             raise
         return self
 
+    @property
+    def pids(self) -> dict[int, int]:
+        """Each worker's process id, by rank."""
+        return {worker.rank: worker.process.pid for worker in self._workers}
+
     def wait_ready(self) -> None:
         """Block until every worker has loaded its weights (raises if one fails or dies)."""
         for rank, payload in self._wait_for("ready", READY_TIMEOUT_S).items():
