@@ -6,6 +6,7 @@ group; what tensor parallelism does not serve yet is refused by name."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import time
@@ -16,6 +17,7 @@ from helpers.prefill import check_greedy_tokens, prompts_of_lengths
 from helpers.tiny_models import make_tiny_model
 
 from ember import LLM, SamplingParams
+from ember.engine.model_plan import plan_model
 
 pytestmark = pytest.mark.slow
 
@@ -123,3 +125,17 @@ def test_what_is_not_built_yet_is_refused_by_name(llama, tmp_path):
     moe = make_tiny_model("Qwen3MoeForCausalLM", tmp_path / "moe")
     with pytest.raises(ValueError, match="mixture-of-experts model"):
         load(moe, 2)
+
+
+def test_the_step_bench_times_a_split_decode(tiny_bench_factory):
+    """`ember bench step -tp 2`'s decode rows on the CPU: the steps go through rank 0's loop,
+    the worker takes part, and the floor is one rank's bytes (each GPU reads its shard)."""
+    from ember.bench.roofline import Ceilings
+
+    bench = tiny_bench_factory(Ceilings(1e11, 1e12), tensor_parallel_size=2)
+    row = bench.decode(batch=2, context=32, steps=3, warmup=1)
+    assert row["step_ms"] > 0 and 0 < row["fraction_of_roofline"]
+    plan = bench.inst.plan
+    whole = plan_model(dataclasses.replace(plan.config, tensor_parallel_size=1)).weight_bytes
+    assert max(bench.inst.weight_bytes, plan.weight_bytes) < 0.6 * whole
+    bench.inst.close()
