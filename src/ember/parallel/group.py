@@ -103,5 +103,12 @@ class TorchParallelGroup(ParallelGroup):
         self._group.broadcast([tensor], options).wait()
         return tensor
 
+    def abort(self) -> None:
+        """Make every collective in flight fail now (a rank is gone): NCCL's kernels would
+        otherwise wait for it until the timeout; gloo's fail on their own."""
+        abort = getattr(self._group, "abort", None)
+        if self.device.type == "cuda" and abort is not None:
+            abort()
+
     def close(self) -> None:
         self._group = None

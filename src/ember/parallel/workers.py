@@ -14,8 +14,9 @@ step), it is host data that a GPU group would have to stage through device memor
 end and the process's sentinel tell rank 0 at once that a worker is gone. Rank 0 checks the
 sentinels before each step and after a step that raised, so a worker that dies fails the model
 with an error naming the rank and its exit code (and the worker's own error, where it could
-send one) instead of leaving rank 0 waiting in a collective; gloo fails a collective whose peer
-is gone at once, NCCL within the group's timeout.
+send one) instead of leaving rank 0 waiting in a collective: gloo fails a collective whose peer
+is gone at once; on GPUs a thread watching the sentinels aborts the NCCL group, whose kernels
+would otherwise wait for the peer until the group's timeout.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import logging
 import multiprocessing
 import multiprocessing.connection
 import pickle
+import threading
 import time
 from dataclasses import dataclass
 from typing import Protocol
@@ -95,6 +97,7 @@ class ShardWorkers:
         self._workers = workers
         self.group: TorchParallelGroup | None = None
         self.bytes_read: dict[int, int] = {}  # by rank, once ready
+        self._closing = False
 
     @classmethod
     def start(cls, config: EngineConfig, device: torch.device, num_blocks: int) -> ShardWorkers:
@@ -131,6 +134,8 @@ class ShardWorkers:
                 workers.append(_Worker(rank, process, ours))
             self._wait_for("joining", JOIN_TIMEOUT_S)
             self.group = TorchParallelGroup(store, 0, size, device)
+            if device.type == "cuda":
+                threading.Thread(target=self._watch, name="tp-watch", daemon=True).start()
         except BaseException:
             self.close()
             raise
@@ -170,9 +175,20 @@ class ShardWorkers:
         if gone:
             raise WorkerLostError(self._describe_exit(sentinels[gone[0]])) from cause
 
+    def _watch(self) -> None:
+        """On a GPU: once a worker exits (unless told to), abort the group, so that rank 0,
+        which may be waiting for a step's results on the device, fails instead of waiting for
+        the NCCL timeout; the step's error then names the worker (`check_alive`)."""
+        multiprocessing.connection.wait([worker.process.sentinel for worker in self._workers])
+        group = self.group
+        if not self._closing and group is not None:
+            logger.error("a tensor-parallel worker exited; aborting the group's collectives")
+            group.abort()
+
     def close(self) -> None:
         """Stop the workers (each told to, then terminated past STOP_TIMEOUT_S) and join
         them; let go of the group and the store."""
+        self._closing = True
         for worker in self._workers:
             try:
                 worker.conn.send_bytes(pickle.dumps(None))
