@@ -24,7 +24,7 @@ from ember.engine.model_parts import (
 )
 from ember.engine.model_plan import plan_model
 from ember.kernels.tuning import KernelTuning
-from ember.layers.ops import reference_ops
+from ember.layers.ops import Ops, reference_ops
 from ember.parallel.group import ParallelGroup, TorchParallelGroup
 
 CPU = torch.device("cpu")
@@ -61,7 +61,10 @@ def run_ranks(size: int, fn: Callable[[ParallelGroup], Any], timeout_s: float = 
 class RankShard:
     """One rank's shard of the model at ``path`` (float32, the reference ops), loaded."""
 
-    def __init__(self, path: Path, group: ParallelGroup, **options: Any) -> None:
+    def __init__(
+        self, path: Path, group: ParallelGroup, ops: Ops | None = None, **options: Any
+    ) -> None:
+        """``ops``: the reference ops unless given (a deferred-norm or split-K form of them)."""
         config = engine_config(
             str(path),
             device="cpu",
@@ -71,7 +74,7 @@ class RankShard:
             **options,
         )
         self.plan = plan = plan_model(config)
-        ops = reference_ops()
+        ops = ops or reference_ops()
         attention = build_attention(plan, ops, KernelTuning.for_device(CPU))
         arenas = ArenaFactory(CPU)
         self.model, _ = allocate_model(plan, ops, attention, group, arenas, zeroed=False)

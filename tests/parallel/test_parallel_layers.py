@@ -10,6 +10,7 @@ from helpers.prefill import prefill_inputs, prompts_of_lengths
 from helpers.thread_ranks import RankShard, run_ranks
 from helpers.tiny_models import make_tiny_model
 
+from ember.layers.ops import reference_ops
 from ember.models.llama import Embedding
 
 VARIANTS = {
@@ -44,6 +45,29 @@ def test_rank_zero_gets_the_whole_models_logits(checkpoint, size):
     assert got[0].shape == expected.shape
     torch.testing.assert_close(got[0], expected, atol=1e-4, rtol=1e-4)
     assert torch.equal(got[0].argmax(-1), expected.argmax(-1))
+
+
+@pytest.mark.parametrize(
+    "ops",
+    [reference_ops(defer_norms=True), reference_ops(split_k_parts=2)],
+    ids=["deferred-norms", "split-k-parts"],
+)
+def test_the_fast_paths_residual_forms_reduce_before_they_add(tmp_path, ops):
+    """The deferred-norm stream (norms folded into the projections, statistics taken as the
+    output joins) and split-K partial sums: at tp 2 the row-parallel products are summed over
+    the ranks first, giving the logits of the plain form on one rank."""
+    path = make_tiny_model("LlamaForCausalLM", tmp_path / "m")
+    prompts = prompts_of_lengths((1, 9, 40), 49152)
+    (expected,) = logits_at(path, 1, prompts)
+
+    def run(group):
+        ids, ctx = prefill_inputs(prompts, 16)
+        shard = RankShard(path, group, ops)
+        assert shard.model.defers_norms == ops.defer_norms
+        return shard.prefill_logits(ids, ctx)
+
+    got = run_ranks(2, run)
+    torch.testing.assert_close(got[0], expected, atol=1e-4, rtol=1e-4)
 
 
 def test_a_vocabulary_slice_looks_up_only_its_ids():
