@@ -111,8 +111,8 @@ class ShardWorkers:
             _HOST, 0, size, is_master=True, wait_for_workers=False, timeout=timeout
         )
         context = multiprocessing.get_context("spawn")
-        workers = []
-        self = cls(store, workers)
+        workers: list[_Worker] = []
+        handle = cls(store, workers)
         try:
             for rank in range(1, size):
                 ours, theirs = context.Pipe()
@@ -132,14 +132,14 @@ class ShardWorkers:
                 process.start()
                 theirs.close()
                 workers.append(_Worker(rank, process, ours))
-            self._wait_for("joining", JOIN_TIMEOUT_S)
-            self.group = TorchParallelGroup(store, 0, size, device)
+            handle._wait_for("joining", JOIN_TIMEOUT_S)
+            handle.group = TorchParallelGroup(store, 0, size, device)
             if device.type == "cuda":
-                threading.Thread(target=self._watch, name="tp-watch", daemon=True).start()
+                threading.Thread(target=handle._watch, name="tp-watch", daemon=True).start()
         except BaseException:
-            self.close()
+            handle.close()
             raise
-        return self
+        return handle
 
     @property
     def pids(self) -> dict[int, int]:
