@@ -37,8 +37,6 @@ def no_serving(monkeypatch):
         (("--generation-config", "/configs/x"), "--generation-config", "only auto or vllm"),
         (("m/dir", "--load-format", "gguf"), "--load-format", "a .gguf file"),
         (("--load-format", "safetensors"), "--load-format", "a model directory"),  # embedded GGUF
-        (("--tensor-parallel-size", "2"), "--tensor-parallel-size", "only 1"),
-        (("-tp", "4"), "--tensor-parallel-size", "only 1"),
         (("--max-logprobs", "100"), "--max-logprobs", "only 20"),
         (("--ssl-keyfile", "key.pem"), "--ssl-keyfile", "needs --ssl-certfile"),
         (("--ssl-certfile", "/no/such/cert.pem"), "--ssl-certfile", "no such file"),
@@ -131,6 +129,13 @@ def test_a_kv_cache_dtype_outside_the_choices_is_a_usage_error(value, no_serving
     error = capsys.readouterr().err
     assert exit_.value.code == 2 and "--kv-cache-dtype" in error
     assert all(choice in error for choice in ("'auto'", "'fp8'", "'fp8_e4m3'"))
+
+
+@pytest.mark.parametrize("flag", ["--tensor-parallel-size", "-tp"])
+def test_tensor_parallel_size_reaches_every_served_model(flag):
+    config = config_of("a=x", "b=y", flag, "2")
+    assert [spec.engine.tensor_parallel_size for spec in config.models] == [2, 2]
+    assert [spec.engine.tensor_parallel_size for spec in config_of("a=x").models] == [1]
 
 
 def test_quantization_fp8_reaches_every_served_model():

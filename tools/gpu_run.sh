@@ -32,7 +32,8 @@
 #   EMBER_PEER_ARGS ("--cuda-graphs on --max-memory-percent 0.6"), EMBER_SRC (the ember sources
 #   to run, default ./src: another copy of them, e.g. `git archive REV src` carried, gives a
 #   before/after pair in one device call), EMBER_RUN_SECONDS (570: every command is stopped in
-#   time for the results to be bundled inside the device's 600 s call)
+#   time for the results to be bundled inside the device's 600 s call), EMBER_SERVER_ARGS
+#   (unset: further `ember serve` flags of every launched server, e.g. "-tp 2")
 set -uo pipefail
 OUT=${1:?usage: tools/gpu_run.sh OUTDIR [STAGE ...]}
 shift
@@ -90,7 +91,7 @@ DATASET=(--dataset sharegpt --dataset-path "$ROOT/.gpu_assets/sharegpt.json" --s
   --tokenizer "$EMBER_TEST_TOKENIZER_DIR/tokenizer.json")
 [ -n "${EMBER_SERVE_OUTPUT_LEN:-}" ] && DATASET+=(--sharegpt-output-len "$EMBER_SERVE_OUTPUT_LEN")
 SERVE_COMMON=("${DATASET[@]}" --max-concurrency 200 --disable-tqdm)
-SERVER_ARGS="--max-num-seqs 256 --max-num-batched-tokens 4096 --max-model-len 4096"
+SERVER_ARGS="--max-num-seqs 256 --max-num-batched-tokens 4096 --max-model-len 4096 ${EMBER_SERVER_ARGS:-}"
 
 stage_tests() {
   stamp "GPU tests"

@@ -360,6 +360,12 @@ def add_load_arguments(parser: argparse.ArgumentParser) -> None:
         choices=QUANTIZATION_CHOICES,
         help="fp8: the linear layers' (and experts') weights quantized to float8 as they load",
     )
+    parser.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        help="split the model over this many GPUs (as `ember serve`'s; CUDA graphs off past 1)",
+    )
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:

@@ -477,12 +477,19 @@ class EngineConfig:
     quantization: str | None = None
     # One of LOAD_FORMATS; "dummy": random weights, seeded by `seed`, no weight file read.
     load_format: str = "auto"
+    # GPUs of this host the model is split over (vLLM's name): one worker process per GPU
+    # past the first (`ember.parallel`); 1: the model runs in the engine process alone.
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.quantization is not None and self.quantization not in QUANTIZATION_CHOICES:
             raise ValueError(
                 f"quantization must be one of {', '.join(QUANTIZATION_CHOICES)} (or left out), "
                 f"not {self.quantization!r}"
+            )
+        if self.tensor_parallel_size < 1:
+            raise ValueError(
+                f"tensor_parallel_size must be at least 1, not {self.tensor_parallel_size}"
             )
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(

@@ -71,7 +71,12 @@ def add_vllm_arguments(parser: argparse.ArgumentParser) -> None:
         "defaults are the OpenAI API's (a folder is refused)",
     )
     model.add_argument(
-        "--tensor-parallel-size", "-tp", type=int, help="1 only: ember serves on one GPU"
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        help="split each model over this many GPUs of this host (default 1): one worker "
+        "process per GPU past the first (Llama, Mistral, Qwen2 and Qwen3 models; CUDA graphs "
+        "and sleep are off at more than 1 for now; docs/scaling.md)",
     )
     model.add_argument(
         "--max-logprobs",
@@ -162,8 +167,6 @@ def check_vllm_flags(args: argparse.Namespace, sources: Sequence[str | None]) ->
             "the quantization it carries",
         )
     notes += _generation_config_notes(getattr(args, "generation_config", None))
-    if getattr(args, "tensor_parallel_size", None) not in (None, 1):
-        raise RefusedFlag("--tensor-parallel-size", "only 1: ember serves a model on one GPU")
     if getattr(args, "max_logprobs", None) not in (None, MAX_LOGPROBS):
         raise RefusedFlag(
             "--max-logprobs", f"only {MAX_LOGPROBS}: ember's bound on logprobs is fixed"

@@ -39,12 +39,12 @@ def planned_attention(
 
 def llm_with_planned_attention(monkeypatch, *args, **kwargs) -> LLM:
     """``LLM(*args, **kwargs)`` on the CPU whose attention plans as Triton's does."""
-    import ember.engine.model_instance as instance_module
+    import ember.engine.model_parts as parts_module
 
     def select(ops, num_q_heads, num_kv_heads, head_dim, dtype, device, limits, *a, **k):
         return planned_attention(num_q_heads, num_kv_heads, head_dim, limits)
 
-    monkeypatch.setattr(instance_module, "select_attention", select)
+    monkeypatch.setattr(parts_module, "select_attention", select)
     return LLM(*args, **kwargs)
 
 

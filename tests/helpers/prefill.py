@@ -17,7 +17,15 @@ def prompts_of_lengths(lengths, vocab, seed=0):
 def ember_prefill_logits(llm: LLM, prompts: list[list[int]]) -> list[torch.Tensor]:
     """Run every prompt as one varlen batch through the model and return all positions' logits."""
     inst = llm.instance
-    bs = inst.kv_manager.block_size
+    ids, ctx = prefill_inputs(prompts, inst.kv_manager.block_size)
+    with torch.inference_mode():
+        hidden = inst.model(ids, ctx, inst.runner.cos_sin_cache, inst.kv_cache)
+        logits = inst.model.compute_logits(hidden)
+    return list(logits.split([len(p) for p in prompts]))
+
+
+def prefill_inputs(prompts: list[list[int]], bs: int) -> tuple[torch.Tensor, ForwardContext]:
+    """The token ids and context of one varlen prefill of ``prompts`` (blocks from 1 on)."""
     tables, slots, positions, qsl = [], [], [], [0]
     next_block = 1
     for p in prompts:
@@ -38,11 +46,7 @@ def ember_prefill_logits(llm: LLM, prompts: list[list[int]]) -> list[torch.Tenso
         max_query_len=max(len(p) for p in prompts),
         max_seq_len=max(len(p) for p in prompts),
     )
-    ids = torch.tensor([t for p in prompts for t in p])
-    with torch.inference_mode():
-        hidden = inst.model(ids, ctx, inst.runner.cos_sin_cache, inst.kv_cache)
-        logits = inst.model.compute_logits(hidden)
-    return list(logits.split([len(p) for p in prompts]))
+    return torch.tensor([t for p in prompts for t in p]), ctx
 
 
 def check_prefill_logits(hf, llm: LLM, lengths=(1, 7, 33, 70), seed=0, tolerance=2e-4) -> None:

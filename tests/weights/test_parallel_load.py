@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from ember import LLM, SamplingParams
 from ember.config import MemoryConfig, engine_config
-from ember.engine import model_instance
+from ember.engine import model_instance, model_parts
 from ember.engine.model_pool import ModelPool
 from ember.weights.hf_checkpoint import HFDirCheckpoint
 from ember.weights.parallel_load import load_extents
@@ -228,7 +228,7 @@ def test_weights_load_while_the_kernels_compile(tmp_path, monkeypatch):
 
     compiling = threading.Event()
     loaded_before_compile = []
-    real_load = model_instance.load_extents
+    real_load = model_parts.load_extents
 
     def load_after_the_pass_began(*args, **kwargs):
         assert compiling.wait(timeout=30), "the compile pass never started during the load"
@@ -238,7 +238,7 @@ def test_weights_load_while_the_kernels_compile(tmp_path, monkeypatch):
         loaded_before_compile.append(any(p.any() for p in runner.model.parameters()))
         compiling.set()
 
-    monkeypatch.setattr(model_instance, "load_extents", load_after_the_pass_began)
+    monkeypatch.setattr(model_parts, "load_extents", load_after_the_pass_began)
     monkeypatch.setattr(model_instance.ModelRunner, "compile_kernels", compile_kernels)
     monkeypatch.setattr(model_instance.ModelInstance, "_compile_workers", lambda self: 2)
     llm = LLM(str(path), device="cpu", max_model_len=64)

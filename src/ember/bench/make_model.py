@@ -104,6 +104,26 @@ PRESETS: dict[str, dict] = {
             "original_max_position_embeddings": 8192,
         },
     },
+    # Llama-3.1-70B's shape: 141 GB in bf16, served split over GPUs (-tp) with
+    # --load-format dummy from `make-model --config-only` (its weights would not fit the disk).
+    "llama-3.1-70b": {
+        "hidden_size": 8192,
+        "intermediate_size": 28672,
+        "num_hidden_layers": 80,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+        "vocab_size": 128256,
+        "max_position_embeddings": 131072,
+        "rope_theta": 500000.0,
+        "tie_word_embeddings": False,
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    },
     "llama-3.2-1b": {
         "hidden_size": 2048,
         "intermediate_size": 8192,

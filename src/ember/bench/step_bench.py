@@ -650,6 +650,11 @@ def run(args: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
         print("ember bench step needs a CUDA GPU")
         return 2
+    if (args.tensor_parallel_size or 1) > 1 and "graphs_vs_eager" in args.sections:
+        # Its eager runner is a second runner on rank 0 alone, which the other ranks never
+        # join (and no graphs are captured past one GPU yet).
+        print("ember bench step: graphs_vs_eager runs on one GPU only (leave out -tp)")
+        return 2
     run_step_bench(
         args.model,
         args.out,

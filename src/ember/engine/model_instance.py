@@ -15,9 +15,16 @@ from dataclasses import dataclass
 import torch
 
 from ember.config import EngineConfig, MemoryConfig
-from ember.engine.device_arena import ArenaFactory, arena_bytes, carve
+from ember.engine.device_arena import ArenaFactory
 from ember.engine.host_stash import HostStash, Stashed
 from ember.engine.kv_cache_manager import KVCacheManager
+from ember.engine.model_parts import (
+    allocate_kv_cache,
+    allocate_model,
+    build_attention,
+    cos_sin_cache,
+    load_weights,
+)
 from ember.engine.model_plan import (
     ModelPlan,
     new_request,
@@ -32,17 +39,14 @@ from ember.engine.step_types import RequestUpdate
 from ember.kernels import kernel_cache
 from ember.kernels.compile_ahead import default_compile_workers
 from ember.kernels.tuning import KernelTuning
-from ember.layers.attention import select_attention
 from ember.layers.ops import select_ops
-from ember.layers.reference_ops import build_cos_sin_cache
-from ember.models.registry import model_class
+from ember.parallel.group import ParallelGroup
+from ember.parallel.workers import ShardWorkers
 from ember.runner.cuda_graphs import StepGraphs
 from ember.runner.model_runner import ModelRunner
 from ember.runner.sampler import Sampler
 from ember.sampling_params import SamplingParams
 from ember.weights.checkpoint import Checkpoint
-from ember.weights.dummy_weights import fill_dummy_weights
-from ember.weights.parallel_load import load_extents
 
 logger = logging.getLogger(__name__)
 
@@ -107,7 +111,6 @@ class ModelInstance:
         here); ``kv_cache_bytes``: the KV cache's size decided by the engine's memory budget
         (else sized as the only model under ``memory``)."""
         start = time.perf_counter()
-        started_at = time.time()
         self.config = config
         # A plan given is its owner's (a pool slot keeps it across unloads and reloads, its
         # checkpoint open); one made here is this instance's, closed with it.
@@ -117,7 +120,7 @@ class ModelInstance:
         self.device = self.plan.device
         self.dtype = self.plan.dtype
         self.tokenizer = self.plan.tokenizer
-        self.model_config = cfg = self.plan.model_config
+        self.model_config = self.plan.model_config
         self.limits = self.plan.limits
         reserved_before = self._device_reserved()
         if self.device.type == "cuda":
@@ -133,18 +136,7 @@ class ModelInstance:
             config.defer_norms,
             self.tuning,
         )
-        self.attention = select_attention(
-            self.ops,
-            cfg.num_heads,
-            cfg.num_kv_heads,
-            cfg.head_dim,
-            self.dtype,
-            self.device,
-            self.limits,
-            self.tuning.attention,
-            fuse_decode=config.decode_rope_in_attention,
-            kv_dtype=self.plan.kv_dtype,
-        )
+        self.attention = build_attention(self.plan, self.ops, self.tuning)
         if config.cuda_graph_mode not in ("full", "decode"):
             raise ValueError(
                 f"cuda_graph_mode must be 'full' or 'decode', not {config.cuda_graph_mode!r}"
@@ -161,19 +153,46 @@ class ModelInstance:
             )
         self.plan.check_complete()  # a missing tensor fails here, before anything is allocated
         self._arenas = arenas or ArenaFactory(self.device)
+        # The other tensor-parallel ranks (none at size 1) start now: they plan and load
+        # their shards while this process loads its own.
+        self.workers: ShardWorkers | None = None
+        self.parallel = ParallelGroup()
+        if self.plan.tensor_parallel_size > 1:
+            self.workers = ShardWorkers.start(config, self.device, num_blocks)
+            self.parallel = self.workers.group
+        try:
+            self._load(
+                config, compile_workers, num_blocks, on_tensor_loaded, start, reserved_before
+            )
+        except BaseException:
+            self._stop_workers()
+            raise
+
+    def _load(
+        self,
+        config: EngineConfig,
+        compile_workers: int,
+        num_blocks: int,
+        on_tensor_loaded: Callable[[int], None] | None,
+        start: float,
+        reserved_before: int,
+    ) -> None:
+        """Allocate, read the weights (beside the kernels' compiles), capture the graphs;
+        ``start`` (perf_counter) and ``reserved_before`` (device bytes): the load's beginning."""
+        started_at = time.time() - (time.perf_counter() - start)
+        block_size = config.cache.block_size
         # Zeroed when kernels compile during the load: the compile pass runs the model's torch
         # ops on whatever the parameters hold, and uninitialised memory may hold NaNs.
         self.model = self._allocate_model(zeroed=compile_workers > 0)
-        kv_shape = (cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-        kv_layout = [(kv_shape, self.plan.kv_dtype)]
-        self.kv_arena = self._arenas.make(arena_bytes(kv_layout))
-        (self.kv_cache,) = carve(self.kv_arena, kv_layout)
-        self.kv_cache.zero_()
+        self.kv_cache, self.kv_arena = allocate_kv_cache(self.plan, num_blocks, self._arenas)
         self.kv_manager = KVCacheManager(
             num_blocks, block_size, prefix_caching=config.cache.enable_prefix_caching
         )
         self.asleep = False
         self._stashed: Stashed | None = None
+        # Checkpoint bytes each tensor-parallel rank read (rank 0 alone at size 1; 0 where a
+        # source is read tensor by tensor, uncounted).
+        self.bytes_read_by_rank: dict[int, int] = {}
         setup_seconds = time.perf_counter() - start
         with ThreadPoolExecutor(1, thread_name_prefix="weight-load") as loader:
             loading = loader.submit(self._load_weights, self.plan.checkpoint, on_tensor_loaded)
@@ -182,6 +201,9 @@ class ModelInstance:
                 self.runner.compile_kernels(compile_workers)
             waited = time.perf_counter()
             weight_load_seconds = loading.result()  # re-raises the loader's error
+            if self.workers is not None:
+                self.workers.wait_ready()
+                self.bytes_read_by_rank.update(self.workers.bytes_read)
             weight_wait_seconds = time.perf_counter() - waited
         graphs, capture_seconds = self._capture_graphs()
         step_graphs = self.runner.graphs
@@ -228,6 +250,10 @@ class ModelInstance:
         its weights and KV cache goes back to the device. The caller has emptied the model
         (`preempt_all`) first. Where the arenas cannot keep their addresses, the CUDA graphs
         are dropped too (captured again on wake)."""
+        if self.workers is not None:
+            raise NotImplementedError(
+                f"{self.name}: sleep and wake of a tensor-parallel model are not supported yet"
+            )
         assert not self.asleep, f"{self.name} is already asleep"
         assert not self.scheduler.running, "sleep() needs a model with nothing running"
         if self.device.type == "cuda":
@@ -259,6 +285,12 @@ class ModelInstance:
             self._capture_graphs()
         self.asleep = False
 
+    def _stop_workers(self) -> None:
+        """Stop and join the other tensor-parallel ranks (none at size 1)."""
+        workers, self.workers = self.workers, None
+        if workers is not None:
+            workers.close()
+
     @property
     def weights_stashed(self) -> bool:
         """Whether a sleeping model's weights are in host memory (else dropped)."""
@@ -281,6 +313,7 @@ class ModelInstance:
             torch.cuda.synchronize(self.device)
         if self.runner.graphs is not None:
             self.runner.graphs.clear()
+        self._stop_workers()
         self.weight_arena.close()
         self.kv_arena.close()
         if self._owns_plan:
@@ -297,9 +330,7 @@ class ModelInstance:
         """Scheduler and runner over the allocated cache (no weight value is read here)."""
         cfg = self.model_config
         self.scheduler = Scheduler(self.limits, self.kv_manager)
-        cos_sin = build_cos_sin_cache(
-            cfg.head_dim, self.max_model_len, cfg.rope_theta, cfg.rope_scaling
-        ).to(self.device)
+        cos_sin = cos_sin_cache(self.plan)
         self.runner = ModelRunner(
             model=self.model,
             attention=self.attention,
@@ -309,9 +340,13 @@ class ModelInstance:
             sampler=Sampler(self.ops, cfg.vocab_size, self.device, self.limits),
             stop_ids_until_min_tokens=cfg.eos_token_ids,
             limits=self.limits,
-            use_cuda_graphs=not config.enforce_eager and self.ops.capturable,
+            # Not over several ranks yet: a captured all-reduce is the GPU work still to do.
+            use_cuda_graphs=not config.enforce_eager
+            and self.ops.capturable
+            and self.workers is None,
             mixed_cuda_graphs=config.cuda_graph_mode == "full",
             compile_ahead=self.ops.compile_ahead,
+            peers=self.workers,
         )
         # Overlap: launch step N+1 before collecting step N (on by default on a GPU).
         self.overlap = config.overlap if config.overlap is not None else self.device.type == "cuda"
@@ -341,60 +376,21 @@ class ModelInstance:
         return count, time.perf_counter() - start
 
     def _allocate_model(self, zeroed: bool) -> torch.nn.Module:
-        """The model with its parameters as views of one arena, their values not yet read."""
-        cls = model_class(self.model_config.architecture)
-        with torch.device("meta"):
-            model = cls(self.model_config, self.ops, self.attention)
-        model = model.cast_to(self.dtype)  # FP8 weights and their scales keep their dtypes
-        params = list(model.parameters())
-        shapes = [(tuple(p.shape), p.dtype) for p in params]
-        self.weight_arena = self._arenas.make(arena_bytes(shapes))
-        views = {id(p): view for p, view in zip(params, carve(self.weight_arena, shapes))}
-        model = model._apply(lambda tensor: views[id(tensor)])  # new Parameters, arena views
-        if zeroed:
-            self.weight_arena.buffer.zero_()
-        return model.eval()
+        """The model (this rank's share) with its parameters as views of one arena, their
+        values not yet read (`ember.engine.model_parts.allocate_model`)."""
+        model, self.weight_arena = allocate_model(
+            self.plan, self.ops, self.attention, self.parallel, self._arenas, zeroed
+        )
+        return model
 
     def _load_weights(self, ckpt: Checkpoint, on_tensor: Callable[[int], None] | None) -> float:
-        """Fill the parameters from ``ckpt``; returns the seconds it took. Safetensors files are
-        read on several threads through pinned buffers (`ember.weights.parallel_load`); other
-        formats tensor by tensor through `Checkpoint.iter_tensors`. ValueError naming the
-        tensor and its file if a loaded tensor holds a NaN or an infinity. Weights quantized at
-        load land a layer at a time, so one layer's float weights are held at most. Dummy
-        weights are made on the device instead, the same each time."""
+        """Fill the parameters from ``ckpt`` (`ember.engine.model_parts.load_weights`: this
+        rank's slices of it); returns the seconds it took."""
         started = time.perf_counter()
-        extents = getattr(ckpt, "tensor_extents", None)
-        headers = self.plan.tensor_headers  # to name a bad tensor's file
-        if self.config.dummy_weights:
-            self._make_dummy_weights()
-        elif extents is None:
-            self.model.load_weights(ckpt.iter_tensors(self.dtype), on_tensor, headers)
-        else:
-            placer = self.model.weight_placer(headers)
-            grouped = placer.transforms
-            load_extents(
-                extents(),
-                lambda extent: placer.target(extent.name, extent.shape, extent.dtype),
-                self.device,
-                on_tensor=on_tensor,
-                files=getattr(ckpt, "weight_files", None),
-                group_of=(lambda extent: placer.load_group(extent.name)) if grouped else None,
-                after_group=placer.transform_landed if grouped else None,
-            )
-            placer.finish()
+        self.bytes_read_by_rank[0] = load_weights(self.model, self.plan, on_tensor)
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()  # the norm folding, timed too
         return time.perf_counter() - started
-
-    def _make_dummy_weights(self) -> None:
-        """Random weights, seeded by the config's seed (`ember.weights.dummy_weights`); the
-        output head's rows past the tokenizer's ids zero."""
-        model, cfg = self.model, self.model_config
-        head = model.embed_tokens.weight if cfg.tie_word_embeddings else model.lm_head
-        text_ids = self.tokenizer.vocab_size
-        fill_dummy_weights(
-            model, self.config.seed, head, text_ids if text_ids < cfg.vocab_size else None
-        )
 
     # -- requests ---------------------------------------------------------------------------------
 
@@ -423,8 +419,14 @@ class ModelInstance:
 
     def step(self) -> list[RequestUpdate]:
         """Advance by one step; returns what changed for each request. A request whose grammar
-        refused a sample is aborted here and kept for `take_failed_requests`."""
-        updates = self.loop.step()
+        refused a sample is aborted here and kept for `take_failed_requests`. A tensor-parallel
+        rank that died fails the step with a `WorkerLostError` naming it."""
+        try:
+            updates = self.loop.step()
+        except Exception as exc:
+            if self.workers is not None:
+                self.workers.check_alive(cause=exc)  # the cause, where a rank is gone
+            raise
         failures = self.runner.take_grammar_failures()
         for request_id, _ in failures:
             self.scheduler.abort(request_id)

@@ -28,6 +28,8 @@ from ember.config import (
 )
 from ember.engine.request import Request
 from ember.models.checkpoint_layout import CheckpointLayout, check_complete, check_fits
+from ember.parallel.group import ShapeGroup
+from ember.parallel.sharding import check_shardable, rank_config
 from ember.quantization import fp8_scheme, mxfp4_experts
 from ember.sampling_params import SamplingParams
 from ember.tokenizer.harmony import harmony_stop_token_ids
@@ -96,6 +98,17 @@ class ModelPlan:
     def max_model_len(self) -> int:
         return self.limits.max_model_len
 
+    @property
+    def tensor_parallel_size(self) -> int:
+        return self.config.tensor_parallel_size
+
+    @functools.cached_property
+    def rank_config(self) -> ModelConfig:
+        """One tensor-parallel rank's share of the model (`ember.parallel.sharding`): its
+        heads, KV heads and MLP rows; the model's config at tensor_parallel_size 1. Every
+        rank's is the same, and so are its bytes: sizes below are per rank (per GPU)."""
+        return rank_config(self.model_config, self.tensor_parallel_size)
+
     @functools.cached_property
     def grammars(self) -> GrammarCompiler:
         """Compiles the model's structured-output requests (kept across unloads and reloads;
@@ -120,8 +133,9 @@ class ModelPlan:
 
     @property
     def kv_block_bytes(self) -> int:
-        """Bytes of one block over every layer: the one size every KV sizing path divides by."""
-        cfg, block_size = self.model_config, self.config.cache.block_size
+        """Bytes of one block over every layer (of one rank's KV heads): the one size every KV
+        sizing path divides by."""
+        cfg, block_size = self.rank_config, self.config.cache.block_size
         per_layer = 2 * block_size * cfg.num_kv_heads * cfg.head_dim * self.kv_elem_bytes
         return cfg.num_layers * per_layer
 
@@ -132,20 +146,22 @@ class ModelPlan:
 
     @functools.cached_property
     def weight_bytes(self) -> int:
-        """The parameters' bytes, counted on a model built on the meta device: each at its own
-        element size (an FP8 weight's one byte, its float32 scales' four)."""
+        """The parameters' bytes (of one tensor-parallel rank), counted on a model built on the
+        meta device: each at its own element size (an FP8 weight's one byte, its float32
+        scales' four)."""
         from ember.models.registry import model_class
 
         cls = model_class(self.model_config.architecture)
+        parallel = ShapeGroup(0, self.tensor_parallel_size)
         with torch.device("meta"):
-            model = cls(self.model_config, _NoOps(), None).cast_to(self.dtype)
+            model = cls(self.model_config, _NoOps(), None, parallel).cast_to(self.dtype)
         return sum(p.numel() * p.element_size() for p in model.parameters())
 
     @property
     def reserve_bytes(self) -> int:
         """Room kept for the largest step's activations and logits, and on a GPU the CUDA
         graphs' pool: an estimate, charged to the model while it is loaded."""
-        cfg, limits = self.model_config, self.limits
+        cfg, limits = self.rank_config, self.limits
         per_token = _mlp_activations(cfg) + cfg.q_size + 2 * cfg.kv_size + 3 * cfg.hidden_size
         # x2: an op's input and output are alive together; logits are fp32, plus a processed copy.
         step = 2 * limits.max_num_batched_tokens * per_token * self.elem_bytes
@@ -214,6 +230,7 @@ def plan_model(config: EngineConfig, checkpoint: Checkpoint | None = None) -> Mo
         check_fits(layout, headers)
     tokenizer = Tokenizer.from_checkpoint(ckpt)
     model_config = _with_generation_eos(model_config, ckpt, tokenizer)
+    check_shardable(model_config, config.tensor_parallel_size)
     max_model_len = min(
         config.limits.max_model_len or model_config.max_position_embeddings,
         model_config.max_position_embeddings,

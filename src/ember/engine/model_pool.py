@@ -21,6 +21,8 @@ Policies, in one place:
   resume after wake), then the next, and unloads sleeping models that still hold memory; a
   model with requests is evicted only after its time slice (``min_residency_s``); if everything
   evictable would not make room, the load is refused with an error and nothing is evicted.
+  A tensor-parallel model is never put to sleep (its sleep and wake are not built yet): it is
+  evicted as a pinned one is, never, and its ``sleep`` command is refused.
 - **Idle.** A loaded model with an idle timeout and no requests for that long sleeps.
 - **Interleaving.** Every loaded model with work steps once per engine iteration, in a fixed
   order (round-robin). A step is bounded by its model's token budget, so one model's prefill
@@ -126,6 +128,12 @@ class _Slot:
     @property
     def policy(self):
         return self.config.policy
+
+    @property
+    def sleeps(self) -> bool:
+        """Whether the pool may put it to sleep (idle, or to make room): not when pinned, nor
+        when split over several GPUs, whose sleep and wake are not built yet."""
+        return not self.policy.pinned and self.config.tensor_parallel_size == 1
 
     def request_count(self) -> int:
         held = len(self.instance.scheduler.requests) if self.instance is not None else 0
@@ -351,7 +359,7 @@ class ModelPool:
                 self._time_out_waiting(slot, now)
             elif (
                 slot.policy.idle_timeout_s is not None
-                and not slot.policy.pinned
+                and slot.sleeps
                 and slot.request_count() == 0
                 and now - slot.last_used >= slot.policy.idle_timeout_s
             ):
@@ -386,7 +394,7 @@ class ModelPool:
         now, deadlines = time.monotonic(), []
         for slot in self.slots.values():
             timeout = slot.policy.idle_timeout_s
-            if slot.state is ModelState.LOADED and timeout is not None and not slot.policy.pinned:
+            if slot.state is ModelState.LOADED and timeout is not None and slot.sleeps:
                 deadlines.append(slot.last_used + timeout - now)
             elif slot.request_count():
                 # Requests waiting for a model: it may get its time slice soon, and their
@@ -431,6 +439,12 @@ class ModelPool:
         elif action == "sleep":
             if state is not ModelState.LOADED:
                 return finish(409, f"{model} is {state.value}, not loaded")
+            if slot.config.tensor_parallel_size > 1:
+                return finish(
+                    409,
+                    f"{model} is split over {slot.config.tensor_parallel_size} GPUs; sleep and "
+                    "wake of a tensor-parallel model are not supported yet (unload it instead)",
+                )
             self._sleep(slot)
         elif action == "unload":
             if state in (ModelState.UNLOADED, ModelState.FAILED):
@@ -472,9 +486,7 @@ class ModelPool:
         host memory for the largest one's weights now, on the worker (after the preloads, before
         any sleep), so that no sleep waits seconds for pinning. Only under an explicit
         ``sleep_host_memory_bytes``: the user set the host memory sleeping models may take."""
-        evictable = [
-            slot for slot in self.slots.values() if slot.plan is not None and not slot.policy.pinned
-        ]
+        evictable = [slot for slot in self.slots.values() if slot.plan is not None and slot.sleeps]
         total = self.budget.total_bytes
         if (
             self.memory.sleep_host_memory_bytes is None
@@ -560,7 +572,7 @@ class ModelPool:
         free = self.budget.free_bytes
         if free is None or need <= free:
             return [], True
-        others = [o for o in self.slots.values() if o is not slot and not o.policy.pinned]
+        others = [o for o in self.slots.values() if o is not slot and o.sleeps]
         if need > free + sum(self._gain(o) for o in others):
             return None, False
         now = time.monotonic()

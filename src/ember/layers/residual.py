@@ -17,6 +17,7 @@ import torch
 
 from ember.layers.ops import Ops
 from ember.layers.row_norm import RowNorm
+from ember.parallel.group import ParallelGroup
 
 
 @dataclass(frozen=True)
@@ -56,10 +57,19 @@ def add_sub_block_output(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
+    parallel: ParallelGroup | None = None,
 ) -> ResidualStream:
     """A sub-block's exit, ``stream + x @ weight.T (+ bias)``: added now with its statistics
     (deferred), or left pending for the next fused add + norm kernel (plain). A bias (gpt-oss's
-    o_proj) is added to the product before it joins the stream, as transformers adds it."""
+    o_proj) is added to the product before it joins the stream, as transformers adds it.
+    Over several ranks (``parallel``), ``x`` and ``weight`` are this rank's columns of a
+    row-parallel projection: the product is summed over the ranks (one all-reduce) before it
+    joins the stream the same way, and the bias added once, after the sum."""
+    if parallel is not None and parallel.size > 1:
+        out = parallel.all_reduce(ops.linear(x, weight))
+        if bias is not None:
+            out += bias
+        return add_sub_block_result(ops, stream, out)
     if bias is not None:
         return add_sub_block_result(ops, stream, ops.linear(x, weight, bias))
     if stream.row_norm is not None:

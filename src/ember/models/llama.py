@@ -52,6 +52,8 @@ from ember.models.weight_placer import (
     TensorConversion,
     WeightPlacer,
 )
+from ember.parallel.group import ParallelGroup
+from ember.parallel.sharding import TensorSlice, rank_config, tensor_slice, vocab_range, vocab_rows
 from ember.weights.checkpoint import TensorHeader
 
 
@@ -82,14 +84,27 @@ class Projection(nn.Module):
 
 class Embedding(nn.Module):
     """The token embedding table (``weight`` [vocab, hidden]); `Projection` says why not
-    `nn.Embedding`."""
+    `nn.Embedding`. Over several ranks (``parallel``), each holds its slice of the vocabulary
+    (`ember.parallel.sharding`): a rank looks up the ids it holds, zero for the others, and
+    the ranks' rows are summed."""
 
-    def __init__(self, num_embeddings: int, dim: int) -> None:
+    def __init__(
+        self, num_embeddings: int, dim: int, parallel: ParallelGroup | None = None
+    ) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(num_embeddings, dim))
+        self.parallel = parallel or ParallelGroup()
+        size = self.parallel.size
+        self.first_id, self.num_ids = vocab_range(num_embeddings, self.parallel.rank, size)
+        self.weight = nn.Parameter(torch.empty(vocab_rows(num_embeddings, size), dim))
 
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
-        return nn.functional.embedding(token_ids, self.weight)
+        if self.parallel.size == 1:
+            return nn.functional.embedding(token_ids, self.weight)
+        local = token_ids - self.first_id
+        elsewhere = (local < 0) | (local >= self.num_ids)
+        rows = nn.functional.embedding(local.masked_fill(elsewhere, 0), self.weight)
+        rows.masked_fill_(elsewhere[:, None], 0.0)
+        return self.parallel.all_reduce(rows)
 
 
 # Rows of a projection folded with its norm weight at once (`_fold_norm_weights`).
@@ -194,9 +209,13 @@ class Attention(nn.Module):
         ops: Ops,
         backend: AttentionBackend,
         layer: LayerAttention = PLAIN,
+        parallel: ParallelGroup | None = None,
     ) -> None:
+        """``cfg``: this rank's share of the model (`ember.parallel.sharding.rank_config`);
+        ``parallel``: its ranks, which sum the output projection's products."""
         super().__init__()
         self.cfg, self.ops, self.backend = cfg, ops, backend
+        self.parallel = parallel or ParallelGroup()
         fp8 = cfg.fp8 is not None
         self.qkv_proj = Projection(
             cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, cfg.attention_bias, fp8
@@ -281,7 +300,12 @@ class Attention(nn.Module):
             **self.attention_options(),
         )
         return add_sub_block_output(
-            self.ops, stream, out.view(n, cfg.q_size), self.o_proj.operand, self.o_proj.bias
+            self.ops,
+            stream,
+            out.view(n, cfg.q_size),
+            self.o_proj.operand,
+            self.o_proj.bias,
+            self.parallel,
         )
 
 
@@ -297,11 +321,19 @@ def scale_queries_by_position(
 
 
 class MLP(nn.Module):
-    """A dense gated MLP of ``intermediate_size`` (None: the config's)."""
+    """A dense gated MLP of ``intermediate_size`` (None: the config's); over several ranks
+    (``parallel``) the rows of this rank's share, the down projection's products summed."""
 
-    def __init__(self, cfg: ModelConfig, ops: Ops, intermediate_size: int | None = None) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        ops: Ops,
+        intermediate_size: int | None = None,
+        parallel: ParallelGroup | None = None,
+    ) -> None:
         super().__init__()
         self.ops = ops
+        self.parallel = parallel or ParallelGroup()
         fp8 = cfg.fp8 is not None
         inter = intermediate_size or cfg.intermediate_size
         self.gate_up_proj = Projection(cfg.hidden_size, 2 * inter, bias=False, fp8=fp8)
@@ -310,7 +342,9 @@ class MLP(nn.Module):
     def forward(self, stream: ResidualStream, norm_weight: torch.Tensor) -> ResidualStream:
         x, row_norm, stream = sub_block_input(self.ops, stream, norm_weight)
         act = self.ops.gate_up_silu(x, self.gate_up_proj.operand, row_norm=row_norm)
-        return add_sub_block_output(self.ops, stream, act, self.down_proj.operand)
+        return add_sub_block_output(
+            self.ops, stream, act, self.down_proj.operand, parallel=self.parallel
+        )
 
 
 class DecoderLayer(nn.Module):
@@ -319,10 +353,16 @@ class DecoderLayer(nn.Module):
     experts). ``index``: the layer's place, which decides how it attends."""
 
     def __init__(
-        self, cfg: ModelConfig, ops: Ops, attention: AttentionBackend, mlp: nn.Module, index: int
+        self,
+        cfg: ModelConfig,
+        ops: Ops,
+        attention: AttentionBackend,
+        mlp: nn.Module,
+        index: int,
+        parallel: ParallelGroup | None = None,
     ) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg, ops, attention, cfg.attention_of(index))
+        self.self_attn = Attention(cfg, ops, attention, cfg.attention_of(index), parallel)
         self.mlp = mlp
         self.input_layernorm = nn.Parameter(torch.ones(cfg.hidden_size))
         self.post_attention_layernorm = nn.Parameter(torch.ones(cfg.hidden_size))
@@ -340,22 +380,37 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Token ids in, final hidden states out; `compute_logits` on the rows that sample."""
+    """Token ids in, final hidden states out; `compute_logits` on the rows that sample.
+
+    Over several ranks (``parallel``: `ember.parallel`), the model is one rank's share: built
+    from the config of its share (``cfg``; the whole model's is ``full_cfg``), it reads its
+    slices of the checkpoint (`tensor_slice`), and its collectives run inside `forward` and
+    `compute_logits`, which every rank calls in the same order."""
 
     # Whether some checkpoint tensors are converted into their parameters (`tensor_conversion`).
     converts_tensors = False
 
-    def __init__(self, cfg: ModelConfig, ops: Ops, attention: AttentionBackend) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        ops: Ops,
+        attention: AttentionBackend,
+        parallel: ParallelGroup | None = None,
+    ) -> None:
         super().__init__()
-        self.cfg, self.ops = cfg, ops
-        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.parallel = parallel = parallel or ParallelGroup()
+        self.full_cfg = cfg
+        self.cfg = cfg = rank_config(cfg, parallel.size)
+        self.ops = ops
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, parallel)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, ops, attention, self.mlp_for_layer(cfg, ops, i), i)
+            DecoderLayer(cfg, ops, attention, self.mlp_for_layer(cfg, ops, i), i, parallel)
             for i in range(cfg.num_layers)
         )
         self.norm = nn.Parameter(torch.ones(cfg.hidden_size))
         if not cfg.tie_word_embeddings:
-            self.lm_head = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size))
+            rows = vocab_rows(cfg.vocab_size, parallel.size)
+            self.lm_head = nn.Parameter(torch.empty(rows, cfg.hidden_size))
         # Temperature tuning scales the queries before attention could apply a deferred 1/rms.
         self.defers_norms = (
             ops.defer_norms
@@ -365,7 +420,7 @@ class LlamaForCausalLM(nn.Module):
 
     def mlp_for_layer(self, cfg: ModelConfig, ops: Ops, layer: int) -> nn.Module:
         """The MLP of decoder layer ``layer``: the dense gated one here."""
-        return MLP(cfg, ops)
+        return MLP(cfg, ops, parallel=self.parallel)
 
     @staticmethod
     def can_defer_norms(cfg: ModelConfig) -> bool:
@@ -396,12 +451,22 @@ class LlamaForCausalLM(nn.Module):
         limit = self.ops.defer_norms_max_rows
         return self.defers_norms and (limit is None or hidden.shape[0] <= limit)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Logits in the model's dtype, as Hugging Face's are: greedy decoding takes the argmax
         of them as they are (a bf16 value's float32 is exact), and the sampler widens them to
-        float32 only where it computes with them, sparing a [B, V] float32 copy per step."""
+        float32 only where it computes with them, sparing a [B, V] float32 copy per step.
+        Over several ranks each computes its vocabulary slice's and rank 0, the one that
+        samples, gathers them (the others get None): the other ranks never read logits, so an
+        all-gather would move (size - 1) times the bytes for nothing."""
         weight = self.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head
-        return self.ops.linear(hidden, weight)
+        logits = self.ops.linear(hidden, weight)
+        if self.parallel.size == 1:
+            return logits
+        gathered = self.parallel.gather_to_first(logits)
+        vocab = self.cfg.vocab_size
+        if gathered is None or gathered.shape[-1] == vocab:
+            return gathered
+        return gathered[:, :vocab].contiguous()  # the last rank's padding rows
 
     # -- weights ---------------------------------------------------------------------------------
 
@@ -451,6 +516,9 @@ class LlamaForCausalLM(nn.Module):
         at load are quantized as soon as they (and the norm that folds into them) have landed."""
         placer = self.weight_placer(headers)
         for count, (hf_name, tensor) in enumerate(tensors, start=1):
+            part = self.tensor_slice(hf_name, tuple(tensor.shape))
+            if part is not None:  # a source read whole (GGUF): this rank's slice of it
+                tensor = tensor.narrow(part.dim, part.start, part.length)
             target = placer.target(hf_name, tuple(tensor.shape), tensor.dtype)
             if target is not None:
                 target.copy_(tensor)
@@ -459,6 +527,23 @@ class LlamaForCausalLM(nn.Module):
             if on_tensor is not None:
                 on_tensor(count)
         placer.finish()
+
+    def tensor_slice(self, hf_name: str, shape: tuple[int, ...]) -> TensorSlice | None:
+        """The slice of checkpoint tensor ``hf_name`` (of ``shape``) this rank reads; None:
+        all of it (`ember.parallel.sharding`)."""
+        parallel = self.parallel
+        if parallel.size == 1:
+            return None
+        return tensor_slice(self.full_cfg, hf_name, shape, parallel.rank, parallel.size)
+
+    @property
+    def vocab_parallel_params(self) -> frozenset[str]:
+        """The parameters that hold a slice of the vocabulary, padded past it on the last rank
+        (none on one rank)."""
+        if self.parallel.size == 1:
+            return frozenset()
+        head = () if self.cfg.tie_word_embeddings else ("lm_head",)
+        return frozenset({"embed_tokens.weight", *head})
 
     def load_group(self, hf_name: str) -> Hashable:
         """The tensors a loader lands together before the FP8 weights among them are quantized

@@ -36,6 +36,7 @@ import torch
 
 from ember.layers.fp8 import FP8_DTYPE, held_fp8_weights, quantize_rows_into
 from ember.models.checkpoint_layout import layer_of
+from ember.parallel.sharding import TensorSlice
 from ember.weights.checkpoint import TensorHeader
 from ember.weights.finite_check import first_non_finite
 
@@ -115,6 +116,7 @@ class WeightPlacer:
         self._landings: dict[str, _Landing] = {}  # by parameter name
         self._float_dtype = model.embed_tokens.weight.dtype
         self._placed: set[str] = set()
+        self._vocab_parallel = model.vocab_parallel_params
         self._targets: list[tuple[str, torch.Tensor]] = []  # (HF name, what it fills), in order
         self._pending: list[_Quantization] = []
         self._tensor_scales: list[tuple[torch.Tensor, torch.Tensor]] = []  # (value, its rows)
@@ -139,6 +141,9 @@ class WeightPlacer:
             raise ValueError(f"{self._describe(hf_name)} has no place in {model.cfg.architecture}")
         param = self._params[name]
         target = param.data if shard is None else model._shard_view(param.data, name, shard)
+        if name in self._vocab_parallel and shape and shape[0] < target.shape[0]:
+            target[shape[0] :].zero_()  # the last rank's padding rows: never looked up
+            target = target[: shape[0]]
         self._placed.add(_key(name, shard))
         if name in self._scales:
             return self._scale_target(hf_name, target, shape)
@@ -157,6 +162,11 @@ class WeightPlacer:
             )
         self._targets.append((hf_name, target))
         return target
+
+    def slice_of(self, hf_name: str, shape: tuple[int, ...]) -> TensorSlice | None:
+        """The slice of checkpoint tensor ``hf_name`` (of ``shape``) a tensor-parallel rank
+        reads, its target then asked for with the slice's shape; None: the whole tensor."""
+        return self._model.tensor_slice(hf_name, tuple(shape))
 
     def load_group(self, hf_name: str) -> Hashable:
         """The group a loader that lands a group of tensors at a time puts ``hf_name`` in: its

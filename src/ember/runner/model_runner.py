@@ -32,7 +32,8 @@ from ember.config import StepLimits
 from ember.engine.request import Request, RequestStatus
 from ember.engine.step_types import RunnerOutput, SchedulerOutput, TokenLogprobs
 from ember.layers.attention import AttentionBackend, StagedAttention
-from ember.layers.forward_context import ForwardContext
+from ember.layers.forward_context import ForwardContext, step_context
+from ember.parallel.shard_step import ShardStep, staged_runs
 from ember.runner.cuda_graphs import GraphKey, StepGraphs
 from ember.runner.input_buffers import InputBlock, InputBuffers
 from ember.runner.prompt_scoring import PromptScoring, StepScores, plan_scores
@@ -40,6 +41,7 @@ from ember.runner.sampler import Sampler
 from ember.structured_output.matcher import GrammarError
 
 if TYPE_CHECKING:
+    from ember.parallel.workers import StepPeers
     from ember.structured_output.bitmask import GrammarMasks, TokenMask
 
 logger = logging.getLogger(__name__)
@@ -125,9 +127,13 @@ class ModelRunner:
         use_cuda_graphs: bool,
         mixed_cuda_graphs: bool = True,
         compile_ahead: Callable[..., AbstractContextManager] | None = None,
+        peers: StepPeers | None = None,
     ) -> None:
         """``limits``: the instance's step limits, with ``max_model_len`` resolved;
-        ``compile_ahead``: the ops' (`Ops.compile_ahead`), for `compile_kernels`."""
+        ``compile_ahead``: the ops' (`Ops.compile_ahead`), for `compile_kernels`; ``peers``:
+        the other tensor-parallel ranks, sent each step's inputs as it launches (None: the
+        model runs here alone)."""
+        self.peers = peers
         self.compile_ahead = compile_ahead
         self.model = model
         self.attention = attention
@@ -282,8 +288,12 @@ class ModelRunner:
         bucket = self._graph_bucket(plan, buf)
         padded = self._pad_for_graph(staging, plan, bucket) if bucket is not None else plan
         buf.upload(staging, padded.upload_counts)
+        if self.peers is not None:
+            self.peers.send(self._shard_step(buf, staging, padded))
         if plan.num_gathers:
             self._gather_fed_tokens(buf, staging, plan.num_gathers, prev.tokens)
+            if self.peers is not None:  # the other ranks' fed tokens, from this device
+                self.model.parallel.broadcast(buf["input_ids"][: plan.num_tokens])
         num_samples = len(plan.sampling_states)
         if bucket is not None and bucket.decode:
             logits = self.graphs.replay(bucket)[:num_samples]
@@ -320,6 +330,24 @@ class ModelRunner:
         for i, state in enumerate(plan.sampling_states):
             state.pending_step, state.pending_row = handle, i
         return handle
+
+    def _shard_step(self, buf: InputBlock, staging, plan: _StepPlan) -> ShardStep:
+        """What the other tensor-parallel ranks need to run the step staged in ``staging``."""
+        counts = plan.upload_counts
+        return ShardStep(
+            decode=buf is self.buffers.decode,
+            runs=staged_runs(buf, staging, counts),
+            counts=counts,
+            num_tokens=plan.num_tokens,
+            num_seqs=plan.num_seqs,
+            max_query_len=plan.max_query_len,
+            max_seq_len=plan.max_seq_len,
+            attention=plan.attention,
+            num_gathers=plan.num_gathers,
+            num_samples=len(plan.sampling_states),
+            score_rows=plan.scores.rows if plan.scores is not None else None,
+            max_score_rows=self.limits.max_num_seqs,
+        )
 
     def _grammar_masks_for(
         self, rows: list[RunningRequest], prev: StepHandle | None
@@ -564,17 +592,14 @@ class ModelRunner:
         return padded
 
     def _context(self, plan: _StepPlan, buf: InputBlock) -> ForwardContext:
-        return ForwardContext(
-            positions=buf["positions"][: plan.num_tokens],
-            slot_mapping=buf["slot_mapping"][: plan.num_tokens],
-            query_start_loc=buf["query_start_loc"][: plan.num_seqs + 1],
-            seq_lens=buf["seq_lens"][: plan.num_seqs],
-            block_tables=buf["block_tables"][: plan.num_seqs],
-            max_query_len=plan.max_query_len,
-            max_seq_len=plan.max_seq_len,
-            attention=self.attention.metadata(
-                buf, plan.attention, plan.num_seqs, plan.max_query_len, plan.max_seq_len
-            ),
+        return step_context(
+            self.attention,
+            buf,
+            plan.num_tokens,
+            plan.num_seqs,
+            plan.max_query_len,
+            plan.max_seq_len,
+            plan.attention,
         )
 
 

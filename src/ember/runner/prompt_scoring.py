@@ -54,8 +54,7 @@ class StepScores:
         rows, targets = _to_device(self.rows, device), _to_device(self.targets, device)
         top_k = max(k for _, _, k in self.segments)
         parts = []
-        for start in range(0, len(self.rows), max_rows):
-            index = slice(start, start + max_rows)
+        for index in row_chunks(len(self.rows), max_rows):
             logits = model.compute_logits(hidden.index_select(0, rows[index]))
             parts.append(_score(logits.float(), targets[index], top_k))
         results = [torch.cat(columns) for columns in zip(*parts)]
@@ -81,6 +80,12 @@ class StepScores:
             )
             row += count
         return out
+
+
+def row_chunks(count: int, max_rows: int) -> list[slice]:
+    """The chunks of ``count`` scored rows whose logits are computed at once, in order: every
+    tensor-parallel rank computes the same (`ember.parallel.shard_step`)."""
+    return [slice(start, start + max_rows) for start in range(0, count, max_rows)]
 
 
 def plan_scores(

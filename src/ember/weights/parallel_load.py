@@ -153,6 +153,9 @@ def _cut(extent: TensorExtent, target: torch.Tensor, chunk_bytes: int) -> list[_
         raise ValueError(f"the target of {extent.name!r} is not a contiguous tensor of its size")
     flat = target.view(-1)
     step = max(1, chunk_bytes // extent.dtype.itemsize)
+    if extent.row_stride:  # a slice of columns: whole rows per chunk, one read per row
+        row = extent.row_elements
+        step = max(1, step // row) * row
     return [
         _Chunk(extent, flat[first : first + step], first, min(step, extent.numel - first))
         for first in range(0, extent.numel, step)
@@ -161,18 +164,17 @@ def _cut(extent: TensorExtent, target: torch.Tensor, chunk_bytes: int) -> list[_
 
 def _load_chunk(chunk: _Chunk, files: _OpenFiles, free: queue.Queue[_Staging], cuda: bool) -> None:
     extent = chunk.extent
-    itemsize = extent.dtype.itemsize
-    offset = extent.offset + chunk.first * itemsize
-    nbytes = chunk.count * itemsize
-    files.wait(extent.path, offset, offset + nbytes)
+    nbytes = chunk.count * extent.dtype.itemsize
+    segments = extent.segments(chunk.first, chunk.count)
+    files.wait(extent.path, segments[0][0], segments[-1][0] + segments[-1][1])
     fd = files.fd(extent.path)
     if not cuda and chunk.target.dtype == extent.dtype:
-        _read_into(fd, _writable_bytes(chunk.target), offset, extent.path)
+        _read_segments(fd, _writable_bytes(chunk.target), segments, extent.path)
         return
     staging = free.get()
     try:
         staging.wait_free()
-        _read_into(fd, staging.array[:nbytes], offset, extent.path)
+        _read_segments(fd, staging.array[:nbytes], segments, extent.path)
         source = staging.bytes[:nbytes].view(extent.dtype)
         if not cuda:
             chunk.target.copy_(source)
@@ -195,6 +197,14 @@ def _writable_bytes(tensor: torch.Tensor) -> memoryview:
     tensor's storage unresizable, and a sleeping model's arena shrinks its storage to nothing
     (`ember.engine.device_arena.TorchArena`)."""
     return memoryview((ctypes.c_char * tensor.nbytes).from_address(tensor.data_ptr()))
+
+
+def _read_segments(fd: int, buffer, segments: list[tuple[int, int]], path: Path) -> None:
+    """Fill ``buffer`` from the file's byte ranges ``segments``, one after another."""
+    view, done = memoryview(buffer).cast("B"), 0
+    for offset, nbytes in segments:
+        _read_into(fd, view[done : done + nbytes], offset, path)
+        done += nbytes
 
 
 def _read_into(fd: int, buffer, offset: int, path: Path) -> None:

@@ -9,6 +9,7 @@ cheap: an 8-byte little-endian header length, a JSON header naming each tensor's
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -42,7 +43,10 @@ MAX_HEADER_BYTES = 100 * 1024 * 1024
 
 @dataclass(frozen=True)
 class TensorExtent:
-    """One tensor of a weight file: its name, dtype and shape, and its bytes in the file."""
+    """One tensor of a weight file: its name, dtype and shape, and its bytes in the file.
+    ``row_stride``: a slice of a tensor's columns (`slice_extent`) is ``shape[0]`` rows of
+    ``nbytes / shape[0]`` bytes each, one every ``row_stride`` bytes from ``offset``; 0: the
+    bytes are contiguous."""
 
     name: str
     path: Path
@@ -50,10 +54,58 @@ class TensorExtent:
     nbytes: int
     dtype: torch.dtype
     shape: tuple[int, ...]
+    row_stride: int = 0
 
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
+
+    @property
+    def row_elements(self) -> int:
+        """Elements of one row (of the first dimension); 1 for a scalar."""
+        return math.prod(self.shape[1:])
+
+    def segments(self, first: int, count: int) -> list[tuple[int, int]]:
+        """The file's byte ranges ``(offset, nbytes)`` that hold elements ``[first, first +
+        count)`` in order; a strided extent's must start and end on whole rows."""
+        itemsize = self.dtype.itemsize
+        if not self.row_stride:
+            return [(self.offset + first * itemsize, count * itemsize)]
+        row = self.row_elements
+        if first % row or count % row:
+            raise ValueError(f"a read of {self.name!r} must cover whole rows of its slice")
+        return [
+            (self.offset + r * self.row_stride, row * itemsize)
+            for r in range(first // row, (first + count) // row)
+        ]
+
+
+def slice_extent(extent: TensorExtent, dim: int, start: int, length: int) -> TensorExtent:
+    """The part of ``extent`` (a contiguous tensor) that holds indices ``[start, start +
+    length)`` of dimension ``dim``: contiguous for the first dimension, a row-strided extent for
+    the second of a matrix (a tensor-parallel rank's slice, `ember.parallel.sharding`)."""
+    shape, itemsize = list(extent.shape), extent.dtype.itemsize
+    if extent.row_stride or not 0 <= start <= start + length <= shape[dim]:
+        raise ValueError(f"cannot take [{start}, {start + length}) of dim {dim} of {extent.name!r}")
+    if dim == 0:
+        row_bytes = math.prod(shape[1:]) * itemsize
+        shape[0] = length
+        return dataclasses.replace(
+            extent,
+            offset=extent.offset + start * row_bytes,
+            nbytes=length * row_bytes,
+            shape=tuple(shape),
+        )
+    if dim != 1 or len(shape) != 2:
+        raise ValueError(f"only rows, or a matrix's columns, of {extent.name!r} can be sliced")
+    rows, columns = shape
+    return dataclasses.replace(
+        extent,
+        offset=extent.offset + start * itemsize,
+        nbytes=rows * length * itemsize,
+        shape=(rows, length),
+        row_stride=columns * itemsize,
+    )
 
 
 def read_extents(path: Path, files: WeightFiles | None = None) -> list[TensorExtent]:
