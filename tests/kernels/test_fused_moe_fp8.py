@@ -63,8 +63,14 @@ def run(device, inputs, biases, tiles, activation="silu"):
 def assert_matches(out, expected, dtype):
     if dtype == torch.float32:
         torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=1e-4)
-    else:  # gate, up, the activation, each expert's output and its weighted copy rounded
-        torch.testing.assert_close(out.double(), expected, atol=3e-2, rtol=3e-2)
+    else:
+        # Gate, up, the activation, each expert's output and its weighted copy are rounded to
+        # bf16 (8 bits) in turn: bound the whole output's error, and each element's by a few of
+        # the largest output's ulps (a relative bound per element fails near a cancellation).
+        error = out.double() - expected
+        assert error.norm() / expected.norm() < 1e-2, error.norm() / expected.norm()
+        worst = expected.abs().max()
+        assert error.abs().max() < 8 * 2**-8 * worst, (error.abs().max(), worst)
 
 
 @pytest.mark.parametrize("path", sorted(PATHS))
