@@ -38,13 +38,18 @@ from typing import Any
 
 from ember.config import QUANTIZATION_CHOICES
 
-# Modules a checkpoint may leave unquantized: the output head, which ember keeps in the model's
-# dtype anyway (the embeddings are no Linear layer).
-_UNQUANTIZED_MODULES = frozenset({"lm_head", "re:.*lm_head", "re:lm_head"})
+# The last name of the output head, which a checkpoint may leave unquantized: ember keeps it in
+# the model's dtype anyway (the embeddings are no Linear layer). As "lm_head", "re:.*lm_head",
+# or a multimodal model's "language_model.lm_head".
+_OUTPUT_HEAD = "lm_head"
 # The last name of a mixture of experts' router, which ember keeps in the model's dtype too (its
 # logits decide the experts: llm-compressor's recipes leave it out, as "re:.*mlp.gate$",
-# "re:.*block_sparse_moe.gate" or each layer's "model.layers.0.mlp.gate").
+# "re:.*block_sparse_moe.gate", "re:.*router" or each layer's "model.layers.0.mlp.gate").
 _ROUTER_NAMES = frozenset({"gate", "router"})
+# Parts of a multimodal checkpoint outside the text model ember reads (Llama 4's vision tower
+# and its projector, "re:.*vision_model.*", "multi_modal_projector.linear_1"): never loaded,
+# whatever their form.
+_OUTSIDE_TEXT_MODEL = ("vision", "multi_modal_projector")
 # How an MXFP4 checkpoint names its experts' packed values (their scales: ``*_scales``).
 MXFP4_BLOCKS_SUFFIX = "_proj_blocks"
 
@@ -163,10 +168,15 @@ def _compressed_tensors(config: dict[str, Any]) -> Fp8Scheme:
 
 
 def _check_unquantized(modules: list[str] | None) -> None:
-    """ValueError unless the modules a checkpoint leaves in float are at most the output head
-    and the experts' routers: ember reads every other linear layer in FP8."""
+    """ValueError unless the modules a checkpoint leaves in float are at most the output head,
+    the experts' routers and what lies outside the text model: ember reads every other linear
+    layer in FP8."""
     others = [
-        name for name in modules or () if name not in _UNQUANTIZED_MODULES and not _is_router(name)
+        name
+        for name in modules or ()
+        if _last_name(name) != _OUTPUT_HEAD
+        and _last_name(name) not in _ROUTER_NAMES
+        and not _is_outside_text_model(name)
     ]
     if others:
         raise ValueError(
@@ -175,10 +185,16 @@ def _check_unquantized(modules: list[str] | None) -> None:
         )
 
 
-def _is_router(module: str) -> bool:
-    """Whether ``module`` (a name, or a compressed-tensors ``re:`` pattern) names routers."""
+def _last_name(module: str) -> str:
+    """The last name ``module`` (a name, or a compressed-tensors ``re:`` pattern) ends in: ""
+    for a pattern that ends in a wildcard."""
     pattern = module.removeprefix("re:").rstrip("$")
-    return re.split(r"[.*\]]", pattern)[-1] in _ROUTER_NAMES
+    return re.split(r"[.*\]]", pattern)[-1]
+
+
+def _is_outside_text_model(module: str) -> bool:
+    """Whether ``module`` (a name, a pattern or a class name) lies outside the text model."""
+    return any(part in module.lower() for part in _OUTSIDE_TEXT_MODEL)
 
 
 def _as_object(config: Any) -> dict[str, Any]:

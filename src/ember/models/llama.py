@@ -389,6 +389,9 @@ class LlamaForCausalLM(nn.Module):
 
     # Whether some checkpoint tensors are converted into their parameters (`tensor_conversion`).
     converts_tensors = False
+    # What the checkpoint's names of the model's tensors start with (a multimodal checkpoint's
+    # text model: Llama 4's ``language_model.``); its layers are under ``{prefix}model.layers.``.
+    checkpoint_prefix = ""
 
     def __init__(
         self,
