@@ -47,6 +47,8 @@ _LINEAR_WEIGHT = re.compile(r".*(_proj|\.experts\.\d+\.\w+)\.weight")
 _ROUTER_WEIGHT = re.compile(r"(?:\w+\.)?(model\.layers\.\d+\.(\w+\.(?:gate|router)))\.weight")
 # A multimodal checkpoint's vision tower and projector, which llm-compressor leaves in float.
 _OUTSIDE_TEXT_MODEL = ("vision_model.", "multi_modal_projector.")
+# An attention projection's weight in the text model (a multimodal one's under its prefix).
+_ATTENTION_WEIGHT = re.compile(r"(?:\w+\.)?model\.layers\.\d+\.self_attn\.\w+_proj\.weight")
 
 
 def _quantized(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -59,15 +61,21 @@ def fp8_checkpoint(
     layout: str,
     *,
     kv_scales: tuple[float, float] | None = None,
+    float_attention: bool = False,
 ) -> Path:
     """``source`` (a tiny model directory) copied to ``out`` with its decoder's linear weights
     in FP8 in ``layout``; ``kv_scales`` (k, v): every layer holds them, as ``self_attn.k_scale``
-    and ``v_scale``."""
+    and ``v_scale``; ``float_attention``: the attention projections left in float and named
+    unquantized, as llm-compressor's Llama 4 recipes leave them."""
     shutil.copytree(source, out)
     weights = llama4_experts.unstacked(load_file(str(source / WEIGHTS)))
     written: dict[str, torch.Tensor] = {}
+    attention = [name for name in weights if _ATTENTION_WEIGHT.fullmatch(name)]
     for name, tensor in weights.items():
-        if not _LINEAR_WEIGHT.fullmatch(name) or name.startswith(_OUTSIDE_TEXT_MODEL):
+        unquantized = name.startswith(_OUTSIDE_TEXT_MODEL) or (
+            float_attention and name in attention
+        )
+        if not _LINEAR_WEIGHT.fullmatch(name) or unquantized:
             written[name] = tensor
             continue
         stem = name.removesuffix("weight")
@@ -95,10 +103,14 @@ def fp8_checkpoint(
         quantization["ignore"] += [f"re:.*{router}$" for router in sorted({m[2] for m in matches})]
         if vision:
             quantization["ignore"] += ["re:.*vision_model.*", "re:.*multi_modal_projector.*"]
+        if float_attention:
+            quantization["ignore"] += ["re:.*self_attn", "Llama4TextAttention"]
     else:  # AutoFP8: every module by name
         quantization["ignored_layers"] += routers
         if vision:
             quantization["ignored_layers"] += ["vision_model", "multi_modal_projector"]
+        if float_attention:
+            quantization["ignored_layers"] += [name.removesuffix(".weight") for name in attention]
     config["quantization_config"] = quantization
     (out / "config.json").write_text(json.dumps(config, indent=2))
     return out

@@ -203,3 +203,39 @@ def test_fp8_experts_stored_stacked_are_refused(root, tiny, arch):
     save_file(weights, str(path / WEIGHTS), metadata={"format": "pt"})
     with pytest.raises(ValueError, match="FP8 experts stored stacked are not supported"):
         load(path)
+
+
+@pytest.mark.parametrize("layout", ["compressed-tensors", "fp8"])
+def test_an_fp8_checkpoint_may_leave_its_attention_in_float(
+    root, tiny, arch, prompts, float_logits, layout
+):
+    """llm-compressor's Llama 4 recipes leave every attention projection unquantized
+    ("re:.*self_attn", "Llama4TextAttention"): they keep the model's dtype, the experts, shared
+    expert and dense MLPs are FP8, and the model computes what its dequantized weights do."""
+    path = fp8_checkpoint(
+        tiny, root / f"{arch}-{layout}-float-attention", layout, float_attention=True
+    )
+    llm = load(path)
+    model = llm.instance.model
+    assert model.cfg.fp8.float_attention
+    assert model.layers[0].self_attn.qkv_proj.weight.dtype == torch.float32
+    assert not model.layers[0].self_attn.o_proj.fp8
+    assert model.layers[MOE_LAYER].mlp.w2.dtype == FP8_DTYPE
+    assert model.layers[0].mlp.gate_up_proj.weight.dtype == FP8_DTYPE
+    ours = logits(llm, prompts)
+    dequantized = dequantized_checkpoint(path, root / f"{arch}-{layout}-float-attention-deq")
+    torch.testing.assert_close(ours, logits(load(dequantized), prompts), atol=1e-5, rtol=1e-5)
+    assert_within_bounds(ours, float_logits)
+
+
+def test_fp8_values_where_the_checkpoint_says_float_are_refused(root, tiny, arch):
+    """An attention weight stored in FP8 though the config leaves attention unquantized."""
+    path = fp8_checkpoint(
+        tiny, root / f"{arch}-fp8-in-float", "compressed-tensors", float_attention=True
+    )
+    weights = load_file(str(path / WEIGHTS))
+    name = f"{PREFIX[arch]}model.layers.0.self_attn.o_proj.weight"
+    weights[name] = weights[name].to(FP8_DTYPE)
+    save_file(weights, str(path / WEIGHTS), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="stored as float8_e4m3fn, but the checkpoint's"):
+        load(path)

@@ -158,6 +158,11 @@ class WeightPlacer:
                 f"{self._describe(hf_name)} is stored as {_dtype_name(dtype)}, but the "
                 "checkpoint's quantization_config makes its projections float8_e4m3fn"
             )
+        if target.dtype != FP8_DTYPE and dtype == FP8_DTYPE:
+            raise ValueError(  # its values without their scales would be wrong
+                f"{self._describe(hf_name)} is stored as float8_e4m3fn, but the checkpoint's "
+                "quantization_config leaves it unquantized"
+            )
         if not target.is_floating_point() and dtype is not None and dtype != target.dtype:
             raise ValueError(  # packed bytes (MXFP4 blocks and scales) must land as they are
                 f"{self._describe(hf_name)} is stored as {_dtype_name(dtype)}, expected "
