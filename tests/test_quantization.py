@@ -113,6 +113,42 @@ def test_a_mixture_of_experts_may_leave_its_routers_in_float(routers):
     assert fp8_scheme(plain).weight_scales == "tensor"
 
 
+@pytest.mark.parametrize(
+    "ignored",
+    [
+        # llm-compressor's Llama 4 recipe, as patterns
+        ["re:.*lm_head", "re:.*router", "re:.*vision_model.*", "re:.*multi_modal_projector.*"],
+        # and module by module, under the multimodal checkpoint's names
+        [
+            "language_model.lm_head",
+            "language_model.model.layers.0.feed_forward.router",
+            "vision_model.model.layers.0.self_attn.q_proj",
+            "vision_model.vision_adapter.mlp.fc1",
+            "multi_modal_projector.linear_1",
+        ],
+    ],
+)
+def test_a_multimodal_llama4_may_leave_its_vision_tower_router_and_head_in_float(ignored):
+    """ember reads the text model alone: what lies outside it may be in any form (a vision
+    tower's attention too: the text model's stays FP8)."""
+    scheme = fp8_scheme(compressed(ignore=ignored))
+    assert scheme.from_checkpoint and not scheme.float_attention
+
+
+@pytest.mark.parametrize(
+    "attention",
+    [
+        ["re:.*self_attn", "Llama4TextAttention"],  # llm-compressor's Llama 4 recipes
+        ["language_model.model.layers.0.self_attn.q_proj"],  # module by module
+    ],
+)
+def test_a_checkpoint_may_leave_its_attention_in_float(attention):
+    scheme = fp8_scheme(compressed(ignore=["re:.*lm_head", "re:.*router", *attention]))
+    assert scheme.from_checkpoint and scheme.float_attention
+    plain = {"quantization_config": {**PLAIN_FP8, "ignored_layers": ["lm_head", *attention]}}
+    assert fp8_scheme(plain).float_attention
+
+
 @pytest.mark.parametrize("module", ["re:.*gate_proj", "model.layers.0.mlp.experts.0.gate_proj"])
 def test_an_unquantized_projection_named_like_a_router_is_refused(module):
     with pytest.raises(ValueError, match="leaves"):

@@ -26,7 +26,11 @@ GGUF) quantizes each linear layer's weight as it loads, with a scale per output 
 
 In a mixture of experts, every expert's projections are FP8 too (one scale per expert and
 output channel, or per expert tensor); the routers stay in the model's dtype, and a checkpoint
-names them among its unquantized modules.
+names them among its unquantized modules. A checkpoint may leave the attention projections
+unquantized too (llm-compressor's Llama 4 recipes ignore ``re:.*self_attn`` and
+``Llama4TextAttention``): every layer's attention then keeps the model's dtype
+(`Fp8Scheme.float_attention`). A multimodal checkpoint's vision tower and projector, which
+ember never reads, may be in any form.
 """
 
 from __future__ import annotations
@@ -38,13 +42,22 @@ from typing import Any
 
 from ember.config import QUANTIZATION_CHOICES
 
-# Modules a checkpoint may leave unquantized: the output head, which ember keeps in the model's
-# dtype anyway (the embeddings are no Linear layer).
-_UNQUANTIZED_MODULES = frozenset({"lm_head", "re:.*lm_head", "re:lm_head"})
+# The last name of the output head, which a checkpoint may leave unquantized: ember keeps it in
+# the model's dtype anyway (the embeddings are no Linear layer). As "lm_head", "re:.*lm_head",
+# or a multimodal model's "language_model.lm_head".
+_OUTPUT_HEAD = "lm_head"
 # The last name of a mixture of experts' router, which ember keeps in the model's dtype too (its
 # logits decide the experts: llm-compressor's recipes leave it out, as "re:.*mlp.gate$",
-# "re:.*block_sparse_moe.gate" or each layer's "model.layers.0.mlp.gate").
+# "re:.*block_sparse_moe.gate", "re:.*router" or each layer's "model.layers.0.mlp.gate").
 _ROUTER_NAMES = frozenset({"gate", "router"})
+# Parts of a multimodal checkpoint outside the text model ember reads (Llama 4's vision tower
+# and its projector, "re:.*vision_model.*", "multi_modal_projector.linear_1"): never loaded,
+# whatever their form.
+_OUTSIDE_TEXT_MODEL = ("vision", "multi_modal_projector")
+# How a checkpoint names the attention it leaves unquantized: its modules' name, or the suffix
+# of their class's.
+_ATTENTION_MODULE = "self_attn"
+_ATTENTION_CLASS_SUFFIX = "Attention"
 # How an MXFP4 checkpoint names its experts' packed values (their scales: ``*_scales``).
 MXFP4_BLOCKS_SUFFIX = "_proj_blocks"
 
@@ -55,12 +68,15 @@ class Fp8Scheme:
     the model's dtype). ``from_checkpoint``: the file holds FP8 weights and their scales
     (``weight_scales`` "tensor" or "channel"; ``input_scales``: it holds static activation
     scales too; ``kv_scales``: each attention layer's ``k_scale`` / ``v_scale``); else the
-    checkpoint's float weights are quantized as they load, with a scale per output channel."""
+    checkpoint's float weights are quantized as they load, with a scale per output channel.
+    ``float_attention``: the checkpoint leaves every attention projection unquantized, so they
+    keep the model's dtype (the other projections FP8)."""
 
     from_checkpoint: bool
     weight_scales: str = "channel"
     input_scales: bool = False
     kv_scales: bool = False
+    float_attention: bool = False
 
 
 def fp8_scheme(hf_config: dict[str, Any], requested: str | None = None) -> Fp8Scheme | None:
@@ -109,8 +125,15 @@ def _plain_fp8(config: dict[str, Any]) -> Fp8Scheme:
     scheme = config.get("activation_scheme", "dynamic")
     if scheme not in ("dynamic", "static"):
         raise ValueError(f"config.json: unknown FP8 activation_scheme {scheme!r}")
-    _check_unquantized(config.get("ignored_layers") or config.get("modules_to_not_convert"))
-    return Fp8Scheme(from_checkpoint=True, weight_scales="tensor", input_scales=scheme == "static")
+    float_attention = _check_unquantized(
+        config.get("ignored_layers") or config.get("modules_to_not_convert")
+    )
+    return Fp8Scheme(
+        from_checkpoint=True,
+        weight_scales="tensor",
+        input_scales=scheme == "static",
+        float_attention=float_attention,
+    )
 
 
 def _compressed_tensors(config: dict[str, Any]) -> Fp8Scheme:
@@ -133,7 +156,7 @@ def _compressed_tensors(config: dict[str, Any]) -> Fp8Scheme:
             f"config.json: compressed-tensors targets {targets!r}; ember loads checkpoints whose "
             "one group targets every Linear layer"
         )
-    _check_unquantized(config.get("ignore"))
+    float_attention = _check_unquantized(config.get("ignore"))
     weights = group.get("weights") or {}
     if not _is_fp8(weights):
         raise ValueError(
@@ -159,26 +182,48 @@ def _compressed_tensors(config: dict[str, Any]) -> Fp8Scheme:
         weight_scales=strategy,
         input_scales=bool(activations) and not activations.get("dynamic", False),
         kv_scales=bool(kv),
+        float_attention=float_attention,
     )
 
 
-def _check_unquantized(modules: list[str] | None) -> None:
-    """ValueError unless the modules a checkpoint leaves in float are at most the output head
-    and the experts' routers: ember reads every other linear layer in FP8."""
+def _check_unquantized(modules: list[str] | None) -> bool:
+    """Whether the modules a checkpoint leaves in float include the attention projections;
+    ValueError unless they are at most those, the output head, the experts' routers and what
+    lies outside the text model: ember reads every other linear layer in FP8."""
+    inside = [name for name in modules or () if not _is_outside_text_model(name)]
+    attention = [name for name in inside if _names_attention(name)]
     others = [
-        name for name in modules or () if name not in _UNQUANTIZED_MODULES and not _is_router(name)
+        name
+        for name in inside
+        if _last_name(name) != _OUTPUT_HEAD
+        and _last_name(name) not in _ROUTER_NAMES
+        and name not in attention
     ]
     if others:
         raise ValueError(
             f"config.json: the checkpoint leaves {others[:3]} unquantized; ember loads FP8 "
-            "checkpoints whose every linear layer but lm_head (and the experts' routers) is FP8"
+            "checkpoints whose every linear layer but lm_head (and the experts' routers, or "
+            "every attention projection) is FP8"
         )
+    return bool(attention)
 
 
-def _is_router(module: str) -> bool:
-    """Whether ``module`` (a name, or a compressed-tensors ``re:`` pattern) names routers."""
+def _last_name(module: str) -> str:
+    """The last name ``module`` (a name, or a compressed-tensors ``re:`` pattern) ends in: ""
+    for a pattern that ends in a wildcard."""
     pattern = module.removeprefix("re:").rstrip("$")
-    return re.split(r"[.*\]]", pattern)[-1] in _ROUTER_NAMES
+    return re.split(r"[.*\]]", pattern)[-1]
+
+
+def _is_outside_text_model(module: str) -> bool:
+    """Whether ``module`` (a name, a pattern or a class name) lies outside the text model."""
+    return any(part in module.lower() for part in _OUTSIDE_TEXT_MODEL)
+
+
+def _names_attention(module: str) -> bool:
+    """Whether ``module`` names attention modules: by name ("re:.*self_attn",
+    "model.layers.0.self_attn.q_proj") or by class (transformers' "Llama4TextAttention")."""
+    return _ATTENTION_MODULE in module or module.endswith(_ATTENTION_CLASS_SUFFIX)
 
 
 def _as_object(config: Any) -> dict[str, Any]:

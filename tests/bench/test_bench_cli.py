@@ -429,3 +429,32 @@ def test_the_chosen_experts_floor_counts_packed_mxfp4_bytes(tmp_path):
     assert plain.expert_bytes == 4 * (values + biases)  # float32 on the CPU
     assert packed.expert_bytes == values * 17 // 32 + 4 * biases
     assert plain.weight_bytes - packed.weight_bytes == plain.expert_bytes - packed.expert_bytes
+
+
+def test_the_chosen_experts_floor_counts_fp8_llama4_experts_at_a_byte(tmp_path):
+    """Llama 4 on dummy weights, FP8 (make-model's config, as the Scout benchmark runs it)
+    against bf16's config: the same weights multiplied; the routed experts read at a byte a
+    weight and four a row scale; the shared expert and the router are read by every step."""
+    from ember.bench.make_model import make_model
+    from ember.bench.roofline import Ceilings
+    from ember.bench.step_bench import StepBench
+    from ember.config import engine_config
+    from ember.engine.model_instance import ModelInstance
+
+    benches = {}
+    for form in (None, "fp8"):
+        path = make_model("tiny-llama4", tmp_path / str(form), quantization=form, config_only=True)
+        config = engine_config(
+            str(path), device="cpu", load_format="dummy", num_gpu_blocks_override=64,
+            max_model_len=256,
+        )  # fmt: skip
+        ceilings = Ceilings(hbm_bytes_per_s=1e11, bf16_flops_per_s=1e12)
+        benches[form] = StepBench(ModelInstance(config), ceilings, None, None)
+    plain, fp8 = benches[None], benches["fp8"]
+    assert fp8.matmul_params == plain.matmul_params
+    cfg = fp8.cfg
+    sparse = sum(cfg.is_moe_layer(layer) for layer in range(cfg.num_layers))
+    values = sparse * cfg.num_experts * 3 * cfg.hidden_size * cfg.moe_intermediate_size
+    rows = sparse * cfg.num_experts * (2 * cfg.moe_intermediate_size + cfg.hidden_size)
+    assert plain.expert_bytes == 4 * values  # float32 on the CPU
+    assert fp8.expert_bytes == values + 4 * rows  # the shared expert not among them

@@ -82,6 +82,8 @@ def test_mxfp4_is_for_gpt_oss_presets_only(tmp_path):
     [
         ("tiny-qwen3-moe", "mlp.experts.15.down_proj", "mlp.gate"),
         ("tiny-mixtral", "block_sparse_moe.experts.7.w3", "block_sparse_moe.gate"),
+        # Llama 4: stacked in bf16, one tensor per expert in FP8 (llm-compressor's layout)
+        ("tiny-llama4", "feed_forward.experts.7.up_proj", "feed_forward.router"),
     ],
 )
 def test_fp8_presets_write_each_experts_weights_in_fp8_and_load(preset, expert, router, tmp_path):
@@ -91,7 +93,7 @@ def test_fp8_presets_write_each_experts_weights_in_fp8_and_load(preset, expert, 
 
     out = make_model(preset, tmp_path / preset, device="cpu", quantization="fp8")
     config = json.loads((out / "config.json").read_text())
-    assert f"re:.*{router.split('.')[0]}.gate$" in config["quantization_config"]["ignore"]
+    assert f"re:.*{router}$" in config["quantization_config"]["ignore"]
     (weights,) = out.glob("*.safetensors")
     with safe_open(str(weights), framework="pt") as reader:
         layer = "model.layers.1"
@@ -106,3 +108,32 @@ def test_fp8_presets_write_each_experts_weights_in_fp8_and_load(preset, expert, 
     assert (
         len(llm.generate([{"prompt_token_ids": [5, 9, 14]}], params)[0].outputs[0].token_ids) == 4
     )
+
+
+def test_llama4_scout_fp8_config_plans_fp8_weights_that_fit_an_h200(tmp_path):
+    """`make-model --preset llama-4-scout-17b-16e --quantization fp8 --config-only`, served with
+    --load-format dummy: its experts, shared experts and attention in FP8 (the router left in
+    bf16), 110 GB of weights (bf16: 216 GB, two H200s) beside a 141 GB H200's KV cache."""
+    from ember.config import engine_config
+    from ember.engine.model_plan import plan_model
+
+    paths = {
+        form: make_model(
+            "llama-4-scout-17b-16e", tmp_path / str(form), quantization=form, config_only=True
+        )
+        for form in (None, "fp8")
+    }
+    config = json.loads((paths["fp8"] / "config.json").read_text())["quantization_config"]
+    assert config["ignore"] == ["lm_head", "re:.*feed_forward.router$"]
+    plans = {
+        form: plan_model(
+            engine_config(str(path), device="cpu", dtype="bfloat16", load_format="dummy")
+        )
+        for form, path in paths.items()
+    }
+    fp8 = plans["fp8"].model_config.fp8
+    assert fp8.from_checkpoint and not fp8.float_attention
+    assert plans[None].model_config.fp8 is None
+    assert plans["fp8"].weight_bytes / 1e9 == pytest.approx(109.9, abs=0.1)
+    assert plans["fp8"].weight_bytes < 0.8 * 141e9  # room for the KV cache on an H200
+    assert plans[None].weight_bytes / 1e9 == pytest.approx(215.5, abs=0.1)

@@ -1,6 +1,6 @@
 """The fused MoE kernels compiled on the GPU: bf16 at the gpt-oss-20b and Qwen3-30B-A3B expert
 shapes against the plain reference, on both paths and each block size the table picks, over
-bf16 and FP8 experts; and a
+bf16 and FP8 experts (and Llama-4-Scout's FP8 experts fed router-scaled inputs); and a
 CUDA graph captured once and replayed under routings that change between replays (one that
 sends every token to one expert among them).
 
@@ -15,7 +15,7 @@ from helpers.moe_reference import moe_reference
 
 from ember.bench.tune_moe import MOE_SHAPES, expert_weights
 from ember.kernels.fused_moe import fused_moe
-from ember.kernels.moe_tiles import MoeTuning
+from ember.kernels.moe_tiles import MoeShape, MoeTuning
 from ember.layers.fp8 import Fp8Weight, dense_weight, quantize_rows
 
 pytestmark = [
@@ -94,6 +94,30 @@ def test_fp8_experts_match_the_reference_on_their_dequantized_weights(experts, t
         "w2": dense_weight(fp8["w2"], torch.float32),
     }
     assert_near_reference(out, x, dequantized, topk_ids, topk_weights, activation)
+
+
+# Llama-4-Scout-17B-16E's experts: 16 of [2 x 8192, 5120], one a token (`make-model`'s preset).
+SCOUT = MoeShape(num_experts=16, hidden=5120, intermediate=8192, top_k=1)
+
+
+@pytest.mark.parametrize("tokens", [1, 24, 300])
+def test_fp8_llama4_scout_experts_take_router_scaled_inputs(tokens):
+    """Llama 4 as its MoE block calls the op: each token scaled by its top-1 score (the sigmoid
+    of its router logit, in bf16), weights of 1; Scout's FP8 experts on each path against the
+    reference on their dequantized weights."""
+    weights = expert_weights(SCOUT, seed=3)
+    fp8 = {"w13": fp8_experts(weights.pop("w13")), "w2": fp8_experts(weights.pop("w2"))}
+    g = torch.Generator(device="cuda").manual_seed(tokens)
+    x = torch.randn(tokens, SCOUT.hidden, generator=g, device="cuda").bfloat16()
+    logits = torch.randn(tokens, SCOUT.num_experts, generator=g, device="cuda").bfloat16()
+    top, topk_ids = logits.topk(1, dim=-1)
+    scaled = x * torch.sigmoid(top.float()).to(x.dtype)
+    ones = torch.ones(tokens, 1, device="cuda")
+    out = fused_moe(scaled, **fp8, topk_weights=ones, topk_ids=topk_ids.to(torch.int32))
+    dequantized = {name: dense_weight(weight, torch.float32) for name, weight in fp8.items()}
+    assert_near_reference(out, scaled, dequantized, topk_ids.to(torch.int32), ones, "silu")
+    del fp8, dequantized
+    torch.cuda.empty_cache()
 
 
 def fp8_experts(stacked: torch.Tensor) -> Fp8Weight:

@@ -1,8 +1,9 @@
 """Llama 4's text model on the GPU: the `tiny-llama4` preset (experts on every other layer, one
 per token with a shared expert; 128-key chunks with the QK L2 norm; a NoPE layer with
 temperature tuning from position 63) on the Triton path with CUDA graphs against the reference
-path in bf16, with prompts and generations across several chunks; and a tiny random model on
-the Triton path in float32 against transformers' greedy tokens.
+path in bf16, with prompts and generations across several chunks, and so with FP8 weights (an
+FP8 checkpoint, quantized at load, dummy); the memory a quantizing load holds; and a tiny random
+model on the Triton path in float32 against transformers' greedy tokens.
 
 Skipped without a CUDA GPU; `tools/gpu_run.sh` runs these on the H200.
 """
@@ -48,6 +49,81 @@ def test_tiny_llama4_through_cuda_graphs_matches_the_reference_at_bf16(tmp_path)
             assert llm.instance.runner.graphs.captured
     rows = [compare_greedy(a, b) for a, b in zip(results["triton"], results["reference"])]
     assert all(row["near_tie"] for row in rows), rows
+
+
+@pytest.mark.parametrize("source", ["fp8-checkpoint", "quantized-at-load", "dummy"])
+def test_tiny_llama4_in_fp8_through_cuda_graphs_matches_the_reference(tmp_path, source):
+    """FP8 weights (make-model's llm-compressor checkpoint, --quantization fp8 on the bf16 one,
+    or dummy weights from the FP8 config): the Triton path (skinny FP8 GEMMs, FP8 fused MoE)
+    with CUDA graphs gives the reference's greedy tokens but for near-ties."""
+    saved = os.environ.get("EMBER_TEST_TOKENIZER_DIR")
+    tokenizer_dir = saved and Path(saved)
+    fp8_config = source != "quantized-at-load"
+    path = make_model(
+        "tiny-llama4",
+        tmp_path / "tiny-llama4",
+        tokenizer_dir=tokenizer_dir,
+        quantization="fp8" if fp8_config else None,
+        config_only=source == "dummy",
+    )
+    options = {
+        "quantization": "fp8" if source == "quantized-at-load" else None,
+        "load_format": "dummy" if source == "dummy" else "auto",
+    }
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 40000, (n,), generator=g).tolist() for n in (5, 90, 200)]
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=5)
+    results = {}
+    for backend in ("reference", "triton"):
+        llm = LLM(
+            str(path), backend=backend, dtype="bfloat16", lazy_cuda_graphs=True, **options, **KWARGS
+        )
+        assert llm.instance.model.layers[1].mlp.w13.dtype == torch.float8_e4m3fn
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        results[backend] = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+        if backend == "triton":
+            assert llm.instance.runner.graphs.captured
+        del llm
+        torch.cuda.empty_cache()
+    rows = [compare_greedy(a, b) for a, b in zip(results["triton"], results["reference"])]
+    assert all(row["near_tie"] for row in rows), rows
+
+
+def test_quantizing_llama4_at_load_holds_one_stacked_expert_tensor(tmp_path):
+    """--quantization fp8 lands each stacked float expert tensor alone and quantizes it before
+    the next lands: beyond what it keeps (weights, KV cache), the load's peak of allocated
+    memory exceeds a bf16 load's by less than 1.2 stacked gate/up tensors (a layer's float
+    weights would be 1.6: gate/up, down, attention and the shared expert)."""
+    path = make_tiny_model(
+        "Llama4ForCausalLM",
+        tmp_path / "m",
+        hidden_size=512,
+        intermediate_size=4096,
+        intermediate_size_mlp=1024,
+        num_local_experts=16,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=64,
+    )
+    gate_up_bytes = 16 * 512 * 2 * 4096 * 4  # stored in float32
+    transient = {}
+    for quantization in (None, "fp8"):
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        llm = LLM(
+            str(path),
+            device="cuda",
+            dtype="bfloat16",
+            max_model_len=256,
+            kv_cache_memory_bytes=64 << 20,
+            enforce_eager=True,
+            quantization=quantization,
+        )
+        kept = llm.instance.weight_bytes + llm.instance.kv_cache_bytes
+        transient[quantization] = torch.cuda.max_memory_allocated() - before - kept
+        del llm
+    assert transient["fp8"] - transient[None] < 1.2 * gate_up_bytes
 
 
 def test_triton_path_matches_transformers_in_float32(tmp_path):

@@ -52,10 +52,12 @@ def test_triton_backend_matches_reference_backend(arch, tmp_path, device, gen):
     assert outputs["triton"] == outputs["reference"]
 
 
-@pytest.mark.parametrize("arch", ["Qwen3MoeForCausalLM", "MixtralForCausalLM"])
+@pytest.mark.parametrize("arch", ["Qwen3MoeForCausalLM", "MixtralForCausalLM", "Llama4ForCausalLM"])
 def test_fp8_experts_on_the_kernels_give_the_reference_tokens(arch, tmp_path, device, gen):
     """An FP8 checkpoint's experts through the fused MoE kernels (decode steps by pair, prompt
-    chunks grouped) against the reference's dequantizing loop, in float32: the same tokens."""
+    chunks grouped) against the reference's dequantizing loop, in float32: the same tokens.
+    Llama 4's experts take their router-scaled inputs, beside its FP8 shared expert and dense
+    MLPs, and its q/k rows reordered with their scales."""
     path = fp8_checkpoint(make_tiny_model(arch, tmp_path / "float"), tmp_path / "fp8", "fp8")
     prompts = [torch.randint(3, 4000, (n,), generator=gen).tolist() for n in (1, 12, 30)]
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
@@ -70,7 +72,7 @@ def test_fp8_experts_on_the_kernels_give_the_reference_tokens(arch, tmp_path, de
             max_num_batched_tokens=32,
             kv_cache_memory_bytes=16 << 20,
         )
-        assert llm.instance.model.layers[0].mlp.fp8_weights()
+        assert llm.instance.model.layers[1].mlp.fp8_weights()  # every family's: experts
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
         outputs[backend] = [o.outputs[0].token_ids for o in outs]
     assert outputs["triton"] == outputs["reference"]

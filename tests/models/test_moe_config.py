@@ -172,16 +172,30 @@ def test_llama4_configs_ember_cannot_run_are_refused(fields, message):
         ModelConfig.from_hf_dict(config)
 
 
-def test_fp8_weights_are_refused_for_llama4():
+def test_llama4_reads_fp8_experts_one_by_one_and_float_ones_stacked():
+    """An FP8 checkpoint's experts one tensor each beside their scales (llm-compressor's
+    layout), the router without one; quantized at load, the float stacks transformers saves."""
     import dataclasses
 
     from ember.models.registry import model_class
     from ember.quantization import Fp8Scheme
 
     plain = ModelConfig.from_hf_dict({**llama4_text(), "architectures": ["Llama4ForCausalLM"]})
-    cfg = dataclasses.replace(plain, fp8=Fp8Scheme(from_checkpoint=True))
-    with pytest.raises(ValueError, match="not supported for Llama 4"):
-        model_class(cfg.architecture).checkpoint_layout(cfg)
+    layouts = {
+        source: model_class(plain.architecture).checkpoint_layout(
+            dataclasses.replace(plain, fp8=Fp8Scheme(from_checkpoint=source == "checkpoint"))
+        )
+        for source in ("checkpoint", "load")
+    }
+    layer = "model.layers.1.feed_forward"
+    names = {source: set(layout.names()) for source, layout in layouts.items()}
+    assert f"{layer}.experts.3.up_proj.weight_scale" in names["checkpoint"]
+    assert f"{layer}.shared_expert.down_proj.weight_scale" in names["checkpoint"]
+    assert f"{layer}.router.weight" in names["checkpoint"]
+    assert f"{layer}.router.weight_scale" not in names["checkpoint"]
+    assert f"{layer}.experts.gate_up_proj" not in names["checkpoint"]
+    assert f"{layer}.experts.gate_up_proj" in names["load"]
+    assert not any(name.endswith("_scale") for name in names["load"])
 
 
 def gpt_oss(**fields) -> ModelConfig:

@@ -26,10 +26,11 @@ def config_only(tmp_path_factory):
     root = tmp_path_factory.mktemp("config-only")
     presets = {
         preset: make_model(preset, root / preset, config_only=True)
-        for preset in ("tiny", "tiny-qwen3-moe")
+        for preset in ("tiny", "tiny-qwen3-moe", "tiny-llama4")
     }
     mxfp4 = make_model("tiny-gpt-oss", root / "mxfp4", config_only=True, quantization="mxfp4")
-    return {**presets, "tiny-gpt-oss-mxfp4": mxfp4}
+    fp8 = make_model("tiny-llama4", root / "llama4-fp8", config_only=True, quantization="fp8")
+    return {**presets, "tiny-gpt-oss-mxfp4": mxfp4, "tiny-llama4-fp8": fp8}
 
 
 def load(path, **options) -> LLM:
@@ -74,10 +75,12 @@ def test_the_seed_decides_the_weights(config_only):
     assert weights and not any(torch.equal(one[name], other[name]) for name in weights)
 
 
-def test_fp8_dummy_weights_are_what_quantizing_them_gives(config_only):
-    """With --quantization fp8, every projection and expert is FP8: each row quantizes to
-    itself (its scale maps its largest value onto 448), and the model computes."""
-    llm = load(config_only["tiny-qwen3-moe"], quantization="fp8")
+@pytest.mark.parametrize("preset", ["tiny-qwen3-moe", "tiny-llama4"])
+def test_fp8_dummy_weights_are_what_quantizing_them_gives(config_only, preset):
+    """With --quantization fp8, every projection and expert is FP8 (Llama 4's shared expert
+    too): each row quantizes to itself (its scale maps its largest value onto 448), and the
+    model computes."""
+    llm = load(config_only[preset], quantization="fp8")
     model = llm.instance.model
     held = held_fp8_weights(model)
     assert model.layers[1].mlp.w13.dtype == FP8_DTYPE and len(held) > 4
@@ -90,6 +93,23 @@ def test_fp8_dummy_weights_are_what_quantizing_them_gives(config_only):
         torch.testing.assert_close(scale[:, 0], weight.scale.reshape(-1), rtol=1e-6, atol=0)
     assert model.layers[1].mlp.gate.weight.dtype == torch.float32
     assert all(torch.isfinite(logits).all() for logits in ember_prefill_logits(llm, PROMPTS))
+
+
+def test_an_fp8_llama4_config_draws_what_quantization_fp8_draws_and_generates(config_only):
+    """make-model --quantization fp8 --config-only (llm-compressor's config: the benchmarks'
+    Scout) and --quantization fp8 on the bf16 config: the same FP8 weights, the router in the
+    model's dtype, generation on them."""
+    from_config = load(config_only["tiny-llama4-fp8"])
+    asked = load(config_only["tiny-llama4"], quantization="fp8")
+    block = from_config.instance.model.layers[1].mlp
+    assert block.w13.dtype == block.shared_expert.down_proj.weight.dtype == FP8_DTYPE
+    assert block.gate.weight.dtype == torch.float32
+    ours, theirs = parameters(from_config), parameters(asked)
+    assert ours.keys() == theirs.keys()
+    assert all(ours[name].view(torch.uint8).equal(theirs[name].view(torch.uint8)) for name in ours)
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    outputs = from_config.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+    assert all(len(out.outputs[0].token_ids) == 5 for out in outputs)
 
 
 def test_mxfp4_dummy_experts_are_packed_as_make_model_writes_them(config_only, tmp_path):

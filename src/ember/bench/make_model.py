@@ -7,7 +7,9 @@ Output-projection rows past the tokenizer's ids are zero, so greedy decoding (wh
 logits have a positive maximum) stays on ids that decode to text, as a real model's would;
 the GEMM keeps the preset's full shape and cost. A preset names its architecture where it is
 not Llama's; the tensors written are those ember reads for it (its `CheckpointLayout`), a
-mixture of experts' one tensor per expert, as transformers saves them.
+mixture of experts' one tensor per expert, as transformers saves them (Llama 4's stacked per
+layer in bf16, as transformers saves them, and one tensor per expert in FP8, as llm-compressor
+writes them).
 
 The gpt-oss presets have OpenAI's published shapes (config.json as published, but for the
 tokenizer's special ids) and write the experts in transformers' layout in bf16;
@@ -19,7 +21,8 @@ checkpoints hold them (the compressed-tensors layout): float8 e4m3 with a ``weig
 output channel ``[out, 1]`` in the model's dtype, activations dynamic per token, the output head
 left in bf16; a mixture of experts' every expert so too, its routers left in bf16 (named in the
 config's ``ignore``, as llm-compressor's MoE recipes leave them); so the GPU benchmarks load
-the FP8 form users load.
+the FP8 form users load. (Llama 4's attention is FP8 too, where llm-compressor's Llama 4
+recipes leave it in bf16: the benchmarks measure the all-FP8 form.)
 
 ``--config-only`` writes config.json, generation_config.json and the tokenizer files but no
 weight: what ``--load-format dummy`` (`ember.weights.dummy_weights`) needs to run a shape
@@ -374,36 +377,43 @@ def _fp8_config(architecture: str) -> dict:
     from ember.models.registry import model_class
 
     config = copy.deepcopy(COMPRESSED_TENSORS_FP8)
-    block = getattr(model_class(architecture), "block_name", None)
-    if block is not None:
-        config["ignore"].append(f"re:.*{block}.gate$")
+    router_module = getattr(model_class(architecture), "router_module", None)
+    if router_module is not None:
+        config["ignore"].append(f"re:.*{router_module()}$")
     return config
 
 
-def fp8_weight_names(cfg: dict) -> frozenset[str]:
-    """The weights an FP8 checkpoint of ``cfg`` (its ``quantization_config``) holds in FP8: those
-    ember reads a ``weight_scale`` beside."""
+_WEIGHT_SCALE = ".weight_scale"
+
+
+def _layout(cfg: dict):
+    """The tensors ember reads from a checkpoint of ``cfg``, in the form its
+    ``quantization_config`` gives (Llama 4's experts: stacked in float, one by one in FP8)."""
     from ember.config import ModelConfig
     from ember.models.registry import model_class
     from ember.quantization import fp8_scheme
 
     model_config = dataclasses.replace(ModelConfig.from_hf_dict(cfg), fp8=fp8_scheme(cfg))
-    layout = model_class(model_config.architecture).checkpoint_layout(model_config)
-    suffix = ".weight_scale"
+    return model_class(model_config.architecture).checkpoint_layout(model_config)
+
+
+def fp8_weight_names(cfg: dict) -> frozenset[str]:
+    """The weights an FP8 checkpoint of ``cfg`` (its ``quantization_config``) holds in FP8: those
+    ember reads a ``weight_scale`` beside."""
     return frozenset(
-        name.removesuffix(suffix) + ".weight" for name in layout.names() if name.endswith(suffix)
+        name.removesuffix(_WEIGHT_SCALE) + ".weight"
+        for name in _layout(cfg).names()
+        if name.endswith(_WEIGHT_SCALE)
     )
 
 
 def tensor_shapes(cfg: dict) -> list[tuple[str, tuple[int, ...]]]:
     """HF names and shapes of every tensor of a checkpoint with this config: those ember reads
-    for its architecture."""
-    from ember.config import ModelConfig
-    from ember.models.registry import model_class
-
-    model_config = ModelConfig.from_hf_dict(cfg)
-    layout = model_class(model_config.architecture).checkpoint_layout(model_config)
-    return [(name, layout.shape_of(name)) for name in layout.names()]
+    for its architecture, but an FP8 weight's scale (written beside its weight)."""
+    layout = _layout(cfg)
+    return [
+        (name, layout.shape_of(name)) for name in layout.names() if not name.endswith(_WEIGHT_SCALE)
+    ]
 
 
 def random_tensor(name: str, shape: tuple[int, ...], gen: torch.Generator, device: str):

@@ -17,7 +17,8 @@ then ones), faster where cuBLAS takes the products (bench/results/README.md, "De
 
 FP8 weights (``ModelConfig.fp8``, `ember.quantization`): the decoder's projections hold float8
 e4m3 weights and a float32 scale per output row, and pass the ops an `Fp8Weight`; embeddings,
-norms and the output head stay in the model's dtype. Quantized at load, a projection takes its
+norms and the output head stay in the model's dtype (the attention projections too where an FP8
+checkpoint leaves them unquantized). Quantized at load, a projection takes its
 norm's weight before it is quantized (one rounding). A checkpoint's FP8 weights cannot take it
 without a second rounding, so a model loaded from one runs the plain form: its norms are never
 folded. Loading is `ember.models.weight_placer`'s.
@@ -176,12 +177,21 @@ def fp8_scale_tensors(cfg: ModelConfig, per_layer: dict[str, Shapes]) -> dict[st
     optional: dict[str, Shapes] = {}
     if cfg.fp8 is None or not cfg.fp8.from_checkpoint:
         return optional
+    float_attention = not attention_in_fp8(cfg)
     for name in [name for name in per_layer if name.endswith("_proj.weight")]:
+        if float_attention and name.startswith("self_attn."):
+            continue
         projection = name.removesuffix(".weight")
         per_layer[f"{projection}.weight_scale"] = weight_scale_shapes(cfg, per_layer[name][0])
         optional[f"{projection}.input_scale"] = SCALAR_SHAPES
     optional.update(dict.fromkeys(KV_SCALE_NAMES, SCALAR_SHAPES))
     return optional
+
+
+def attention_in_fp8(cfg: ModelConfig) -> bool:
+    """Whether the attention projections are FP8: with the others, unless an FP8 checkpoint
+    leaves them in float (`ember.quantization.Fp8Scheme.float_attention`)."""
+    return cfg.fp8 is not None and not cfg.fp8.float_attention
 
 
 def weight_scale_shapes(cfg: ModelConfig, rows: int) -> frozenset[tuple[int, ...]]:
@@ -216,7 +226,7 @@ class Attention(nn.Module):
         super().__init__()
         self.cfg, self.ops, self.backend = cfg, ops, backend
         self.parallel = parallel or ParallelGroup()
-        fp8 = cfg.fp8 is not None
+        fp8 = attention_in_fp8(cfg)
         self.qkv_proj = Projection(
             cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, cfg.attention_bias, fp8
         )
@@ -389,6 +399,9 @@ class LlamaForCausalLM(nn.Module):
 
     # Whether some checkpoint tensors are converted into their parameters (`tensor_conversion`).
     converts_tensors = False
+    # What the checkpoint's names of the model's tensors start with (a multimodal checkpoint's
+    # text model: Llama 4's ``language_model.``); its layers are under ``{prefix}model.layers.``.
+    checkpoint_prefix = ""
 
     def __init__(
         self,

@@ -67,6 +67,12 @@ class MoeForCausalLM(LlamaForCausalLM):
     block_name: str
     expert_projections: Mapping[str, tuple[str, int]]
 
+    @classmethod
+    def router_module(cls) -> str:
+        """The router's module in a decoder layer (``model.layers.{i}.``), as an FP8
+        checkpoint names it among the modules it leaves unquantized."""
+        return f"{cls.block_name}.gate"
+
     def mlp_for_layer(self, cfg: ModelConfig, ops: Ops, layer: int) -> nn.Module:
         if cfg.is_moe_layer(layer):
             return SparseMoeBlock(cfg, ops, self.routing)

@@ -21,9 +21,11 @@ Packed weights (gpt-oss's MXFP4 experts kept packed: uint8 blocks and scales) la
 in their own dtype (another is refused).
 
 A checkpoint tensor stored in another layout than its parameter's (gpt-oss's transposed,
-interleaved or dequantized MXFP4 experts) has a `TensorConversion` from its model: it lands in
-scratch of its own shape and dtype, and `transform_landed` computes the parameter from it once
-every tensor the conversion reads has landed, a layer at a time like the quantization above.
+interleaved or dequantized MXFP4 experts; Llama 4's transposed expert stacks quantized at load)
+has a `TensorConversion` from its model: it lands in scratch of its own shape and dtype, and
+`transform_landed` computes the parameter from it once every tensor the conversion reads has
+landed, a layer at a time like the quantization above. A conversion into an FP8 weight fills
+its row scales too.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ember.layers.fp8 import FP8_DTYPE, held_fp8_weights, quantize_rows_into
+from ember.layers.fp8 import FP8_DTYPE, Fp8Weight, held_fp8_weights, quantize_rows_into
 from ember.models.checkpoint_layout import layer_of
 from ember.parallel.sharding import TensorSlice
 from ember.weights.checkpoint import TensorHeader
@@ -72,8 +74,9 @@ class _Quantization:
 @dataclass(frozen=True)
 class TensorConversion:
     """How a parameter is computed from checkpoint tensors rather than copied from one:
-    ``inputs`` (HF name, shape) land in scratch, then ``convert(param, *landed)`` fills the
-    parameter named ``param`` from them (in ``inputs``' order)."""
+    ``inputs`` (HF name, shape) land in scratch, then ``convert(target, *landed)`` fills the
+    parameter named ``param`` from them (in ``inputs``' order). ``target``: the parameter, or
+    for an FP8 weight its `Fp8Weight` (the weight and its row scales, both to fill)."""
 
     param: str
     inputs: tuple[tuple[str, tuple[int, ...]], ...]
@@ -129,7 +132,7 @@ class WeightPlacer:
         parameter, a shard of a fused one, or scratch; None for a tensor the model does not use.
         ValueError for one it has no place for, or of the wrong shape or dtype."""
         model = self._model
-        if self._fp8_checkpoint and _is_scalar(hf_name):
+        if self._fp8_checkpoint and _is_scalar(hf_name.removeprefix(model.checkpoint_prefix)):
             return self._scalar_target(hf_name, shape)
         conversion = model.tensor_conversion(hf_name) if self.converts else None
         if conversion is not None:
@@ -154,6 +157,11 @@ class WeightPlacer:
             raise ValueError(
                 f"{self._describe(hf_name)} is stored as {_dtype_name(dtype)}, but the "
                 "checkpoint's quantization_config makes its projections float8_e4m3fn"
+            )
+        if target.dtype != FP8_DTYPE and dtype == FP8_DTYPE:
+            raise ValueError(  # its values without their scales would be wrong
+                f"{self._describe(hf_name)} is stored as float8_e4m3fn, but the checkpoint's "
+                "quantization_config leaves it unquantized"
             )
         if not target.is_floating_point() and dtype is not None and dtype != target.dtype:
             raise ValueError(  # packed bytes (MXFP4 blocks and scales) must land as they are
@@ -193,9 +201,11 @@ class WeightPlacer:
             if not landing.complete:
                 continue
             inputs = landing.conversion.inputs
-            param = self._params[name].data
-            landing.conversion.convert(param, *(landing.scratch[hf] for hf, _ in inputs))
-            self._targets.append((inputs[0][0], param))
+            target = self._conversion_output(name)
+            landing.conversion.convert(target, *(landing.scratch[hf] for hf, _ in inputs))
+            # An FP8 weight's NaN or infinity makes its row's scale one too.
+            checked = target.scale if isinstance(target, Fp8Weight) else target
+            self._targets.append((inputs[0][0], checked))
             self._placed.add(name)
             del self._landings[name]
 
@@ -267,6 +277,16 @@ class WeightPlacer:
         landing.scratch[hf_name] = scratch
         return scratch
 
+    def _conversion_output(self, name: str) -> torch.Tensor | Fp8Weight:
+        """What a conversion into parameter ``name`` fills: the parameter, or an FP8 weight
+        with its row scales (then placed too)."""
+        param = self._params[name].data
+        scale_name = self._scale_of.get(name)
+        if scale_name is None:
+            return param
+        self._placed.add(scale_name)
+        return Fp8Weight(param, self._params[scale_name].data)
+
     # -- FP8 ---------------------------------------------------------------------------------------
 
     def _scale_target(
@@ -315,11 +335,13 @@ class WeightPlacer:
         if not self._scalars:
             return
         values = torch.stack([value.reshape(()) for _, value in self._scalars]).tolist()
+        prefix = self._model.checkpoint_prefix
         for (hf_name, _), value in zip(self._scalars, values, strict=True):
             if not value > 0:
                 raise ValueError(f"{self._describe(hf_name)} is {value}; a scale must be positive")
-            attention = self._model.layers[layer_of(hf_name)].self_attn
-            for attribute in KV_SCALE_NAMES.get(hf_name.split(".", 3)[3], ()):
+            name = hf_name.removeprefix(prefix)  # model.layers.{i}.{layer_name}
+            attention = self._model.layers[layer_of(name)].self_attn
+            for attribute in KV_SCALE_NAMES.get(name.split(".", 3)[3], ()):
                 setattr(attention, attribute, value)
 
     # -- errors ------------------------------------------------------------------------------------
@@ -336,10 +358,11 @@ class WeightPlacer:
         return header.describe() if header is not None else f"checkpoint tensor {hf_name!r}"
 
 
-def _is_scalar(hf_name: str) -> bool:
-    """Whether ``hf_name`` is an FP8 checkpoint's input or KV-cache scale."""
-    layer_name = hf_name.split(".", 3)[-1]
-    return hf_name.endswith(_INPUT_SCALE) or layer_name in KV_SCALE_NAMES
+def _is_scalar(name: str) -> bool:
+    """Whether ``name`` (after the model's checkpoint prefix) is an FP8 checkpoint's input or
+    KV-cache scale."""
+    layer_name = name.split(".", 3)[-1]
+    return name.endswith(_INPUT_SCALE) or layer_name in KV_SCALE_NAMES
 
 
 def _key(name: str, shard: int | None) -> str:
