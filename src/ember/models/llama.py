@@ -591,6 +591,12 @@ class LlamaForCausalLM(nn.Module):
                 return param_name.removesuffix(projection) + norm
         return None
 
+    def is_row_parallel(self, param_name: str) -> bool:
+        """Whether parameter ``param_name`` holds this rank's columns of whole rows (o, down,
+        and the experts' w2 over several ranks), whose products the ranks sum."""
+        row_parallel = (".o_proj.weight", ".down_proj.weight", ".w2")
+        return self.parallel.size > 1 and param_name.endswith(row_parallel)
+
     def tensor_conversion(self, hf_name: str) -> TensorConversion | None:
         """How the checkpoint tensor ``hf_name`` becomes (part of) a parameter where it is not
         copied into one (`ember.models.weight_placer`): never here."""
