@@ -518,7 +518,7 @@ class LlamaForCausalLM(nn.Module):
         for count, (hf_name, tensor) in enumerate(tensors, start=1):
             part = self.tensor_slice(hf_name, tuple(tensor.shape))
             if part is not None:  # a source read whole (GGUF): this rank's slice of it
-                tensor = tensor.narrow(part.dim, part.start, part.length)
+                tensor = part.of(tensor)
             target = placer.target(hf_name, tuple(tensor.shape), tensor.dtype)
             if target is not None:
                 target.copy_(tensor)
