@@ -75,8 +75,9 @@ def add_vllm_arguments(parser: argparse.ArgumentParser) -> None:
         "-tp",
         type=int,
         help="split each model over this many GPUs of this host (default 1): one worker "
-        "process per GPU past the first (Llama, Mistral, Qwen2 and Qwen3 models; CUDA graphs "
-        "and sleep are off at more than 1 for now; docs/scaling.md)",
+        "process per GPU past the first (every architecture ember serves, mixtures of experts "
+        "with each expert split over the GPUs; CUDA graphs and sleep are off at more than 1 "
+        "for now; docs/scaling.md)",
     )
     model.add_argument(
         "--max-logprobs",

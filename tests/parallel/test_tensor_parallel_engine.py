@@ -2,7 +2,8 @@
 worker processes over gloo. Greedy tokens equal the single-process model's and transformers';
 prompt logprobs, chunked prefill and overlap (tokens fed from rank 0's samples) agree; a worker
 that dies fails the model with an error naming it, at once, and the next request starts a new
-group; what tensor parallelism does not serve yet is refused by name."""
+group; what tensor parallelism does not serve yet, or a shape it cannot split, is refused by
+name."""
 
 from __future__ import annotations
 
@@ -122,9 +123,11 @@ def test_a_worker_killed_mid_run_fails_the_model_by_name_then_a_new_group_serves
 def test_what_is_not_built_yet_is_refused_by_name(llama, tmp_path):
     with load(llama, 2) as split, pytest.raises(RuntimeError, match="not supported yet"):
         split.engine.sleep(split.model_name)
-    moe = make_tiny_model("Qwen3MoeForCausalLM", tmp_path / "moe")
-    with pytest.raises(ValueError, match="mixture-of-experts model"):
-        load(moe, 2)
+    moe = make_tiny_model("Qwen3MoeForCausalLM", tmp_path / "moe", moe_intermediate_size=34)
+    with pytest.raises(
+        ValueError, match="does not divide the model's experts' intermediate size 34"
+    ):
+        load(moe, 4)
 
 
 def test_the_step_bench_times_a_split_decode(tiny_bench_factory):

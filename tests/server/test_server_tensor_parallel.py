@@ -1,6 +1,6 @@
-"""`ember serve MODEL -tp 2` on the CPU: the engine process starts one worker process (rank
-1, its own child), the completion is the single-process model's, and a sleep of the split model
-is refused by name (not built yet)."""
+"""`ember serve MODEL -tp 2` on the CPU, of a dense model and of a mixture of experts: the
+engine process starts one worker process (rank 1, its own child), the completion is the
+single-process model's, and a sleep of the split model is refused by name (not built yet)."""
 
 from __future__ import annotations
 
@@ -19,9 +19,9 @@ PROMPT = "The capital of France is"
 FLAGS = ("--max-model-len", "256", "--num-gpu-blocks-override", "64", "--device", "cpu")
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return make_tiny_model("Qwen2ForCausalLM", tmp_path_factory.mktemp("tp") / "m")
+@pytest.fixture(scope="module", params=["Qwen2ForCausalLM", "Qwen3MoeForCausalLM"])
+def model_dir(request, tmp_path_factory):
+    return make_tiny_model(request.param, tmp_path_factory.mktemp("tp") / "m")
 
 
 @pytest.fixture(scope="module")

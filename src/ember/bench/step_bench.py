@@ -60,7 +60,9 @@ class StepBench:
         self.ceil = ceilings
         self.sustained = sustained
         self.nvml_handle = nvml_handle
-        cfg = instance.model_config
+        # One tensor-parallel rank's share (the whole model on one GPU): every floor is one
+        # GPU's, which reads its heads' KV and its slice of the weights (of every expert).
+        cfg = instance.plan.rank_config
         self.cfg = cfg
         kv_elem = instance.kv_cache.element_size()  # 1 for an FP8 cache
         self.kv_bytes_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * kv_elem

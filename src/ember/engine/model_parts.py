@@ -110,7 +110,9 @@ def load_weights(
 
     def sliced(extent):
         part = placer.slice_of(extent.name, extent.shape)
-        return extent if part is None else slice_extent(extent, part.dim, part.start, part.length)
+        if part is None:
+            return extent
+        return slice_extent(extent, part.dim, part.start, part.length, part.parts)
 
     read = load_extents(
         [sliced(extent) for extent in extents()],

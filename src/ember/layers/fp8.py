@@ -10,6 +10,7 @@ its scale maps its largest magnitude onto 448, the format's largest finite value
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -51,12 +52,16 @@ def dense_weight(weight: torch.Tensor | Fp8Weight, dtype: torch.dtype) -> torch.
     return (weight.weight.float() * weight.scale[..., None]).to(dtype)
 
 
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows(
+    x: torch.Tensor, row_amax: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(q, scale)`` for ``x [M, K]``: ``scale`` float32 ``[M, 1]`` maps each row's largest
-    magnitude onto 448 (at least `MIN_ROW_SCALE`), ``q = clamp(x / scale, -448, 448)`` in float8
-    e4m3 (float32 division, rounded to nearest even)."""
+    magnitude (``row_amax [M]`` where given: a whole row's, of which ``x`` holds a slice) onto
+    448 (at least `MIN_ROW_SCALE`), ``q = clamp(x / scale, -448, 448)`` in float8 e4m3 (float32
+    division, rounded to nearest even)."""
     xf = x.float()
-    scale = (xf.abs().amax(dim=1, keepdim=True) / FP8_E4M3_MAX).clamp(min=MIN_ROW_SCALE)
+    amax = xf.abs().amax(dim=1, keepdim=True) if row_amax is None else row_amax[:, None]
+    scale = (amax / FP8_E4M3_MAX).clamp(min=MIN_ROW_SCALE)
     return (xf / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(FP8_DTYPE), scale
 
 
@@ -66,18 +71,38 @@ def quantize_rows_into(
     weight: torch.Tensor,
     scale: torch.Tensor,
     column_scale: torch.Tensor | None = None,
+    whole_row_amax: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> None:
     """Quantize ``source [..., N, K]`` (any float dtype) into ``weight`` (float8, of its shape)
     and ``scale`` (float32 ``[..., N]``) by `quantize_rows`, a block of rows at a time (stacked
     experts' rows as one matrix's). ``column_scale`` ``[K]``: ``source diag(column_scale)`` is
     quantized (a folded RMSNorm weight), the product taken in float32 and rounded only by the
-    quantization."""
+    quantization. ``whole_row_amax``: ``source`` is a slice of the columns of whole rows (a
+    tensor-parallel rank's, of a row-parallel weight), and this maps its rows' largest
+    magnitudes ``[N]`` to the whole rows' (over the ranks), so the scales are the whole
+    rows'."""
     source = source.reshape(-1, source.shape[-1])
     weight, scale = weight.view(-1, weight.shape[-1]), scale.view(-1)
+    amax = None
+    if whole_row_amax is not None:
+        amax = torch.cat(
+            [
+                _scaled_rows(source[first : first + _QUANTIZE_ROWS], column_scale).abs().amax(1)
+                for first in range(0, source.shape[0], _QUANTIZE_ROWS)
+            ]
+        )
+        amax = whole_row_amax(amax)
     for first in range(0, source.shape[0], _QUANTIZE_ROWS):
-        rows = source[first : first + _QUANTIZE_ROWS].float()
-        if column_scale is not None:
-            rows *= column_scale.float()[None, :]
-        q, row_scale = quantize_rows(rows)
+        rows = _scaled_rows(source[first : first + _QUANTIZE_ROWS], column_scale)
+        block_amax = None if amax is None else amax[first : first + rows.shape[0]]
+        q, row_scale = quantize_rows(rows, block_amax)
         weight[first : first + rows.shape[0]].copy_(q)
         scale[first : first + rows.shape[0]].copy_(row_scale[:, 0])
+
+
+def _scaled_rows(rows: torch.Tensor, column_scale: torch.Tensor | None) -> torch.Tensor:
+    """``rows`` in float32, times ``column_scale`` (per column) where given."""
+    rows = rows.float()
+    if column_scale is not None:
+        rows = rows * column_scale.float()[None, :]
+    return rows

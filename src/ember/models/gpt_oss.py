@@ -23,6 +23,14 @@ differs from (every conversion runs once a layer's tensors have landed:
   value exact in bf16;
 - the router at ``mlp.router.weight`` [E, H] and ``mlp.router.bias`` [E].
 
+Over several tensor-parallel ranks each reads its ``1 / size`` of every expert's intermediate
+rows (`expert_split`): gate_up's (gate, up) pairs are interleaved, so a rank's pairs are one
+contiguous run of columns (of rows, in MXFP4) and it de-interleaves them as one rank's w13;
+down's rows (MXFP4: its scale groups along K, which must stay whole:
+`ember.parallel.sharding.check_shardable`). The router, its bias and the sinks of the rank's
+heads are read as the dense attention's are; ``down_proj_bias`` by rank 0 alone, which adds it
+(`ember.models.moe`).
+
 In bf16 two roundings differ from transformers' (float32 agrees to its tolerance): its RMSNorm
 multiplies the weight into the float32 normalised rows and rounds once, where ember's norms
 (the Llama family's) round the rows first; and its expert outputs are weighted and summed in
@@ -46,6 +54,7 @@ from ember.models.llama import attention_tensors, is_ignored_tensor, shared_tens
 from ember.models.llama_moe import MoeForCausalLM
 from ember.models.moe import Routing, SparseMoeBlock
 from ember.models.weight_placer import TensorConversion
+from ember.parallel.sharding import Split
 from ember.weights.mxfp4 import BLOCK_COLUMNS, dequantize_mxfp4
 
 # model.layers.{i}.mlp.experts.{tensor}
@@ -62,7 +71,9 @@ class GptOssForCausalLM(MoeForCausalLM):
     converts_tensors = True
 
     def mlp_for_layer(self, cfg: ModelConfig, ops: Ops, layer: int) -> nn.Module:
-        return SparseMoeBlock(cfg, ops, self.routing, activation="swiglu_oai", biases=True)
+        return SparseMoeBlock(
+            cfg, ops, self.routing, activation="swiglu_oai", biases=True, parallel=self.parallel
+        )
 
     # -- weights ---------------------------------------------------------------------------------
 
@@ -99,10 +110,16 @@ class GptOssForCausalLM(MoeForCausalLM):
         inputs = tuple((prefix + name, shapes[f"mlp.experts.{name}"]) for name in names)
         return TensorConversion(f"layers.{match[1]}.mlp.{param}", inputs, convert)
 
+    def expert_split(self, hf_name: str, shape: tuple[int, ...]) -> Split | None:
+        match = _EXPERTS.fullmatch(hf_name)
+        return _EXPERT_SPLITS.get(match[2]) if match else None
+
     def _param_name(self, hf_name: str) -> tuple[str | None, int | None]:
         if match := _ROUTER.fullmatch(hf_name):
             return f"layers.{match[1]}.mlp.gate.{match[2]}", None
         if match := _EXPERTS.fullmatch(hf_name):
+            if match[2] == "down_proj_bias" and self.parallel.rank != 0:
+                return None, None  # rank 0 adds the experts' output biases
             param = "b2" if match[2] == "down_proj_bias" else _PACKED_PARAMS.get(match[2])
             if param is not None:
                 return f"layers.{match[1]}.mlp.{param}", None
@@ -192,6 +209,19 @@ _PACKED_PARAMS = MappingProxyType(
         "gate_up_proj_scales": "w13_scales",
         "down_proj_blocks": "w2_blocks",
         "down_proj_scales": "w2_scales",
+    }
+)
+# Where each expert tensor holds the intermediate rows the ranks split (``down_proj_bias``
+# [E, H] has none): gate_up's (gate, up) pairs interleaved along 2I, so a rank's are one run.
+_EXPERT_SPLITS = MappingProxyType(
+    {
+        "gate_up_proj": Split(2),  # [E, H, 2I]
+        "gate_up_proj_bias": Split(1),  # [E, 2I]
+        "down_proj": Split(1),  # [E, I, H]
+        "gate_up_proj_blocks": Split(1),  # [E, 2I, H / 32, 16]
+        "gate_up_proj_scales": Split(1),  # [E, 2I, H / 32]
+        "down_proj_blocks": Split(2),  # [E, H, I / 32, 16]
+        "down_proj_scales": Split(2),  # [E, H, I / 32]
     }
 )
 # Checkpoint tensor -> (the parameter it fills, the tensors that fill it, how).

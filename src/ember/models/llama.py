@@ -531,7 +531,7 @@ class LlamaForCausalLM(nn.Module):
         for count, (hf_name, tensor) in enumerate(tensors, start=1):
             part = self.tensor_slice(hf_name, tuple(tensor.shape))
             if part is not None:  # a source read whole (GGUF): this rank's slice of it
-                tensor = tensor.narrow(part.dim, part.start, part.length)
+                tensor = part.of(tensor)
             target = placer.target(hf_name, tuple(tensor.shape), tensor.dtype)
             if target is not None:
                 target.copy_(tensor)
@@ -603,6 +603,12 @@ class LlamaForCausalLM(nn.Module):
             if param_name.endswith(projection):
                 return param_name.removesuffix(projection) + norm
         return None
+
+    def is_row_parallel(self, param_name: str) -> bool:
+        """Whether parameter ``param_name`` holds this rank's columns of whole rows (o, down,
+        and the experts' w2 over several ranks), whose products the ranks sum."""
+        row_parallel = (".o_proj.weight", ".down_proj.weight", ".w2")
+        return self.parallel.size > 1 and param_name.endswith(row_parallel)
 
     def tensor_conversion(self, hf_name: str) -> TensorConversion | None:
         """How the checkpoint tensor ``hf_name`` becomes (part of) a parameter where it is not

@@ -30,6 +30,13 @@ row (`ember.models.moe.SparseMoeBlock`), the router in the model's dtype.
   quantized an expert at a time by rows of its transpose (`TensorConversion`).
 The q/k rows are reordered once loaded with their row scales: a row's scale is its own, so
 reordering after quantizing is exact.
+
+Over several tensor-parallel ranks each reads its ``1 / size`` of every expert's gate columns
+and the matching up columns of ``gate_up_proj`` (two runs of each row), and the matching rows
+of ``down_proj``; the shared expert and the dense MLPs are cut as any dense MLP is, and the
+shared expert's partial output joins the experts' in the block's one all-reduce. The router
+(and so the sigmoid that scales each token's input) is whole on every rank; attention (QK L2
+norm, NoPE layers, chunks) splits by heads as the dense model's does.
 """
 
 from __future__ import annotations
@@ -58,6 +65,8 @@ from ember.models.llama import (
 from ember.models.llama_moe import MoeForCausalLM
 from ember.models.moe import Routing, SparseMoeBlock, route
 from ember.models.weight_placer import TensorConversion
+from ember.parallel.group import ParallelGroup
+from ember.parallel.sharding import Split, TensorSlice
 from ember.weights.gguf_names import undo_rope_permutation
 
 # model.layers.{i}.feed_forward.experts.{gate_up_proj | down_proj}, after the checkpoint prefix
@@ -65,21 +74,25 @@ _STACKED_EXPERTS = re.compile(
     r"model\.layers\.(\d+)\.feed_forward\.experts\.(gate_up_proj|down_proj)"
 )
 _EXPERT_PARAMS = MappingProxyType({"gate_up_proj": "w13", "down_proj": "w2"})
+# Where the stacked experts hold their intermediate rows: gate_up_proj [E, H, 2I] (gate
+# columns, then up columns), down_proj [E, I, H].
+_EXPERT_SPLITS = MappingProxyType({"gate_up_proj": Split(2, parts=2), "down_proj": Split(1)})
 
 
 class Llama4MoeBlock(SparseMoeBlock):
     """Llama 4's MoE MLP: the router's top-1 expert takes the token scaled by its score (the
     sigmoid of its logit), and a shared expert (``shared_expert``, a dense MLP) takes it as
-    it is; their outputs are added."""
+    it is; their outputs are added. Over several ranks (``parallel``) both are this rank's
+    rows, and their sum is summed over the ranks once."""
 
-    def __init__(self, cfg: ModelConfig, ops: Ops) -> None:
-        super().__init__(cfg, ops, Routing.LLAMA4)
+    def __init__(self, cfg: ModelConfig, ops: Ops, parallel: ParallelGroup | None = None) -> None:
+        super().__init__(cfg, ops, Routing.LLAMA4, parallel=parallel)
         if self.top_k != 1:
             raise ValueError(
                 "Llama 4's routing scales each token's input to its expert: one expert per "
                 f"token, not {self.top_k}"
             )
-        self.shared_expert = MLP(cfg, ops, cfg.shared_expert_intermediate_size)
+        self.shared_expert = MLP(cfg, ops, cfg.shared_expert_intermediate_size, self.parallel)
 
     def forward(self, stream: ResidualStream, norm_weight: torch.Tensor) -> ResidualStream:
         ops = self.ops
@@ -93,7 +106,8 @@ class Llama4MoeBlock(SparseMoeBlock):
         routed = ops.moe_experts(scaled, *self.experts(), torch.ones_like(scores), ids)
         shared = self.shared_expert
         act = ops.gate_up_silu(x, shared.gate_up_proj.operand)
-        return add_sub_block_result(ops, stream, ops.linear(act, shared.down_proj.operand) + routed)
+        out = ops.linear(act, shared.down_proj.operand) + routed
+        return add_sub_block_result(ops, stream, self.parallel.all_reduce(out))
 
 
 class Llama4ForCausalLM(MoeForCausalLM):
@@ -108,8 +122,8 @@ class Llama4ForCausalLM(MoeForCausalLM):
 
     def mlp_for_layer(self, cfg: ModelConfig, ops: Ops, layer: int) -> nn.Module:
         if cfg.is_moe_layer(layer):
-            return Llama4MoeBlock(cfg, ops)
-        return MLP(cfg, ops)
+            return Llama4MoeBlock(cfg, ops, self.parallel)
+        return MLP(cfg, ops, parallel=self.parallel)
 
     @classmethod
     def router_module(cls) -> str:
@@ -190,6 +204,18 @@ class Llama4ForCausalLM(MoeForCausalLM):
         if match := _STACKED_EXPERTS.fullmatch(name):
             return int(match[1]), match[2]
         return super().load_group(name)
+
+    def tensor_slice(self, hf_name: str, shape: tuple[int, ...]) -> TensorSlice | None:
+        """The slice this rank reads: of the experts' (`_EXPERT_SPLITS`), or, under the names
+        of a Llama checkpoint, of the attention, the shared expert and the dense MLPs."""
+        parallel, prefix = self.parallel, self.checkpoint_prefix
+        if parallel.size == 1 or not hf_name.startswith(prefix):
+            return None
+        name = hf_name[len(prefix) :]
+        if match := _STACKED_EXPERTS.fullmatch(name):
+            return _EXPERT_SPLITS[match[2]].slice_for(shape, parallel.rank, parallel.size)
+        name = name.replace(".feed_forward.shared_expert.", ".mlp.")
+        return super().tensor_slice(name.replace(".feed_forward.", ".mlp."), shape)
 
     def _param_name(self, hf_name: str) -> tuple[str | None, int | None]:
         prefix = self.checkpoint_prefix

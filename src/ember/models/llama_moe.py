@@ -18,6 +18,11 @@ FP8 experts (``cfg.fp8``): an FP8 checkpoint holds each expert's projections one
 llm-compressor writes them (float8 e4m3 beside a ``weight_scale`` per output channel or per
 tensor), its routers in float; float experts, in either form, are quantized as they land, a few
 experts at a time (`load_group`), so the float copy a load holds stays small.
+
+Over several tensor-parallel ranks each reads its rows of every expert (`expert_split`): an
+expert's gate and up rows (and their per-row FP8 scales) and its down projection's matching
+columns, one tensor each; of the stacked form, each expert's gate and up rows of
+``gate_up_proj`` (two runs of it) and columns of ``down_proj``.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ from ember.models.llama import (
 )
 from ember.models.moe import Routing, SparseMoeBlock
 from ember.models.weight_placer import SCALAR_SHAPES
+from ember.parallel.sharding import Split, TensorSlice
 
 # model.layers.{i}.{block}.experts.{e}.{projection}.weight (an FP8 checkpoint's: .weight_scale)
 _PER_EXPERT = re.compile(
@@ -52,6 +58,9 @@ _PER_EXPERT = re.compile(
 # model.layers.{i}.mlp.experts.{gate_up_proj | down_proj}
 _STACKED = re.compile(r"(model\.layers\.\d+)\.mlp\.experts\.(gate_up_proj|down_proj)")
 _STACKED_PARAMS = MappingProxyType({"gate_up_proj": "w13", "down_proj": "w2"})
+# Where the stacked tensors hold the experts' intermediate rows: gate_up_proj [E, 2I, H] (gate
+# rows, then up rows), down_proj [E, H, I].
+_STACKED_SPLITS = MappingProxyType({"gate_up_proj": Split(1, parts=2), "down_proj": Split(2)})
 # Experts whose float weights land (and are quantized, with --quantization fp8) together: a
 # layer of Qwen3-30B-A3B's 128 holds 1.2 GB of bf16, 16 of them 0.15 GB.
 _EXPERTS_PER_LOAD_GROUP = 16
@@ -75,7 +84,7 @@ class MoeForCausalLM(LlamaForCausalLM):
 
     def mlp_for_layer(self, cfg: ModelConfig, ops: Ops, layer: int) -> nn.Module:
         if cfg.is_moe_layer(layer):
-            return SparseMoeBlock(cfg, ops, self.routing)
+            return SparseMoeBlock(cfg, ops, self.routing, parallel=self.parallel)
         return super().mlp_for_layer(cfg, ops, layer)
 
     @staticmethod
@@ -155,6 +164,27 @@ class MoeForCausalLM(LlamaForCausalLM):
         if name.endswith((".w2", ".w2_scale")):
             return self.cfg.num_experts
         return super()._shard_count(name)
+
+    def tensor_slice(self, hf_name: str, shape: tuple[int, ...]) -> TensorSlice | None:
+        parallel = self.parallel
+        split = self.expert_split(hf_name, shape) if parallel.size > 1 else None
+        if split is not None:
+            return split.slice_for(shape, parallel.rank, parallel.size)
+        return super().tensor_slice(hf_name, shape)
+
+    def expert_split(self, hf_name: str, shape: tuple[int, ...]) -> Split | None:
+        """Where checkpoint tensor ``hf_name`` (of ``shape``) holds the experts' intermediate
+        rows, which the ranks split; None: not an expert tensor, or one every rank reads whole
+        (a down projection's per-row scales, a per-tensor scale)."""
+        if match := _STACKED.fullmatch(hf_name):
+            return _STACKED_SPLITS[match[2]]
+        match = _PER_EXPERT.fullmatch(hf_name)
+        place = self.expert_projections.get(match[4]) if match else None
+        if place is None or tuple(shape) in SCALAR_SHAPES:
+            return None
+        if place[0] == "w13":  # gate or up [I, H], or their per-row scales
+            return Split(0)
+        return Split(1) if match[5] == "weight" else None  # down [H, I]; its scales per H row
 
     def load_group(self, hf_name: str) -> Hashable:
         """A layer's tensors land together, but its experts' (one tensor each), which land

@@ -6,6 +6,12 @@ weights are stacked per layer as the ops read them (docs/CONTRACTS.md, "Mixture 
 ``w13`` [E, 2I, H] (gate rows, then up rows) and ``w2`` [E, H, I], in the model's dtype, in
 FP8 with a scale per expert and row, or packed in MXFP4 (`ember.layers.mxfp4`).
 
+Over several tensor-parallel ranks (`ember.parallel.sharding`) every rank holds every expert's
+``1 / size`` of the intermediate rows (``w13``'s gate rows and the matching up rows, ``w2``'s
+matching input columns) and the whole router: each runs the same routing and the same fused
+experts on its rows, and one all-reduce after the block sums the partial outputs. The
+experts' output biases (``b2``) are added once: rank 0 holds them, the others none.
+
 The block reads the residual stream in its plain form only. The deferred form (norm weights
 folded into the projections, each row's 1/rms applied by the projection's reader) would need
 x/rms materialised for the router and the experts (`moe_experts` takes no row statistics:
@@ -28,6 +34,7 @@ from ember.layers.mxfp4 import Mxfp4Weight, mxfp4_parameters
 from ember.layers.ops import Ops
 from ember.layers.residual import ResidualStream, add_sub_block_result, sub_block_input
 from ember.models.llama import Projection
+from ember.parallel.group import ParallelGroup
 
 # Stacked experts as `Ops.moe_experts` takes them.
 ExpertWeight = torch.Tensor | Fp8Weight | Mxfp4Weight
@@ -84,7 +91,9 @@ class SparseMoeBlock(nn.Module):
     [E, H]). With FP8 weights (``cfg.fp8``), ``w13`` and ``w2`` are float8 e4m3 and
     ``w13_scale`` [E, 2I] and ``w2_scale`` [E, H] their rows' float32 scales; with MXFP4 experts
     (``cfg.mxfp4_experts``) they are ``w13_blocks`` / ``w13_scales`` and ``w2_blocks`` /
-    ``w2_scales`` (`ember.layers.mxfp4.Mxfp4Weight`). The router keeps the model's dtype."""
+    ``w2_scales`` (`ember.layers.mxfp4.Mxfp4Weight`). The router keeps the model's dtype.
+    ``cfg``: this rank's share (`ember.parallel.sharding.rank_config`); ``parallel``: its ranks,
+    which sum the experts' outputs (``b2`` on rank 0 only)."""
 
     def __init__(
         self,
@@ -93,9 +102,11 @@ class SparseMoeBlock(nn.Module):
         routing: Routing,
         activation: str = "silu",
         biases: bool = False,
+        parallel: ParallelGroup | None = None,
     ) -> None:
         super().__init__()
         self.ops, self.routing, self.activation = ops, routing, activation
+        self.parallel = parallel = parallel or ParallelGroup()
         self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
         experts, hidden, inter = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
         self.gate = Projection(hidden, experts, bias=biases)
@@ -116,8 +127,10 @@ class SparseMoeBlock(nn.Module):
         self.register_parameter(
             "b13", nn.Parameter(torch.empty(experts, 2 * inter)) if biases else None
         )
+        # Added inside each rank's partial sum, so held by one rank: added once over the ranks.
+        holds_b2 = biases and parallel.rank == 0
         self.register_parameter(
-            "b2", nn.Parameter(torch.empty(experts, hidden)) if biases else None
+            "b2", nn.Parameter(torch.empty(experts, hidden)) if holds_b2 else None
         )
 
     def experts(self) -> tuple[ExpertWeight, ExpertWeight]:
@@ -149,4 +162,4 @@ class SparseMoeBlock(nn.Module):
         out = self.ops.moe_experts(
             x, *self.experts(), weights, ids, activation=self.activation, b13=self.b13, b2=self.b2
         )
-        return add_sub_block_result(self.ops, stream, out)
+        return add_sub_block_result(self.ops, stream, self.parallel.all_reduce(out))

@@ -15,7 +15,10 @@ FP8 weights (`ember.quantization`) take more than a copy:
 - Quantized at load (``--quantization fp8``), a float weight lands in scratch of the model's
   dtype and `quantize_landed` quantizes it into the FP8 weight and its row scales once its bytes
   (and, where the model defers its norms, its norm's) have landed; the scratch is dropped then,
-  so a loader that lands a layer at a time holds one layer's float weights at most.
+  so a loader that lands a layer at a time holds one layer's float weights at most. A
+  tensor-parallel rank holds the columns of a row-parallel weight's rows (o, down, the experts'
+  w2): its rows' scales are the whole rows' (their largest magnitudes taken over the ranks, one
+  all-reduce per weight), so each rank's FP8 weights are the single-GPU model's columns.
 
 Packed weights (gpt-oss's MXFP4 experts kept packed: uint8 blocks and scales) land as they are,
 in their own dtype (another is refused).
@@ -63,12 +66,14 @@ _INPUT_SCALE = ".input_scale"
 @dataclass(frozen=True)
 class _Quantization:
     """A float weight waiting in ``source`` to be quantized into ``weight`` and ``scale`` (rows
-    of an FP8 projection), with the norm parameter that folds into it (None: none)."""
+    of an FP8 projection), with the norm parameter that folds into it (None: none), and how its
+    rows' largest magnitudes become the whole rows' (None: it holds whole rows)."""
 
     source: torch.Tensor
     weight: torch.Tensor
     scale: torch.Tensor
     norm: str | None
+    whole_row_amax: Callable[[torch.Tensor], torch.Tensor] | None = None
 
 
 @dataclass(frozen=True)
@@ -218,7 +223,7 @@ class WeightPlacer:
                 waiting.append(item)
                 continue
             norm = None if item.norm is None else self._params[item.norm].data
-            quantize_rows_into(item.source, item.weight, item.scale, norm)
+            quantize_rows_into(item.source, item.weight, item.scale, norm, item.whole_row_amax)
         self._pending = waiting
 
     def finish(self) -> None:
@@ -319,7 +324,9 @@ class WeightPlacer:
         self._targets.append((hf_name, scale))
         source = torch.empty(weight.shape, dtype=self._float_dtype, device=weight.device)
         norm = self._model.norm_folded_into(name)
-        self._pending.append(_Quantization(source, weight, scale, norm))
+        model = self._model
+        whole_rows = model.parallel.all_reduce_max if model.is_row_parallel(name) else None
+        self._pending.append(_Quantization(source, weight, scale, norm, whole_rows))
         return source
 
     def _scalar_target(self, hf_name: str, shape: tuple[int, ...]) -> torch.Tensor:

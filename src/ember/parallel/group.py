@@ -31,6 +31,10 @@ class ParallelGroup:
         """Sum ``tensor`` over the ranks, in place; returns it."""
         return tensor
 
+    def all_reduce_max(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The elementwise largest of ``tensor`` over the ranks, in place; returns it."""
+        return tensor
+
     def gather_to_first(self, tensor: torch.Tensor) -> torch.Tensor | None:
         """Every rank's ``tensor`` (same shape on all) side by side along the last dimension,
         on rank 0; None on the others."""
@@ -54,7 +58,7 @@ class ShapeGroup(ParallelGroup):
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("a ShapeGroup only sizes shards; it runs no collective")
 
-    gather_to_first = broadcast = all_reduce
+    all_reduce_max = gather_to_first = broadcast = all_reduce
 
 
 class TorchParallelGroup(ParallelGroup):
@@ -84,6 +88,12 @@ class TorchParallelGroup(ParallelGroup):
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         # NCCL: wait() makes the current stream wait, the host goes on; gloo: the host waits.
         self._group.allreduce([tensor]).wait()
+        return tensor
+
+    def all_reduce_max(self, tensor: torch.Tensor) -> torch.Tensor:
+        options = dist.AllreduceOptions()
+        options.reduceOp = dist.ReduceOp.MAX
+        self._group.allreduce([tensor], options).wait()
         return tensor
 
     def gather_to_first(self, tensor: torch.Tensor) -> torch.Tensor | None:

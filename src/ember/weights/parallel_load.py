@@ -9,6 +9,11 @@ reused once the event recorded after its copy has fired.
 
 On a CPU the same threads read straight into the parameters (no staging) when the file holds the
 parameter's dtype.
+
+A tensor-parallel rank's slice of a tensor's columns is runs of bytes at a stride: runs shorter
+than a page (an expert's down rows at tp 2: a few hundred bytes) are read a chunk's span at a
+time and gathered on the host, one read instead of thousands (the file system reads whole pages
+anyway); longer ones one read each.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from ember.host_cpus import usable_cpus
@@ -35,6 +41,8 @@ from ember.weights.weight_files import LocalFiles, WeightFiles
 DEFAULT_CHUNK_BYTES = 32 << 20
 DEFAULT_COPY_STREAMS = 4
 MAX_READ_THREADS = 8
+# Runs of a strided slice shorter than this are read as their chunk's whole span (a page).
+SPAN_READ_RUN_BYTES = 4096
 
 # Where a checkpoint tensor goes: its parameter (or a view of one) of the tensor's shape, or None
 # for a tensor the model does not use.
@@ -153,9 +161,11 @@ def _cut(extent: TensorExtent, target: torch.Tensor, chunk_bytes: int) -> list[_
         raise ValueError(f"the target of {extent.name!r} is not a contiguous tensor of its size")
     flat = target.view(-1)
     step = max(1, chunk_bytes // extent.dtype.itemsize)
-    if extent.row_stride:  # a slice of columns: whole rows per chunk, one read per row
-        row = extent.row_elements
-        step = max(1, step // row) * row
+    if _reads_spans(extent):  # whole runs per chunk, their span within a chunk's bytes
+        step = max(1, chunk_bytes // extent.row_stride) * extent.run_elements
+    elif extent.row_stride:  # whole runs per chunk, one read per run
+        run = extent.run_elements
+        step = max(1, step // run) * run
     return [
         _Chunk(extent, flat[first : first + step], first, min(step, extent.numel - first))
         for first in range(0, extent.numel, step)
@@ -165,16 +175,15 @@ def _cut(extent: TensorExtent, target: torch.Tensor, chunk_bytes: int) -> list[_
 def _load_chunk(chunk: _Chunk, files: _OpenFiles, free: queue.Queue[_Staging], cuda: bool) -> None:
     extent = chunk.extent
     nbytes = chunk.count * extent.dtype.itemsize
-    segments = extent.segments(chunk.first, chunk.count)
-    files.wait(extent.path, segments[0][0], segments[-1][0] + segments[-1][1])
+    files.wait(extent.path, *extent.span(chunk.first, chunk.count))
     fd = files.fd(extent.path)
     if not cuda and chunk.target.dtype == extent.dtype:
-        _read_segments(fd, _writable_bytes(chunk.target), segments, extent.path)
+        _read_elements(fd, _writable_bytes(chunk.target), extent, chunk.first, chunk.count)
         return
     staging = free.get()
     try:
         staging.wait_free()
-        _read_segments(fd, staging.array[:nbytes], segments, extent.path)
+        _read_elements(fd, staging.array[:nbytes], extent, chunk.first, chunk.count)
         source = staging.bytes[:nbytes].view(extent.dtype)
         if not cuda:
             chunk.target.copy_(source)
@@ -199,12 +208,32 @@ def _writable_bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview((ctypes.c_char * tensor.nbytes).from_address(tensor.data_ptr()))
 
 
-def _read_segments(fd: int, buffer, segments: list[tuple[int, int]], path: Path) -> None:
-    """Fill ``buffer`` from the file's byte ranges ``segments``, one after another."""
+def _reads_spans(extent: TensorExtent) -> bool:
+    """Whether ``extent``'s runs are read a span at a time (short runs at a stride)."""
+    return bool(extent.row_stride) and extent.run_bytes < SPAN_READ_RUN_BYTES
+
+
+def _read_elements(fd: int, buffer, extent: TensorExtent, first: int, count: int) -> None:
+    """Fill ``buffer`` with elements ``[first, first + count)`` of ``extent``: one read where
+    they are contiguous, else one per run, or one of their span gathered (`_reads_spans`)."""
+    if _reads_spans(extent):
+        _read_span(fd, buffer, extent, first, count)
+        return
     view, done = memoryview(buffer).cast("B"), 0
-    for offset, nbytes in segments:
-        _read_into(fd, view[done : done + nbytes], offset, path)
+    for offset, nbytes in extent.segments(first, count):
+        _read_into(fd, view[done : done + nbytes], offset, extent.path)
         done += nbytes
+
+
+def _read_span(fd: int, buffer, extent: TensorExtent, first: int, count: int) -> None:
+    """Read the runs of elements ``[first, first + count)`` with the gaps between them, then
+    keep the runs, in order, in ``buffer``."""
+    start, span = extent.span(first, count)
+    runs, run_bytes, stride = count // extent.run_elements, extent.run_bytes, extent.row_stride
+    raw = np.empty(runs * stride, dtype=np.uint8)  # the last run's gap is never read
+    _read_into(fd, raw[:span], start, extent.path)
+    out = np.frombuffer(memoryview(buffer).cast("B"), dtype=np.uint8, count=runs * run_bytes)
+    out.reshape(runs, run_bytes)[:] = raw.reshape(runs, stride)[:, :run_bytes]
 
 
 def _read_into(fd: int, buffer, offset: int, path: Path) -> None:

@@ -44,9 +44,9 @@ MAX_HEADER_BYTES = 100 * 1024 * 1024
 @dataclass(frozen=True)
 class TensorExtent:
     """One tensor of a weight file: its name, dtype and shape, and its bytes in the file.
-    ``row_stride``: a slice of a tensor's columns (`slice_extent`) is ``shape[0]`` rows of
-    ``nbytes / shape[0]`` bytes each, one every ``row_stride`` bytes from ``offset``; 0: the
-    bytes are contiguous."""
+    ``row_stride``: a slice along a later dimension than the first (`slice_extent`) is runs of
+    ``run_elements`` elements, one every ``row_stride`` bytes from ``offset``; 0: the bytes are
+    contiguous."""
 
     name: str
     path: Path
@@ -55,56 +55,72 @@ class TensorExtent:
     dtype: torch.dtype
     shape: tuple[int, ...]
     row_stride: int = 0
+    run_elements: int = 0
 
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
 
     @property
-    def row_elements(self) -> int:
-        """Elements of one row (of the first dimension); 1 for a scalar."""
-        return math.prod(self.shape[1:])
+    def run_bytes(self) -> int:
+        """Bytes of one run of a strided extent."""
+        return self.run_elements * self.dtype.itemsize
+
+    def span(self, first: int, count: int) -> tuple[int, int]:
+        """``(offset, nbytes)``: the file's bytes from the first of elements ``[first, first +
+        count)`` to the last, with the gaps between a strided extent's runs."""
+        itemsize = self.dtype.itemsize
+        if not self.row_stride:
+            return self.offset + first * itemsize, count * itemsize
+        first_run, runs = first // self.run_elements, count // self.run_elements
+        start = self.offset + first_run * self.row_stride
+        return start, (runs - 1) * self.row_stride + self.run_bytes
 
     def segments(self, first: int, count: int) -> list[tuple[int, int]]:
         """The file's byte ranges ``(offset, nbytes)`` that hold elements ``[first, first +
-        count)`` in order; a strided extent's must start and end on whole rows."""
+        count)`` in order; a strided extent's must start and end on whole runs."""
         itemsize = self.dtype.itemsize
         if not self.row_stride:
             return [(self.offset + first * itemsize, count * itemsize)]
-        row = self.row_elements
-        if first % row or count % row:
-            raise ValueError(f"a read of {self.name!r} must cover whole rows of its slice")
+        run = self.run_elements
+        if first % run or count % run:
+            raise ValueError(f"a read of {self.name!r} must cover whole runs of its slice")
         return [
-            (self.offset + r * self.row_stride, row * itemsize)
-            for r in range(first // row, (first + count) // row)
+            (self.offset + r * self.row_stride, run * itemsize)
+            for r in range(first // run, (first + count) // run)
         ]
 
 
-def slice_extent(extent: TensorExtent, dim: int, start: int, length: int) -> TensorExtent:
+def slice_extent(
+    extent: TensorExtent, dim: int, start: int, length: int, parts: int = 1
+) -> TensorExtent:
     """The part of ``extent`` (a contiguous tensor) that holds indices ``[start, start +
-    length)`` of dimension ``dim``: contiguous for the first dimension, a row-strided extent for
-    the second of a matrix (a tensor-parallel rank's slice, `ember.parallel.sharding`)."""
+    length)`` of each of the ``parts`` equal parts of dimension ``dim`` (a tensor-parallel
+    rank's slice, `ember.parallel.sharding`; two parts: gate and up stacked along one
+    dimension). Contiguous where nothing comes before the slice's dimension (the first
+    dimension, in one part); otherwise runs of bytes at a stride, one per index of the
+    dimensions before it (and per part)."""
     shape, itemsize = list(extent.shape), extent.dtype.itemsize
-    if extent.row_stride or not 0 <= start <= start + length <= shape[dim]:
-        raise ValueError(f"cannot take [{start}, {start + length}) of dim {dim} of {extent.name!r}")
-    if dim == 0:
-        row_bytes = math.prod(shape[1:]) * itemsize
-        shape[0] = length
-        return dataclasses.replace(
-            extent,
-            offset=extent.offset + start * row_bytes,
-            nbytes=length * row_bytes,
-            shape=tuple(shape),
+    fits = 0 <= dim < len(shape) and parts >= 1 and shape[dim] % parts == 0
+    if extent.row_stride or not fits or not 0 <= start <= start + length <= shape[dim] // parts:
+        raise ValueError(
+            f"cannot take [{start}, {start + length}) of {parts} part(s) of dim {dim} of "
+            f"{extent.name!r} {tuple(shape)}"
         )
-    if dim != 1 or len(shape) != 2:
-        raise ValueError(f"only rows, or a matrix's columns, of {extent.name!r} can be sliced")
-    rows, columns = shape
-    return dataclasses.replace(
+    inner = math.prod(shape[dim + 1 :])  # elements per index of the dimension
+    runs = math.prod(shape[:dim]) * parts
+    part_elements = shape[dim] // parts * inner
+    shape[dim] = parts * length
+    sliced = dataclasses.replace(
         extent,
-        offset=extent.offset + start * itemsize,
-        nbytes=rows * length * itemsize,
-        shape=(rows, length),
-        row_stride=columns * itemsize,
+        offset=extent.offset + start * inner * itemsize,
+        nbytes=runs * length * inner * itemsize,
+        shape=tuple(shape),
+    )
+    if runs == 1:
+        return sliced
+    return dataclasses.replace(
+        sliced, row_stride=part_elements * itemsize, run_elements=length * inner
     )
 
 
