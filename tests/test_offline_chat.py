@@ -122,3 +122,38 @@ def test_use_tqdm_true_draws_a_bar_on_stderr(llm, capsys):
     assert "Processed prompts" in err and "2/2" in err
     llm.generate(["a", "b"], ONE_TOKEN)
     assert "Processed prompts" not in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def think_llm(tmp_path_factory) -> LLM:
+    from helpers.think import make_think_model
+
+    path = make_think_model(tmp_path_factory.mktemp("think"))
+    return LLM(str(path), max_model_len=256, reasoning_parser="deepseek_r1")
+
+
+def test_chat_splits_a_reasoning_models_reply(think_llm):
+    close = think_llm.get_tokenizer().added_token_id("</think>")
+    # deepseek_r1: the reply is reasoning until </think> (a random model never writes it).
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    (whole,) = think_llm.chat(WEATHER, params)
+    completion = whole.outputs[0]
+    assert completion.reasoning_content == completion.text.strip()
+    assert completion.content is None
+    # Pushed to write </think> first: no reasoning, the rest is the answer.
+    closed = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logit_bias={close: 50})
+    (split,) = think_llm.chat(WEATHER, closed)
+    completion = split.outputs[0]
+    assert completion.text.startswith("</think>")
+    assert completion.reasoning_content is None
+    assert completion.content == completion.text.removeprefix("</think>").lstrip()
+
+
+def test_without_a_reasoning_parser_chat_reads_no_reasoning(llm):
+    (out,) = llm.chat(WEATHER, ONE_TOKEN)
+    assert out.outputs[0].reasoning_content is None and out.outputs[0].content is None
+
+
+def test_an_unknown_reasoning_parser_is_refused():
+    with pytest.raises(ValueError, match="unknown reasoning parser 'granite'"):
+        LLM(max_model_len=64, reasoning_parser="granite")

@@ -109,7 +109,7 @@ def test_reasoning_parser_reaches_every_served_model():
 
 def test_a_reasoning_parser_outside_the_choices_is_a_usage_error(capsys):
     with pytest.raises(SystemExit) as exit_:
-        cli.main(["serve", "--reasoning-parser", "deepseek_r1"])
+        cli.main(["serve", "--reasoning-parser", "granite"])
     assert exit_.value.code == 2 and "--reasoning-parser" in capsys.readouterr().err
 
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Self
 
 from ember.chat_prompt import chat_prompt_ids
+from ember.chat_reasoning import ChatReasoning, check_reasoning_parser
 from ember.config import MEMORY_OPTIONS, engine_config, memory_config
 from ember.engine.model_instance import ModelInstance
 from ember.engine.model_plan import validate_prompt
@@ -31,6 +32,10 @@ class CompletionOutput:
     stop_reason: str | int | None = None
     logprobs: list[TokenLogprobs] | None = None
     cumulative_logprob: float | None = None
+    # `LLM.chat` of a model that reasons (`ember.chat_reasoning`): the reply read as the
+    # server reads it, its reasoning and its answer (None: none); `text` stays as generated.
+    reasoning_content: str | None = None
+    content: str | None = None
 
 
 @dataclass
@@ -139,10 +144,14 @@ class Engine:
         chat_template_kwargs: dict[str, Any] | None = None,
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        reasoning_parser: str | None = None,
     ) -> list[RequestOutput]:
         """Apply ``model``'s chat template (or ``chat_template``, a file or the template text)
         to each conversation, with ``tools`` and ``chat_template_kwargs`` as template
-        variables, then generate. Tool calls in the replies are left as text."""
+        variables, then generate. Tool calls in the replies are left as text. Where the model
+        reasons (``reasoning_parser``, the server's --reasoning-parser; gpt-oss's harmony
+        without it), each completion's `reasoning_content` and `content` hold the reply read
+        as the server reads it."""
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
         tokenizer = self.get_tokenizer(model)
         prompts = [
@@ -158,7 +167,10 @@ class Engine:
             }
             for conv in conversations
         ]
-        return self.generate(prompts, sampling_params, model=model, use_tqdm=use_tqdm)
+        reasoning = ChatReasoning(tokenizer, reasoning_parser)
+        outputs = self.generate(prompts, sampling_params, model=model, use_tqdm=use_tqdm)
+        reasoning.read(outputs)
+        return outputs
 
     def _run(
         self,
@@ -233,13 +245,18 @@ class Engine:
 class LLM:
     """One model loaded in this process. `LLM()` with no model loads the embedded SmolLM2."""
 
-    def __init__(self, model: str | None = None, **options: Any) -> None:
+    def __init__(
+        self, model: str | None = None, *, reasoning_parser: str | None = None, **options: Any
+    ) -> None:
         """``model``: a GGUF file, a model directory or a Hugging Face id in the local cache
-        (None: the embedded SmolLM2). ``options``: the engine's, named as `ember serve`'s flags
-        and vLLM's `LLM` keywords (`ember.config.ENGINE_OPTIONS`: ``max_model_len``,
-        ``max_num_seqs``, ``max_num_batched_tokens``, ``dtype``, ``device``, ``seed``,
-        ``enforce_eager``, ...; and `ember.config.MEMORY_OPTIONS`:
+        (None: the embedded SmolLM2). ``reasoning_parser``: how `chat` reads the model's
+        reasoning (`ember serve`'s --reasoning-parser). ``options``: the engine's, named as
+        `ember serve`'s flags and vLLM's `LLM` keywords (`ember.config.ENGINE_OPTIONS`:
+        ``max_model_len``, ``max_num_seqs``, ``max_num_batched_tokens``, ``dtype``,
+        ``device``, ``seed``, ``enforce_eager``, ...; and `ember.config.MEMORY_OPTIONS`:
         ``gpu_memory_utilization``, ...); one left out keeps its default."""
+        check_reasoning_parser(reasoning_parser)
+        self.reasoning_parser = reasoning_parser
         memory = {k: options.pop(k) for k in MEMORY_OPTIONS if k in options}
         self.engine = Engine(**memory)
         try:
@@ -298,7 +315,9 @@ class LLM:
     ) -> list[RequestOutput]:
         """vLLM's `LLM.chat`: apply the model's chat template (or ``chat_template``) to each
         conversation, ``tools`` and ``chat_template_kwargs`` rendered into it, then generate.
-        Tool calls in the replies come back as text (the server parses them, not this)."""
+        Tool calls in the replies come back as text (the server parses them, not this); where
+        the model reasons, each completion's `reasoning_content` and `content` split the reply
+        (`Engine.chat`)."""
         return self.engine.chat(
             messages,
             sampling_params,
@@ -308,6 +327,7 @@ class LLM:
             chat_template_kwargs=chat_template_kwargs,
             add_generation_prompt=add_generation_prompt,
             tools=tools,
+            reasoning_parser=self.reasoning_parser,
         )
 
 

@@ -9,7 +9,6 @@ script. Heavy modules (torch, the server) are imported only by the subcommand th
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import importlib
 import logging
 import os
@@ -438,17 +437,14 @@ def server_config(args: argparse.Namespace):
         entries = [ModelEntry(None, name=args.served_model_name)]
     defaults = engine_options(args)
     defaults.pop("served_model_name", None)  # each model's own
-    models = build_specs(entries, defaults, args.chat_template)
+    parsers = {  # every model's, unless its [[models]] table names its own
+        key: value
+        for key in ("tool_call_parser", "reasoning_parser")
+        if (value := getattr(args, key, None))
+    }
+    models = build_specs(entries, defaults, args.chat_template, parsers)
     for note in check_vllm_flags(args, [spec.engine.model for spec in models]):
         log.warning("ember serve: %s", note)
-    if getattr(args, "tool_call_parser", None):  # every model's
-        models = tuple(
-            dataclasses.replace(m, tool_call_parser=args.tool_call_parser) for m in models
-        )
-    if getattr(args, "reasoning_parser", None):  # every model's
-        models = tuple(
-            dataclasses.replace(m, reasoning_parser=args.reasoning_parser) for m in models
-        )
     memory = dict(file.memory)  # a flag given wins over the file
     memory.update(
         (name, getattr(args, name)) for name in MEMORY_OPTIONS if getattr(args, name) is not None

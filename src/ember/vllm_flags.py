@@ -12,7 +12,7 @@ from typing import Any
 
 from ember.config import KV_CACHE_DTYPES, LOAD_FORMATS, QUANTIZATION_CHOICES
 from ember.server.config import CorsConfig
-from ember.server.harmony.selection import REASONING_PARSER_NAMES
+from ember.server.reasoning.selection import REASONING_PARSER_NAMES
 from ember.server.tool_calls.registry import PARSER_NAMES
 
 # --load-format values that name what a model's source is: checked against every model, and
@@ -104,9 +104,10 @@ def add_vllm_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument(
         "--reasoning-parser",
         choices=REASONING_PARSER_NAMES,
-        help="openai_gptoss: read every model's replies as gpt-oss's harmony format, the "
-        "analysis channel into reasoning_content (the default for a tokenizer with harmony's "
-        "special tokens)",
+        help="how every model writes its reasoning, read into reasoning_content: qwen3 or "
+        "deepseek_r1 (between <think> and </think>; deepseek_r1 reads a reply as reasoning until "
+        "</think>), openai_gptoss (gpt-oss's harmony analysis channel, the default for a "
+        "tokenizer with harmony's special tokens)",
     )
     http = parser.add_argument_group("HTTP: TLS, CORS, root path")
     http.add_argument("--ssl-keyfile", metavar="FILE", help="serve HTTPS with this key")

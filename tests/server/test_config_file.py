@@ -135,6 +135,20 @@ def test_a_models_load_format_overrides_the_flag(write):
     assert (a.engine.load_format, b.engine.load_format) == ("dummy", "auto")
 
 
+def test_a_models_reply_parsers_override_the_flags(write):
+    path = write(
+        '[[models]]\nname = "a"\nsource = "x"\nreasoning_parser = "qwen3"\n'
+        'tool_call_parser = "hermes"\n'
+    )
+    b, a = config_of("b=y", "--config", path).models
+    assert (a.reasoning_parser, a.tool_call_parser) == ("qwen3", "hermes")
+    assert (b.reasoning_parser, b.tool_call_parser) == (None, None)
+    flags = ("--reasoning-parser", "deepseek_r1", "--tool-call-parser", "mistral")
+    b, a = config_of("b=y", "--config", path, *flags).models
+    assert (a.reasoning_parser, a.tool_call_parser) == ("qwen3", "hermes")
+    assert (b.reasoning_parser, b.tool_call_parser) == ("deepseek_r1", "mistral")
+
+
 def test_command_line_models_come_first_then_the_files(write):
     path = write('[[models]]\nname = "b"\nsource = "y"\n')
     config = config_of("a=x", "z", "--config", path)
@@ -197,6 +211,10 @@ def test_an_unknown_key_names_the_key_and_the_file(write, text, message):
         (
             '[[models]]\nsource = "x"\nload_format = "pt"\n',
             "load_format must be one of auto, dummy, not 'pt'",
+        ),
+        (
+            '[[models]]\nsource = "x"\nreasoning_parser = "granite"\n',
+            "reasoning_parser must be one of deepseek_r1, openai_gptoss, qwen3, not 'granite'",
         ),
         ('[[models]]\nsource = "x"\naliases = "y"\n', "'aliases' must be a list of names"),
         ("[[models]]\nsource = 3\n", "source must be a string"),

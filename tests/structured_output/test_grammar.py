@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from ember.structured_output.grammar import check_grammar
+from ember.structured_output.grammar import check_grammar, constraint_lark
+from ember.structured_output.lark import nested
 from ember.structured_output.params import StructuredOutputsParams as Params
 
 COMPILES = [
@@ -58,3 +59,38 @@ def test_json_whitespace_is_bounded_unless_disabled(compiler):
             tokens = compiler.ll_tokenizer.tokenize_str(text)
             ok = grammar.matcher.consume_tokens(tokens) and grammar.matcher.is_accepting()
             assert ok == accepted[compact], (text, compact)
+
+
+def accepts(compiler, params: Params, text: str) -> bool:
+    grammar = compiler.matcher(params)
+    tokens = compiler.ll_tokenizer.tokenize_str(text)
+    return grammar.matcher.consume_tokens(tokens) and grammar.matcher.is_accepting()
+
+
+SAMPLES = {
+    "json": (
+        Params(json={"type": "object", "properties": {"a": {"type": "integer"}}}),
+        ['{"a": 1}', '{\n  "a": 2\n}', '{"a": "x"}', "{" + " " * 17 + '"a": 1}', "[]"],
+    ),
+    "json_compact": (
+        Params(json={"type": "object"}, disable_any_whitespace=True),
+        ['{"b":[1]}', '{"b": [1]}'],
+    ),
+    "json_object": (Params(json_object=True), ["{}", '{"k": null}', "1"]),
+    "regex": (Params(regex=r"\d{2}/[a-z]+"), ["12/ab", "1/ab", "12/"]),
+    "choice": (Params(choice=["yes", 'a "q"', ""]), ["yes", 'a "q"', "", "no"]),
+    "lark": (Params(grammar='%ignore " "\nstart: item+\nitem: "a" | "b"'), ["a b", "ab", "c"]),
+    "gbnf": (Params(grammar='root ::= "yes" | "no"'), ["yes", "no", "maybe"]),
+}
+
+
+@pytest.mark.parametrize("case", SAMPLES)
+def test_the_lark_form_of_a_constraint_nests_with_the_same_language(compiler, case):
+    """`constraint_lark`, nested as the server nests an answer, accepts what the constraint's
+    own grammar accepts, and nothing else."""
+    params, texts = SAMPLES[case]
+    nested_params = Params(grammar="start: answer\n" + nested("answer", constraint_lark(params)))
+    for text in texts:
+        assert accepts(compiler, nested_params, text) == accepts(compiler, params, text), text
+    assert any(accepts(compiler, params, text) for text in texts)
+    assert not all(accepts(compiler, params, text) for text in texts)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ember.config import EngineConfig, MemoryConfig
-from ember.server.harmony.selection import REASONING_PARSER_NAMES
+from ember.server.reasoning.selection import REASONING_PARSER_NAMES
 from ember.server.tool_calls.registry import PARSER_NAMES
 
 DEFAULT_MAX_QUEUE = 1024
@@ -27,7 +27,7 @@ class ServedModelSpec:
     # How the model writes tool calls (`ember.server.tool_calls.registry.PARSERS`); None: the
     # format its chat template shows, if any.
     tool_call_parser: str | None = None
-    # How the model writes its reasoning (`ember.server.harmony.selection`); None: gpt-oss's
+    # How the model writes its reasoning (`ember.server.reasoning.selection`); None: gpt-oss's
     # harmony format where the tokenizer has its tokens, else no reasoning is read.
     reasoning_parser: str | None = None
 

@@ -16,6 +16,8 @@ The format (every key is optional but a model's ``source``)::
     name = "llama"                          # the served name (default: source as written)
     aliases = ["llama-8b"]                  # further names clients may use for it
     chat_template = "llama.jinja"           # a template file, or the template itself
+    tool_call_parser = "hermes"             # how it writes tool calls (--tool-call-parser)
+    reasoning_parser = "qwen3"              # how it writes its reasoning (--reasoning-parser)
     pinned = true                           # never put to sleep
     idle_timeout = 600                      # seconds without a request before it sleeps
     preload = true                          # load at start if it fits without evicting another
@@ -30,7 +32,8 @@ A relative ``source`` or ``chat_template`` path is taken from the file's folder 
 there (else as written: from the working directory, or an HF cache id, or template text).
 
 `ember serve`'s per-model flags (``--dtype``, ``--max-model-len``, ``--pinned``,
-``--chat-template``, ...) are the defaults of every model; a model's key here overrides them.
+``--chat-template``, ``--tool-call-parser``, ``--reasoning-parser``, ...) are the defaults of
+every model; a model's key here overrides them.
 Its engine-wide flags win over this file's engine-wide keys. Every mistake (an unknown key, a
 wrong type, a value out of range, a served name given twice) is a ValueError naming the file.
 """
@@ -62,11 +65,15 @@ from ember.config import (
     engine_config,
 )
 from ember.server.config import ServedModelSpec
+from ember.server.reasoning.selection import REASONING_PARSER_NAMES
+from ember.server.tool_calls.registry import PARSER_NAMES
 
 CUDA_GRAPH_MODES = ("full", "decode")
 
+# How a model's replies are read: the front end's keys of a [[models]] table, and their choices.
+_PARSER_KEYS = {"tool_call_parser": PARSER_NAMES, "reasoning_parser": REASONING_PARSER_NAMES}
 # Keys of a [[models]] table that are not engine options under the same name.
-_MODEL_KEYS = ("source", "name", "aliases", "chat_template", "idle_timeout")
+_MODEL_KEYS = ("source", "name", "aliases", "chat_template", "idle_timeout", *_PARSER_KEYS)
 # Engine options a [[models]] table spells otherwise (name) or under a key of its own.
 _RENAMED_OPTIONS = {"served_model_name": "name", "idle_timeout_s": "idle_timeout"}
 # Engine-wide keys beside the memory options.
@@ -79,13 +86,15 @@ _OPTION_FIELDS = {"num_gpu_blocks_override": "num_blocks"}
 class ModelEntry:
     """One model as given on the command line or in the file, before the flags' defaults
     apply. ``source`` None is the embedded default model; ``name`` None: the source's own
-    served name; ``options``: `engine_config` options this model sets itself."""
+    served name; ``options``: `engine_config` options this model sets itself; ``parsers``:
+    the reply parsers it names (`tool_call_parser`, `reasoning_parser`)."""
 
     source: str | None
     name: str | None = None
     aliases: tuple[str, ...] = ()
     chat_template: str | None = None
     options: Mapping[str, Any] = field(default_factory=dict)
+    parsers: Mapping[str, str] = field(default_factory=dict)
     origin: str = "the command line"  # where it was given, for error messages
 
 
@@ -148,10 +157,12 @@ def build_specs(
     entries: Iterable[ModelEntry],
     defaults: Mapping[str, Any],
     chat_template: str | None = None,
+    parsers: Mapping[str, str | None] | None = None,
 ) -> tuple[ServedModelSpec, ...]:
-    """Each model's ServedModelSpec: ``defaults`` (engine options from flags) and
-    ``chat_template`` apply where the entry sets nothing of its own. ValueError when one name
-    (served name or alias) is given twice, or pinned models' memory shares pass the budget."""
+    """Each model's ServedModelSpec: ``defaults`` (engine options from flags),
+    ``chat_template`` and ``parsers`` (`tool_call_parser`, `reasoning_parser` from flags)
+    apply where the entry sets nothing of its own. ValueError when one name (served name or
+    alias) is given twice, or pinned models' memory shares pass the budget."""
     from ember.server.models import served_name_for
 
     specs = []
@@ -167,7 +178,10 @@ def build_specs(
         options = {**defaults, **entry.options, "served_model_name": name}
         engine = engine_config(entry.source, **options)
         template = entry.chat_template if entry.chat_template is not None else chat_template
-        specs.append(ServedModelSpec(engine, chat_template=template, aliases=entry.aliases))
+        reading = {**(parsers or {}), **entry.parsers}
+        specs.append(
+            ServedModelSpec(engine, chat_template=template, aliases=entry.aliases, **reading)
+        )
     pinned = [spec for spec in specs if spec.engine.policy.pinned]
     shares = sum(spec.engine.policy.memory_share or 0.0 for spec in pinned)
     if shares > 1.0 + 1e-9:
@@ -214,14 +228,23 @@ def _model_entry(table: Mapping[str, Any], where: str, base_dir: Path | None) ->
         for key, option in _file_option_keys().items()
         if key in table
     }
+    parsers = {key: _parser(table[key], key, where) for key in _PARSER_KEYS if key in table}
     return ModelEntry(
         source=_beside(source, base_dir),
         name=name,
         aliases=tuple(aliases),
         chat_template=template,
         options=options,
+        parsers=parsers,
         origin=f"{where} ({name!r})",
     )
+
+
+def _parser(value: Any, key: str, where: str) -> str:
+    choices = _PARSER_KEYS[key]
+    if value not in choices:
+        raise ValueError(f"{where}: {key} must be one of {', '.join(choices)}, not {value!r}")
+    return value
 
 
 def _beside(value: str, base_dir: Path | None, template: bool = False) -> str:

@@ -5,34 +5,35 @@ stream may be writing a call, its text is held back, then sent as `delta.tool_ca
 tool_choice of "required" or a named function holds decoding to such calls (a grammar, as
 structured output's `response_format` does). gpt-oss's replies are read by their harmony
 channels (`ember.server.harmony`): reasoning, content and calls, the calls' arguments streamed
-as they are written. Both readers are `ember.server.reply`'s.
+as they are written; a reasoning parser's `<think>` block is read into reasoning
+(`ember.server.reasoning`). The request's `ReplySyntax` gives each choice its reader
+(`ember.server.reply`) and holds only the answer after the reasoning to a constraint.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
 from starlette.requests import Request
 from starlette.responses import Response
 
 from ember.server.errors import BadRequestError
 from ember.server.generation import Generation, Sequence
-from ember.server.harmony.parser import HarmonyReader
 from ember.server.logprobs import chat_logprobs
 from ember.server.models import ServedModel
 from ember.server.params import build_sampling_params, check_context_length
 from ember.server.prompts import chat_prompt
 from ember.server.protocol import ChatCompletionRequest
-from ember.server.reply import CallDelta, ReplyDelta, ReplyReader, ToolCallReader, read_reply
+from ember.server.reply import CallDelta, ReplyDelta, ReplyReader, read_reply
+from ember.server.reply_syntax import ReplySyntax, reply_syntax
 from ember.server.respond import respond
 from ember.server.responses import envelope, full_response, new_id, usage
 from ember.server.sse import ChunkEncoder, sse_event
 from ember.server.state import server_state
-from ember.server.structured_outputs import check_structured_outputs, requested_structured_outputs
+from ember.server.structured_outputs import requested_structured_outputs
 from ember.server.tool_calls.request import ToolUse, tool_use
-from ember.structured_output.params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -56,71 +57,49 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         check_context_length(
             len(prompt.token_ids), body.output_limit, model.max_model_len, param="messages"
         )
+        syntax = _reply_syntax(model, tools, prompt.token_ids)
         params = build_sampling_params(
             body,
             max_tokens=body.output_limit,
             logprobs=(body.top_logprobs or 0) if body.logprobs else None,
             vocab_size=model.vocab_size,
-            structured_outputs=_output_constraint(body, tools, model.tokenizer.added_token_id),
+            structured_outputs=syntax.constraint(
+                requested_structured_outputs(body), model.tokenizer.added_token_id
+            ),
         )
-        if model.reads_harmony:  # the reader needs the channel markers, special tokens
+        if syntax.harmony:  # the reader needs the channel markers, special tokens
             params = dataclasses.replace(params, skip_special_tokens=False)
         generation = Generation(
             state.client, model, state.metrics, [prompt], params, body.n, new_id("chatcmpl")
         )
         generation.start(state.config.max_queue)
-    reader = _reader_factory(model, tools)
-    stream = _stream(generation, body, tools, reader) if body.stream else None
+    stream = _stream(generation, body, tools, syntax) if body.stream else None
     return await respond(
-        request, generation, stream, lambda: _response(generation, body, tools, reader)
+        request, generation, stream, lambda: _response(generation, body, tools, syntax)
     )
 
 
-def _reader_factory(model: ServedModel, tools: ToolUse) -> Callable[[], ReplyReader] | None:
-    """What reads a choice's reply (a fresh one per choice); None: the reply is content."""
-    if model.reads_harmony:
-        read_calls = tools.template_tools is not None
-        return lambda: HarmonyReader(read_calls)
-    parser = tools.parser
-    if parser is not None:
-        return lambda: ToolCallReader(parser)
-    return None
-
-
-def _output_constraint(
-    body: ChatCompletionRequest, tools: ToolUse, added_token_id: Callable[[str], int | None]
-) -> StructuredOutputsParams | None:
-    """The request's structured output, or the calls its tool_choice demands (not both)."""
-    asked = requested_structured_outputs(body)
-    forced = tools.forced_output(added_token_id)
-    if forced is None:
-        return asked
-    if asked is not None:
-        raise BadRequestError(
-            "a tool_choice that demands a call constrains the output: it cannot be combined "
-            "with response_format or guided decoding",
-            param="tool_choice",
-        )
-    check_structured_outputs(forced, "tools")  # a tool's parameters may not compile
-    return forced
+def _reply_syntax(model: ServedModel, tools: ToolUse, prompt_ids: list[int]) -> ReplySyntax:
+    tokenizer = model.tokenizer
+    return reply_syntax(
+        tools, model.reads_harmony, model.spec.reasoning_parser, prompt_ids, tokenizer.decode
+    )
 
 
 def _response(
-    generation: Generation,
-    body: ChatCompletionRequest,
-    tools: ToolUse,
-    reader: Callable[[], ReplyReader] | None,
+    generation: Generation, body: ChatCompletionRequest, tools: ToolUse, syntax: ReplySyntax
 ) -> dict:
     choices = []
     for sequence in generation.sequences:
         message: dict = {"role": "assistant", "content": sequence.text}
         called = False
+        reader = syntax.reader()
         if reader is not None:
-            reply = read_reply(reader(), sequence.text)
+            reply = read_reply(reader, sequence.text)
             called = bool(reply.calls)
             _check_choice(tools, sequence, [call.name for call in reply.calls])
             message["content"] = reply.content
-            if generation.model.reads_harmony:
+            if syntax.reads_reasoning:
                 message["reasoning_content"] = reply.reasoning
             calls = reply.calls if tools.parallel else reply.calls[:1]
             if calls:
@@ -140,16 +119,13 @@ def _response(
 
 
 async def _stream(
-    generation: Generation,
-    body: ChatCompletionRequest,
-    tools: ToolUse,
-    reader: Callable[[], ReplyReader] | None,
+    generation: Generation, body: ChatCompletionRequest, tools: ToolUse, syntax: ReplySyntax
 ) -> AsyncIterator[bytes]:
     header = envelope(generation, "chat.completion.chunk")
     if body.include_usage:
         header["usage"] = None  # OpenAI: null on every chunk but the last
     encoder = ChunkEncoder(header)
-    readers = {s.index: reader() for s in generation.sequences} if reader else {}
+    readers = {s.index: syntax.reader() for s in generation.sequences}
     called = {s.index: [] for s in generation.sequences}  # every call's name, kept or not
 
     def chunk(index: int, delta: dict, logprobs: dict | None, finish: str | None, stop) -> bytes:
@@ -170,13 +146,13 @@ async def _stream(
         events = []
         for delta in deltas:
             sequence = delta.sequence
-            message, calls = _delta_message(delta.text, delta.finished, readers.get(sequence.index))
+            message, calls = _delta_message(delta.text, delta.finished, readers[sequence.index])
             kept = [call for call in calls if _kept(call, tools)]
             if kept:
                 message["tool_calls"] = [call.to_openai() for call in kept]
             names = called[sequence.index]
             names.extend(call.name for call in calls if call.name is not None)
-            if delta.finished and reader is not None:
+            if delta.finished and readers[sequence.index] is not None:
                 _check_choice(tools, sequence, names)
             if not (message or delta.finished or (body.logprobs and delta.logprobs)):
                 continue  # nothing to show yet: a token ending mid-character, or held back

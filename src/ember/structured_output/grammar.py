@@ -1,4 +1,6 @@
-"""A request's structured output as an llguidance grammar, and whether that grammar is valid.
+"""A request's structured output as an llguidance grammar, and whether that grammar is valid;
+`constraint_lark` writes it as a Lark grammar, for the server to nest where a reply's answer
+goes (after a reasoning model's thinking).
 
 The front end validates every constraint here before it sends the request (a 400 names what is
 wrong), so the engine only compiles grammars that compile. JSON is generated with bounded
@@ -43,11 +45,28 @@ def grammar_for(params: StructuredOutputsParams) -> str:
         # A Lark string literal is a JSON string: json.dumps escapes it.
         lark = "start: " + " | ".join(json.dumps(option) for option in params.choice)
         return llguidance.LLMatcher.grammar_from_lark(lark)
-    try:
-        lark = any_to_lark(params.grammar)  # Lark passes as it is; GBNF is converted
-    except Exception as exc:  # noqa: BLE001 - the converter raises its own parse errors
-        raise ValueError(f"the grammar is neither Lark nor GBNF: {exc}") from None
-    return llguidance.LLMatcher.grammar_from_lark(lark)
+    return llguidance.LLMatcher.grammar_from_lark(_lark(params.grammar))
+
+
+def constraint_lark(params: StructuredOutputsParams) -> str:
+    """``params``' constraint (validated: one) as a whole Lark grammar of the same language as
+    `grammar_for`'s, to nest in a larger one (`ember.structured_output.lark.nested`). ValueError
+    as `grammar_for`."""
+    kind = params.kind
+    if kind in ("json", "json_object"):
+        schema = {"type": "object"} if kind == "json_object" else _schema(params.json)
+        # The schema's own compile options win, as llguidance's defaults= gives them.
+        own = schema.get("x-guidance")
+        options = {
+            **json_options(params.disable_any_whitespace),
+            **(own if isinstance(own, dict) else {}),
+        }
+        return f"start: %json {json.dumps({**schema, 'x-guidance': options})}\n"
+    if kind == "regex":
+        return f"start: /{llguidance.regex_to_lark(params.regex)}/\n"
+    if kind == "choice":
+        return "start: " + " | ".join(json.dumps(option) for option in params.choice) + "\n"
+    return _lark(params.grammar)
 
 
 def check_grammar(params: StructuredOutputsParams) -> None:
@@ -56,6 +75,14 @@ def check_grammar(params: StructuredOutputsParams) -> None:
     error = llguidance.LLMatcher.validate_grammar(grammar_for(params))
     if error:
         raise ValueError(_first_lines(error))
+
+
+def _lark(grammar: str) -> str:
+    """A Lark or GBNF grammar as Lark (Lark passes as it is; GBNF is converted)."""
+    try:
+        return any_to_lark(grammar)
+    except Exception as exc:  # noqa: BLE001 - the converter raises its own parse errors
+        raise ValueError(f"the grammar is neither Lark nor GBNF: {exc}") from None
 
 
 def _schema(value: str | dict[str, Any]) -> dict[str, Any]:

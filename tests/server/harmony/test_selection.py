@@ -42,9 +42,14 @@ def test_another_tool_call_parser_does_not_turn_harmony_off():
     assert not uses_harmony(None, "hermes", plain_byte_tokenizer().added_token_id)
 
 
+def test_another_reasoning_parser_does_not_turn_harmony_off():
+    assert served(harmony_tokenizer(), reasoning_parser="qwen3").reads_harmony
+    assert not served(plain_byte_tokenizer(), reasoning_parser="qwen3").reads_harmony
+
+
 def test_an_unknown_reasoning_parser_is_refused():
-    with pytest.raises(ValueError, match="unknown reasoning parser 'deepseek_r1'"):
-        ServedModelSpec(EngineConfig(served_model_name="m"), reasoning_parser="deepseek_r1")
+    with pytest.raises(ValueError, match="unknown reasoning parser 'granite'"):
+        ServedModelSpec(EngineConfig(served_model_name="m"), reasoning_parser="granite")
 
 
 def test_return_and_call_end_generation_for_a_harmony_vocabulary():

@@ -2,16 +2,23 @@
 engine that replies with the token ids of a harmony reply (`tool_calls.fake_server`) and a
 tokenizer with harmony's special tokens (each marker one token, as gpt-oss's): the analysis
 channel comes back as `reasoning_content`, the final one as `content`, calls to functions as
-`tool_calls`, whole and streamed; earlier turns render through gpt-oss's chat template."""
+`tool_calls`, whole and streamed; earlier turns render through gpt-oss's chat template. A
+response_format holds the final message and a demanded call its arguments, after free analysis
+(the engine stand-in writes the analysis, then whatever the grammar allows)."""
 
 from __future__ import annotations
 
 import json
 
+import jsonschema
 import pytest
+from helpers.grammar_writer import GrammarWriter
 from helpers.harmony import GPT_OSS_TEMPLATE, harmony_tokenizer
 
-from ..tool_calls.fake_server import chat_client
+from ember.structured_output.compiler import GrammarCompiler
+from ember.tokenizer.harmony import harmony_stop_token_ids
+
+from ..tool_calls.fake_server import GrammarEngine, chat_client
 
 WEATHER = {
     "type": "function",
@@ -151,14 +158,127 @@ def test_a_reply_without_harmony_markup_is_content():
     assert message["content"] == "Plain words " and message["reasoning_content"] is None
 
 
-@pytest.mark.parametrize(
-    "choice", ["required", {"type": "function", "function": {"name": "get_weather"}}]
-)
-def test_a_tool_choice_that_demands_a_call_is_a_400(choice):
-    client, _, _ = harmony_client(CALL)
-    response = post(client, tools=[WEATHER], tool_choice=choice)
-    assert response.status_code == 400
-    assert response.json()["error"]["param"] == "tool_choice"
+ANALYSIS = "<|channel|>analysis<|message|>They want {JSON}; a city.<|end|><|start|>assistant"
+CITY = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 12}, "rank": {"enum": [1, 2]}},
+    "required": ["city", "rank"],
+    "additionalProperties": False,
+}
+CLOSED_WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 10}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+ADD = {
+    "type": "function",
+    "function": {
+        "name": "add",
+        "parameters": {
+            "type": "object",
+            "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99}},
+            "required": ["a"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+def grammar_client(script: str):
+    """gpt-oss writing ``script``, then what the request's grammar allows (a script that
+    stops at a header leaves the writer free to add analysis messages at random)."""
+    tokenizer = harmony_tokenizer()
+    eos = harmony_stop_token_ids(tokenizer.added_token_id)
+    writer = GrammarWriter(GrammarCompiler(tokenizer, tokenizer.vocab_size, eos), eos)
+    engine = GrammarEngine(tokenizer.encode(script, add_special_tokens=False), writer)
+    client, _, engine = chat_client(GPT_OSS_TEMPLATE, [], tokenizer=tokenizer, engine=engine)
+    return client, engine
+
+
+def stream_messages(response) -> list[dict]:
+    """Each choice's stream joined: reasoning, content and calls (arguments joined)."""
+    joined: dict[int, dict] = {}
+    for chunk in events(response):
+        for choice in chunk["choices"]:
+            message = joined.setdefault(
+                choice["index"], {"reasoning_content": "", "content": "", "tool_calls": {}}
+            )
+            delta = choice["delta"]
+            for key in ("reasoning_content", "content"):
+                message[key] += delta.get(key) or ""
+            for entry in delta.get("tool_calls", []):
+                call = message["tool_calls"].setdefault(
+                    entry["index"], {"name": None, "arguments": ""}
+                )
+                call["name"] = entry["function"].get("name") or call["name"]
+                call["arguments"] += entry["function"]["arguments"]
+    return [joined[i] for i in sorted(joined)]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_response_format_holds_the_final_message_after_the_analysis(stream):
+    client, engine = grammar_client(ANALYSIS + "<|channel|>final<|message|>")
+    response_format = {"type": "json_schema", "json_schema": {"name": "c", "schema": CITY}}
+    response = post(client, response_format=response_format, n=3, stream=stream)
+    if stream:
+        replies = [(m["reasoning_content"], m["content"]) for m in stream_messages(response)]
+    else:
+        assert response.status_code == 200, response.text
+        choices = response.json()["choices"]
+        assert all(c["finish_reason"] == "stop" for c in choices)
+        replies = [(c["message"]["reasoning_content"], c["message"]["content"]) for c in choices]
+    for reasoning, content in replies:
+        assert reasoning == "They want {JSON}; a city."
+        jsonschema.validate(json.loads(content), CITY)
+    assert len({content for _, content in replies}) > 1  # drawn under the grammar
+    assert engine.params[0].skip_special_tokens is False
+
+
+def test_the_final_message_may_come_without_analysis():
+    client, _ = grammar_client("<|channel|>final<|message|>")
+    response = post(client, guided_choice=["yes", "no"])
+    message = response.json()["choices"][0]["message"]
+    assert message["content"] in ("yes", "no") and message["reasoning_content"] is None
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("named", [False, True], ids=["required", "named"])
+def test_a_demanded_call_is_made_with_valid_arguments(named, stream):
+    client, _ = grammar_client(ANALYSIS + "<|channel|>commentary to=functions.")
+    choice = {"type": "function", "function": {"name": "add"}} if named else "required"
+    response = post(client, tools=[CLOSED_WEATHER, ADD], tool_choice=choice, n=4, stream=stream)
+    if stream:
+        messages = stream_messages(response)
+        calls = [list(m["tool_calls"].values()) for m in messages]
+        reasonings = [m["reasoning_content"] for m in messages]
+    else:
+        assert response.status_code == 200, response.text
+        choices = response.json()["choices"]
+        assert all(c["finish_reason"] == "tool_calls" for c in choices)
+        calls = [[c["function"] for c in choice["message"]["tool_calls"]] for choice in choices]
+        reasonings = [choice["message"]["reasoning_content"] for choice in choices]
+    schemas = {
+        tool["function"]["name"]: tool["function"]["parameters"] for tool in (CLOSED_WEATHER, ADD)
+    }
+    for (call,), reasoning in zip(calls, reasonings, strict=True):
+        assert reasoning == "They want {JSON}; a city."
+        assert call["name"] == "add" or not named
+        jsonschema.validate(json.loads(call["arguments"]), schemas[call["name"]])
+
+
+def test_a_demanded_call_cannot_be_combined_with_a_response_format():
+    client, _ = grammar_client(ANALYSIS)
+    response = post(
+        client, tools=[ADD], tool_choice="required", response_format={"type": "json_object"}
+    )
+    assert response.status_code == 400 and response.json()["error"]["param"] == "tool_choice"
 
 
 def test_earlier_reasoning_calls_and_results_render_through_the_template():

@@ -62,16 +62,38 @@ class ScriptedEngine:
     def submit(self, request_id, model, token_ids, params, inbox, index) -> None:
         self.params.append(params)
         self.prompts.append(list(token_ids))
-        ids = [ord(c) for c in self.reply] if isinstance(self.reply, str) else self.reply
+        ids, finish_reason = self.written(params, index)
         pieces = [ids[i : i + self.chunk] for i in range(0, len(ids), self.chunk)]
         loop = asyncio.get_running_loop()
         for k, piece in enumerate(pieces):
-            finish = self.finish_reason if k == len(pieces) - 1 else None
+            finish = finish_reason if k == len(pieces) - 1 else None
             update = RequestUpdate(request_id, piece, [None] * len(piece), finish)
             loop.call_later(0.001 * (k + 1), inbox.put_nowait, (index, update))
 
+    def written(self, params, index: int) -> tuple[list[int], str]:
+        """The reply's token ids and its finish reason."""
+        ids = [ord(c) for c in self.reply] if isinstance(self.reply, str) else self.reply
+        return ids, self.finish_reason
+
     def abort(self, request_ids) -> None:
         pass
+
+
+class GrammarEngine(ScriptedEngine):
+    """A model that writes ``reply`` (token ids) as far as the request's grammar allows, then
+    what the grammar allows, drawn at random (`helpers.grammar_writer`); a request without a
+    grammar gets ``reply`` as it is. Choice ``index`` draws with seed ``index``."""
+
+    def __init__(self, reply: list[int], writer, max_tokens: int = 2000, chunk: int = 3) -> None:
+        super().__init__(reply, chunk)
+        self.writer = writer
+        self.max_tokens = max_tokens
+
+    def written(self, params, index: int) -> tuple[list[int], str]:
+        if params.structured_outputs is None:
+            return super().written(params, index)
+        grammar = self.writer.compiler.matcher(params.structured_outputs)
+        return self.writer.write(grammar, self.reply, index, self.max_tokens)
 
 
 class _Lifecycle:
@@ -97,9 +119,11 @@ def chat_client(
     tool_call_parser: str | None = None,
     reasoning_parser: str | None = None,
     tokenizer: Any = None,
+    engine: ScriptedEngine | None = None,
 ) -> tuple[TestClient, Any, ScriptedEngine]:
-    """The app over a scripted engine; ``tokenizer``: the model's, instead of a CharTokenizer
-    of ``template`` (a real one replies with token ids)."""
+    """The app over a scripted engine (``engine``, else one replying ``reply``);
+    ``tokenizer``: the model's, instead of a CharTokenizer of ``template`` (a real one replies
+    with token ids)."""
     spec = ServedModelSpec(
         EngineConfig(served_model_name=MODEL),
         tool_call_parser=tool_call_parser,
@@ -108,7 +132,7 @@ def chat_client(
     tokenizer = tokenizer or CharTokenizer(template)
     model = ServedModel(spec, tokenizer)  # type: ignore[arg-type]
     model.info = SimpleNamespace(max_model_len=1 << 16, vocab_size=0x110000)
-    engine = ScriptedEngine(reply)
+    engine = engine or ScriptedEngine(reply)
     app = FastAPI()
     app.include_router(build_router())
     install_error_handlers(app)

@@ -1,17 +1,16 @@
 """Which served models have their chat replies read as harmony: those named so by a flag
 (vLLM's names: --reasoning-parser openai_gptoss, --tool-call-parser openai), and every model
-whose tokenizer has harmony's special tokens (gpt-oss's o200k_harmony)."""
+whose tokenizer has harmony's special tokens (gpt-oss's o200k_harmony), whatever other parser
+a flag names (flags apply to every model of a server: they must not break the gpt-oss among
+them)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+from ember.server.reasoning.selection import HARMONY_REASONING_PARSER
 from ember.server.tool_calls.registry import HARMONY_PARSER
 from ember.tokenizer.harmony import harmony_token_ids
-
-# --reasoning-parser's choices; gpt-oss's is the only format ember reads reasoning from.
-HARMONY_REASONING_PARSER = "openai_gptoss"
-REASONING_PARSER_NAMES = (HARMONY_REASONING_PARSER,)
 
 
 def uses_harmony(

@@ -5,8 +5,7 @@ arguments that match that tool's parameters.
 Parameters are compiled leniently (a JSON-schema keyword llguidance does not implement is
 ignored rather than refusing the request), with ember's bounded JSON whitespace. A marker that
 is one token of the model's vocabulary (Qwen's `<tool_call>`, Mistral's `[TOOL_CALLS]`) may be
-written as that token or as its text: llguidance reads every added token as special, so the
-text alone would forbid the token the model was trained to write.
+written as that token or as its text (`ember.structured_output.lark.token_or_text`).
 """
 
 from __future__ import annotations
@@ -16,6 +15,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ember.structured_output.grammar import json_options
+from ember.structured_output.lark import lark_string, token_or_text
 from ember.structured_output.params import StructuredOutputsParams
 
 if TYPE_CHECKING:
@@ -35,8 +35,7 @@ def forced_calls(
     call = f"%json {json.dumps(schema)}"
 
     def marker(text: str) -> str:
-        token_id = added_token_id(text)
-        return lark_string(text) if token_id is None else f"(<[{token_id}]> | {lark_string(text)})"
+        return token_or_text(text, added_token_id)
 
     return StructuredOutputsParams(grammar=parser.forced_grammar(call, parallel, marker))
 
@@ -49,7 +48,7 @@ def call_schema(tools: list[dict[str, Any]], argument_key: str) -> dict[str, Any
             "type": "object",
             "properties": {
                 "name": {"const": tool["function"]["name"]},
-                argument_key: tool["function"].get("parameters") or {"type": "object"},
+                argument_key: parameters_schema(tool),
             },
             "required": ["name", argument_key],
             "additionalProperties": False,
@@ -57,6 +56,17 @@ def call_schema(tools: list[dict[str, Any]], argument_key: str) -> dict[str, Any
         for tool in tools
     ]
     schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    return with_call_options(schema)
+
+
+def parameters_schema(tool: dict[str, Any]) -> dict[str, Any]:
+    """The JSON schema of a tool's arguments (an OpenAI tool entry): its parameters, else any
+    object."""
+    return tool["function"].get("parameters") or {"type": "object"}
+
+
+def with_call_options(schema: dict[str, Any]) -> dict[str, Any]:
+    """``schema`` compiled as calls are: lenient, with ember's bounded JSON whitespace."""
     return {**schema, "x-guidance": {**json_options(), "lenient": True}}
 
 
@@ -66,8 +76,3 @@ def lark_calls(call: str, separator: str | None) -> str:
     if separator is None:
         return f"start: {call}\n"
     return f"start: call ({lark_string(separator)} call)*\ncall: {call}\n"
-
-
-def lark_string(text: str) -> str:
-    """``text`` as a Lark string literal (the escapes of a JSON string)."""
-    return json.dumps(text)

@@ -18,7 +18,8 @@ from ember.structured_output.params import StructuredOutputsParams
 
 @dataclass(frozen=True)
 class ToolUse:
-    """One request's tool calling. `parser` None: the output is plain content."""
+    """One request's tool calling. `parser` None: the output is plain content, or harmony's
+    (gpt-oss), whose calls its reader reads."""
 
     template_tools: list[dict[str, Any]] | None
     parser: ToolCallParser | None = None
@@ -26,12 +27,19 @@ class ToolUse:
     required_name: str | None = None
     parallel: bool = True
 
+    @property
+    def demands_calls(self) -> bool:
+        """Whether tool_choice holds the reply to calls ("required": of any offered tool;
+        named: of that one)."""
+        return self.required and bool(self.template_tools)
+
     def forced_output(
         self, added_token_id: Callable[[str], int | None]
     ) -> StructuredOutputsParams | None:
-        """What holds the reply to calls when tool_choice asks for them ("required": of any
-        offered tool; named: of that one), else None. ``added_token_id``: the tokenizer's."""
-        if not self.required or self.parser is None or not self.template_tools:
+        """What holds the reply to calls in the parser's text format when tool_choice demands
+        them, else None (and for harmony, whose calls `ember.server.harmony.grammar` writes).
+        ``added_token_id``: the tokenizer's."""
+        if not self.demands_calls or self.parser is None:
             return None
         return forced_calls(self.parser, self.template_tools, self.parallel, added_token_id)
 
@@ -54,7 +62,8 @@ def tool_use(
 ) -> ToolUse:
     """Check the tool fields together (400 naming the parameter at fault); the parser is the
     configured one, else the one the model's chat template shows. ``harmony``: the model
-    writes gpt-oss's format, whose calls the harmony reader reads (no text parser)."""
+    writes gpt-oss's format, whose calls the harmony reader reads (no text parser); it writes
+    one call per reply."""
     tools = tools or None  # an empty list offers nothing, as no list
     if tool_choice is None:
         tool_choice = "auto" if tools else "none"
@@ -78,24 +87,19 @@ def tool_use(
                 param="tool_choice",
             )
         dumped = [tool for tool in dumped if tool["function"]["name"] == required_name]
-    if harmony:
-        if tool_choice != "auto":
+    parser = None
+    if not harmony:
+        parser_name = parser_name_for(configured_parser, chat_template)
+        if parser_name is None:
             raise BadRequestError(
-                "gpt-oss (the harmony format) takes tool_choice 'auto' or 'none': ember does not "
-                "hold its decoding to a call",
-                param="tool_choice",
+                "this model's tool-call format is not known: the server needs "
+                f"--tool-call-parser ({', '.join(PARSER_NAMES)}) to serve tools",
+                param="tools",
             )
-        return ToolUse(dumped, parallel=parallel_tool_calls is not False)
-    parser_name = parser_name_for(configured_parser, chat_template)
-    if parser_name is None:
-        raise BadRequestError(
-            "this model's tool-call format is not known: the server needs --tool-call-parser "
-            f"({', '.join(PARSER_NAMES)}) to serve tools",
-            param="tools",
-        )
+        parser = PARSERS[parser_name]
     return ToolUse(
         dumped,
-        PARSERS[parser_name],
+        parser,
         required=tool_choice == "required" or required_name is not None,
         required_name=required_name,
         parallel=parallel_tool_calls is not False,
