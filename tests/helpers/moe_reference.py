@@ -93,3 +93,14 @@ def moe_weights(
         "b13": rand(num_experts, 2 * inter, scale=0.5) if bias else None,
         "b2": rand(num_experts, hidden, scale=0.5) if bias else None,
     }
+
+
+def assert_bf16_matches(out: torch.Tensor, expected: torch.Tensor) -> None:
+    """A bf16 MoE output against its float64 reference. Gate, up, the activation, each expert's
+    output and its weighted copy are rounded to bf16 (8 bits) in turn: the whole output's error
+    is bounded, and each element's by a few ulps of the largest output (a relative bound per
+    element fails near a cancellation)."""
+    error = out.double() - expected
+    assert error.norm() / expected.norm() < 1e-2, error.norm() / expected.norm()
+    worst = expected.abs().max()
+    assert error.abs().max() < 8 * 2**-8 * worst, (error.abs().max(), worst)
