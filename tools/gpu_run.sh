@@ -19,7 +19,8 @@
 # Environment overrides (for a dry run on a CPU: EMBER_GPU_RUN_SKIP_INSTALL=1 PYTHON=python
 # EMBER_BENCH_PRESET=tiny EMBER_SERVE_PROMPTS=8 EMBER_PINNED_PROMPTS=8 EMBER_PEER_PROMPTS=4
 # EMBER_PEER_DEVICE=cpu EMBER_SERVE_OUTPUT_LEN=8 EMBER_MT_CONVERSATIONS=8 EMBER_MT_OUTPUT_LEN=16):
-#   EMBER_STEP_ARGS (e.g. "--sections attention"), EMBER_TUNE_ARGS (e.g. "--sections split_k stream_k"),
+#   EMBER_STEP_ARGS (e.g. "--sections attention"), EMBER_PROFILE_ARGS (e.g. "--batches 1 16"),
+#   EMBER_TUNE_ARGS (e.g. "--sections split_k stream_k"),
 #   EMBER_BENCH_PRESET (llama-3.1-8b), EMBER_BENCH_QUANTIZATION (unset; fp8: the benchmarks'
 #   checkpoint with FP8 linear weights, llm-compressor's layout; mxfp4, gpt-oss presets: its
 #   experts in MXFP4 as OpenAI publishes them, served packed), EMBER_BENCH_LOAD_FORMAT (unset;
@@ -117,7 +118,7 @@ stage_profile() {
   make_model
   stamp "bench profile"
   limited $PY -m ember.cli bench profile --model "$MODEL" --out "$RES/profile" \
-    ${LOAD_FORMAT:+--load-format "$LOAD_FORMAT"}
+    ${LOAD_FORMAT:+--load-format "$LOAD_FORMAT"} ${EMBER_PROFILE_ARGS:-}
 }
 
 stage_tune() {  # needs no checkpoint: the sweeps allocate the 8B shapes themselves

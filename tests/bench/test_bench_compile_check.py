@@ -38,19 +38,21 @@ def test_every_default_configuration_fits_an_h200():
     results = json.loads(done.stdout)
     cases = {(r["kernel"], r["case"]) for r in results}
     assert ("skinny_gemm", "gate_up m=1") in cases and ("stream_k_gemm", "gate_up m=128") in cases
-    # The fused MoE on each path its default table takes (by pair at T=1, grouped past it).
+    # The fused MoE on each path its default table takes (by pair at T=1 and 4, its down per
+    # pair at 1 and per token at 4; grouped past it).
     for case in ("gpt-oss-20b T=1", "qwen3-30b-a3b T=4096"):
         assert ("gate_up_kernel", case) in cases
-    assert ("down_by_token_kernel", "qwen3-30b-a3b T=1") in cases
-    assert ("down_grouped_kernel", "gpt-oss-20b T=4096") in cases
-    for kernel in ("gate_up_kernel", "down_by_token_kernel"):  # FP8 experts, widened to bf16
+    assert ("down_kernel", "qwen3-30b-a3b T=1") in cases
+    assert ("down_by_token_kernel", "qwen3-30b-a3b T=4") in cases
+    assert ("down_kernel", "gpt-oss-20b T=4096") in cases
+    for kernel in ("gate_up_kernel", "down_kernel"):  # FP8 experts, widened to bf16
         assert (kernel, "qwen3-30b-a3b T=1, fp8 experts") in cases
-    assert ("down_grouped_kernel", "gpt-oss-20b T=4096, fp8 experts") in cases
-    # MXFP4 experts, decoded in registers: every path, tensor-core tiles included.
-    for tokens in (1, 16, 4096):
+    assert ("down_kernel", "gpt-oss-20b T=4096, fp8 experts") in cases
+    # MXFP4 experts through tl.dot_scaled: every path, tensor-core tiles included.
+    for tokens in (1, 4, 16, 4096):
         assert ("gate_up_kernel", f"gpt-oss-120b-mxfp4 T={tokens}") in cases
-    assert ("down_by_token_kernel", "gpt-oss-20b-mxfp4 T=1") in cases
-    assert ("down_grouped_kernel", "gpt-oss-20b-mxfp4 T=4096") in cases
+    assert ("down_by_token_kernel", "gpt-oss-20b-mxfp4 T=4") in cases
+    assert ("down_kernel", "gpt-oss-20b-mxfp4 T=4096") in cases
     assert ("skinny_gemm", "gate_up m=64, fp8 weights") in cases  # FP8 tiles, widened to bf16
     # The attention kernel as the planner launches it, its heaviest variants among them.
     attention = {r["case"]: r["constexprs"] for r in results if r["kernel"] == "paged_attention"}

@@ -90,7 +90,9 @@ def test_moe_paths_by_pair_at_decode_and_grouped_block_sizes_up_to_the_rows_per_
     from ember.bench.tune_moe import MOE_SHAPES, paths_for
 
     qwen = MOE_SHAPES["qwen3-30b-a3b"]
-    assert set(paths_for(qwen, 1, 132)) == {"by_pair", "grouped_m16"}
+    paths = paths_for(qwen, 1, 132)
+    assert set(paths) == {"by_pair", "by_pair_split", "grouped_m16"}
+    assert paths["by_pair"].down_by_token and not paths["by_pair_split"].down_by_token
     # 4096 tokens x 8 over 128 experts: 256 rows an expert, every block size worth timing.
     grouped = paths_for(qwen, 4096, 132)
     assert set(grouped) == {f"grouped_m{m}" for m in (16, 32, 64, 128)}

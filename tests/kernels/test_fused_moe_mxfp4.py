@@ -7,6 +7,8 @@ on the same operands; operands that do not pair are refused."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 import triton
@@ -24,7 +26,14 @@ BY_PAIR = MoeTiles(True, 16, GemmTiles(16, 32, 2, 4), GemmTiles(32, 64, 2, 4))
 GROUPED = MoeTiles(False, 16, GemmTiles(32, 64, 2, 4), GemmTiles(32, 32, 2, 4, group_m=2))
 # Rows of 32, column tiles past I and H, K steps that do not divide H or I.
 GROUPED_ODD = MoeTiles(False, 32, GemmTiles(32, 64, 2, 4, group_m=3), GemmTiles(64, 64, 2, 4))
-PATHS = {"by_pair": BY_PAIR, "grouped": GROUPED, "grouped_odd": GROUPED_ODD}
+# By pair with down one program per pair, and the sum over k after.
+BY_PAIR_SPLIT = replace(BY_PAIR, down_by_token=False)
+PATHS = {
+    "by_pair": BY_PAIR,
+    "by_pair_split": BY_PAIR_SPLIT,
+    "grouped": GROUPED,
+    "grouped_odd": GROUPED_ODD,
+}
 
 
 @triton.jit

@@ -29,6 +29,17 @@ def test_decode_runs_by_pair_and_larger_steps_grouped_on_growing_blocks():
     assert [tuning.tiles_for(QWEN3, t).block_m for t in (8, 256, 1024, 4096)] == [16, 16, 64, 128]
 
 
+def test_down_runs_per_pair_where_one_tokens_column_tiles_leave_the_gpu_idle():
+    tuning = MoeTuning(num_sms=132, by_pair_max_tokens=4)
+    # One token: 128 (Qwen3) or 180 (gpt-oss) column tiles of 16, under two waves of 132 SMs.
+    assert [tuning.tiles_for(s, 1).down_by_token for s in (QWEN3, GPT_OSS)] == [False, False]
+    assert [tuning.tiles_for(s, 4).down_by_token for s in (QWEN3, GPT_OSS)] == [True, True]
+    # A row measured before the choice existed reads back as down per token.
+    row = default_moe_tiles(QWEN3, 1).as_dict()
+    del row["down_by_token"]
+    assert MoeTiles.from_dict(row).down_by_token
+
+
 def test_decode_streams_fill_the_gpu_twice_over_where_16_columns_allow():
     for shape in (GPT_OSS, QWEN3):
         tiles = default_moe_tiles(shape, 1, MoeTuning(num_sms=132))

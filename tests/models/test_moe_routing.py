@@ -1,12 +1,14 @@
-"""`ember.models.moe.route`: each family's experts and weights for a token, as transformers'
-router modules pick them, in float32 and bfloat16."""
+"""`ember.layers.moe_routing.route_reference`: each family's experts and weights for a token,
+as transformers' router modules pick them, in float32 and bfloat16. (The Triton ops' one-launch
+form against it: tests/kernels/test_moe_route.py.)"""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from ember.models.moe import Routing, route
+from ember.layers.moe_routing import Routing
+from ember.layers.moe_routing import route_reference as route
 
 transformers = pytest.importorskip("transformers")
 

@@ -282,9 +282,10 @@ def _attention_configs(kv_fp8: bool) -> list[CompiledConfig]:
     return results
 
 
-# Token counts at which the fused MoE's default tiles take each path: by pair (a decode),
-# grouped on 16-row blocks, on tensor-core blocks (a prefill).
-_MOE_TOKENS = (1, 16, 4096)
+# Token counts at which the fused MoE's default tiles take each path: by pair (a decode; down
+# one program per pair at 1 token, per token at 4), grouped on 16-row blocks, on tensor-core
+# blocks (a prefill).
+_MOE_TOKENS = (1, 4, 16, 4096)
 # Of those, the ones compiled over FP8 experts too (the same tiles, weights widened to bf16).
 _FP8_MOE_TOKENS = (1, 4096)
 
@@ -335,23 +336,24 @@ def _moe_launches(shape, tokens: int, form: str) -> list[tuple[object, dict, int
     """``(kernel, constexprs, num_warps)`` of each launch of a fused MoE of ``shape`` at
     ``tokens`` on the default table; ``form``: the experts' "bf16", "fp8" or "mxfp4" (the
     alignment compiled with bf16 only: it reads no weight)."""
-    from ember.kernels.moe_align import _align_kernel
+    from ember.kernels.moe_align import _FILL_ROWS, _ONE_HOT_ELEMS, _align_kernel
     from ember.kernels.moe_gemm import (
         W_FP8,
-        W_MXFP4,
+        W_MXFP4_SCALED,
         W_PLAIN,
         _down_by_token_kernel,
-        _down_grouped_kernel,
+        _down_kernel,
         _gate_up_kernel,
     )
     from ember.kernels.moe_tiles import MoeTuning, next_power_of_2
 
     tiles = MoeTuning().tiles_for(shape, tokens)
-    w_format = {"bf16": W_PLAIN, "fp8": W_FP8, "mxfp4": W_MXFP4}[form]
+    w_format = {"bf16": W_PLAIN, "fp8": W_FP8, "mxfp4": W_MXFP4_SCALED}[form]
     base = {"HAS_BIAS": False, "W_FORMAT": w_format, "DOT_PRECISION": "tf32"}
     launches = []
     for product, k in (("gate_up", shape.hidden), ("down", shape.intermediate)):
         gemm = getattr(tiles, product)
+        down_by_token = product == "down" and tiles.by_pair and tiles.down_by_token
         common = {
             **base,
             "EVEN_K": k % gemm.block_k == 0,
@@ -369,20 +371,21 @@ def _moe_launches(shape, tokens: int, form: str) -> list[tuple[object, dict, int
                 "ACTIVATION": 0,
                 "GROUP_M": gemm.group_m,
             }
-        elif tiles.by_pair:
+        elif down_by_token:
             kernel = _down_by_token_kernel
             slots = next_power_of_2(shape.top_k)
             constexprs = {**common, "TOP_K": shape.top_k, "SLOTS": slots}
         else:
-            kernel = _down_grouped_kernel
-            constexprs = {**common, "GROUP_M": gemm.group_m}
+            kernel = _down_kernel
+            constexprs = {**common, "BY_PAIR": tiles.by_pair, "GROUP_M": gemm.group_m}
         launches.append((kernel, constexprs, gemm.num_warps))
     if not tiles.by_pair and form == "bf16":
         experts = next_power_of_2(shape.num_experts)
         align = {
             "BLOCK_M": tiles.block_m,
             "EXPERTS": experts,
-            "CHUNK": max(16, min(1024, 4096 // experts)),
+            "CHUNK": max(16, min(1024, _ONE_HOT_ELEMS // experts)),
+            "FILL": _FILL_ROWS,
         }
         launches.append((_align_kernel, align, 8 if experts >= 64 else 4))
     return launches

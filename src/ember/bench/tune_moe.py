@@ -84,8 +84,9 @@ def paths_for(shape: MoeShape, tokens: int, num_sms: int) -> dict[str, MoeTiles]
     """The heuristic tiles of each path that can serve ``tokens``, by name."""
     paths = {}
     if tokens <= BY_PAIR_MAX_TOKENS:
-        by_pair = MoeTuning(num_sms=num_sms, by_pair_max_tokens=tokens)
-        paths["by_pair"] = default_moe_tiles(shape, tokens, by_pair)
+        by_pair = default_moe_tiles(shape, tokens, MoeTuning(num_sms, by_pair_max_tokens=tokens))
+        paths["by_pair"] = replace(by_pair, down_by_token=True)
+        paths["by_pair_split"] = replace(by_pair, down_by_token=False)
     grouped_only = MoeTuning(num_sms=num_sms, by_pair_max_tokens=0)
     grouped = default_moe_tiles(shape, tokens, grouped_only)
     for block_m in block_ms_for(shape, tokens):

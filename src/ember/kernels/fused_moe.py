@@ -7,9 +7,9 @@ host: every buffer is sized by the token count alone and every grid is fixed by 
 decode step captures it in a CUDA graph and replays it under any routing.
 
 The device's `MoeTuning` picks, per shape and token count, the path and tiles
-(`ember.kernels.moe_tiles`): by pair at decode (two launches, each program streaming one chosen
-expert's rows, so a step reads only the chosen experts' weights), grouped past it (alignment,
-two grouped GEMMs, the sum over k; `ember.kernels.moe_gemm`).
+(`ember.kernels.moe_tiles`): by pair at decode (two or three launches, each program streaming
+one chosen expert's rows, so a step reads only the chosen experts' weights), grouped past it
+(alignment, two grouped GEMMs, the sum over k; `ember.kernels.moe_gemm`).
 
 FP8 experts (``w13`` and ``w2`` as `Fp8Weight`s: float8 e4m3 with a float32 scale per expert
 and row) run the same kernels: each weight tile is read at one byte an element and widened to
@@ -28,11 +28,14 @@ the table (`MoeShape.mxfp4`), each BLOCK_K whole scale groups.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 
 from ember.kernels.moe_align import align_pairs
 from ember.kernels.moe_gemm import (
     ACTIVATIONS,
+    down_by_pair,
     down_by_token,
     down_grouped,
     gate_up_by_pair,
@@ -189,11 +192,15 @@ def fused_moe(
     weights = topk_weights.reshape(-1).contiguous()
     if tiles.by_pair:
         inter = gate_up_by_pair(x, w13, b13, ids, top_k, activation, tiles.gate_up, scale=w13_scale)
-        return down_by_token(inter, w2, b2, ids, weights, top_k, tiles.down, out, scale=w2_scale)
-    blocks = align_pairs(ids, w13.shape[0], tiles.block_m, tuning.align_kernel_max_pairs)
-    inter = gate_up_grouped(x, w13, b13, blocks, top_k, activation, tiles.gate_up, w13_scale)
+        if tiles.down_by_token:
+            return down_by_token(inter, w2, b2, ids, weights, top_k, tiles.down, out, w2_scale)
+        down = partial(down_by_pair, inter, w2, b2, ids, weights, tiles.down, scale=w2_scale)
+    else:
+        blocks = align_pairs(ids, w13.shape[0], tiles.block_m, tuning.align_kernel_max_pairs)
+        inter = gate_up_grouped(x, w13, b13, blocks, top_k, activation, tiles.gate_up, w13_scale)
+        down = partial(down_grouped, inter, w2, b2, weights, blocks, tiles.down, scale=w2_scale)
     if top_k == 1:  # pair rows are token rows
-        return down_grouped(inter, w2, b2, weights, blocks, tiles.down, out, scale=w2_scale)
+        return down(out)
     parts = torch.empty(tokens * top_k, hidden, dtype=x.dtype, device=x.device)
-    down_grouped(inter, w2, b2, weights, blocks, tiles.down, parts, scale=w2_scale)
+    down(parts)
     return sum_over_top_k(parts, top_k, out)

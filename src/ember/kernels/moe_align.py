@@ -28,7 +28,9 @@ import triton.language as tl
 from ember.kernels.compile_ahead import launch
 
 # Elements of a [pairs, experts] one-hot tile the kernel holds at once: registers, not spills.
-_ONE_HOT_ELEMS = 4096
+_ONE_HOT_ELEMS = 8192
+# Rows the padding fill stores a step.
+_FILL_ROWS = 2048
 
 
 class MoeBlocks(NamedTuple):
@@ -65,11 +67,18 @@ def _align_kernel(
     BLOCK_M: tl.constexpr,
     EXPERTS: tl.constexpr,
     CHUNK: tl.constexpr,
+    FILL: tl.constexpr,
 ):
-    """One program: count each expert's pairs, place every pair at its expert's padded start
-    plus its rank among the expert's earlier pairs, then mark padding and each block's expert.
-    The three passes write disjoint rows, so no pass waits for another's stores."""
+    """One program: mark every row padding, count each expert's pairs, place every pair at its
+    expert's padded start plus its rank among the expert's earlier pairs, and store each
+    block's expert. (Marking padding row by row after the placement, by searching the padded
+    runs, cost most of the kernel's time once the rows ran to thousands.)"""
     experts = tl.arange(0, EXPERTS)
+    for start in range(0, num_blocks * BLOCK_M, FILL):
+        rows = start + tl.arange(0, FILL)
+        tl.store(sorted_ids_ptr + rows, pairs, mask=rows < num_blocks * BLOCK_M)
+    # The placement below overwrites some of those rows: every thread's fill stores first.
+    tl.debug_barrier()
     counts = tl.zeros([EXPERTS], dtype=tl.int32)
     for start in range(0, pairs, CHUNK):
         counts += tl.sum(_one_hot(ids_ptr, start, pairs, num_experts, experts, CHUNK), 0)
@@ -87,14 +96,7 @@ def _align_kernel(
         tl.store(sorted_ids_ptr + row, idx, mask=tl.sum(hit, 1) > 0)
         next_row += tl.sum(hit, 0)
 
-    # A row's expert is the number of experts whose padded run ends at or before it.
-    real_ends = starts + counts
-    for start in range(0, num_blocks * BLOCK_M, CHUNK):
-        rows = start + tl.arange(0, CHUNK)
-        expert = tl.sum((rows[:, None] >= ends[None, :]).to(tl.int32), 1)
-        own = (expert[:, None] == experts[None, :]) & (rows[:, None] < real_ends[None, :])
-        is_pair = tl.sum(own.to(tl.int32), 1) > 0
-        tl.store(sorted_ids_ptr + rows, pairs, mask=(rows < num_blocks * BLOCK_M) & ~is_pair)
+    # A block's expert is the number of experts whose padded run ends at or before it.
     for start in range(0, num_blocks, CHUNK):
         blocks = start + tl.arange(0, CHUNK)
         expert = tl.sum(((blocks * BLOCK_M)[:, None] >= ends[None, :]).to(tl.int32), 1)
@@ -131,6 +133,7 @@ def align_with_kernel(ids: torch.Tensor, num_experts: int, block_m: int) -> MoeB
         BLOCK_M=block_m,
         EXPERTS=experts,
         CHUNK=chunk,
+        FILL=_FILL_ROWS,
         num_warps=8 if experts >= 64 else 4,
     )
     return blocks

@@ -20,8 +20,9 @@ FP8 experts (``scale`` given: float32 ``[E, rows]``, one per expert and weight r
 weight tile is widened to the activations' dtype for the dot and the expert's fp32 accumulator
 multiplied by its rows' scales before the bias and the roundings below. MXFP4 experts (``w``
 uint8 ``[E, rows, K / 32, 16]`` packed, ``scale`` uint8 ``[E, rows, K / 32]``): each tile is
-read packed and decoded with its group scales to the activations' dtype before the dot
-(`ember.kernels.mxfp4`), exactly the dequantized weights. ``W_FORMAT`` (constexpr) says which.
+read packed and decoded with its group scales to the activations' dtype before the dot, exactly
+the dequantized weights: compiled on bf16 activations by `tl.dot_scaled`, else by the
+integer decode of `ember.kernels.mxfp4`. ``W_FORMAT`` (constexpr, `weight_format`) says which.
 
 Roundings (both paths): gate and up (bias added in fp32) rounded to the dtype, as a GEMM stores
 them; the activation from those, rounded (SiLU rounded before the product, as Hugging Face's
@@ -36,7 +37,7 @@ import triton
 import triton.language as tl
 
 from ember.kernels.activation import silu_mul_rounded
-from ember.kernels.compile_ahead import launch
+from ember.kernels.compile_ahead import kernels_interpreted, launch
 from ember.kernels.moe_align import MoeBlocks
 from ember.kernels.moe_tiles import MIN_DOT_ROWS, GemmTiles
 from ember.kernels.mxfp4 import mxfp4_tile
@@ -50,7 +51,7 @@ SWIGLU_OAI_ALPHA = tl.constexpr(1.702)
 # Columns a program of the sum over k adds: 16-byte accesses for 4 warps.
 _SUM_BLOCK = 1024
 # The weights' forms, by their kernel constant (`weight_format`).
-W_PLAIN, W_FP8, W_MXFP4 = 0, 1, 2
+W_PLAIN, W_FP8, W_MXFP4, W_MXFP4_SCALED = 0, 1, 2, 3
 
 
 @triton.jit
@@ -71,18 +72,42 @@ def _dot_weight_tile(
     ``EVEN_K``), their tile widened to ``a``'s dtype. MXFP4 rows (``scale_row_ptrs``: their
     scales) decode to their even and odd K columns, which multiply ``a``'s (split in registers:
     an interleaved [N, K] weight operand did not compile for Hopper's wgmma) in two dots."""
-    if W_FORMAT == 2:
+    # One return at the end: Triton would still trace the code after an early one.
+    if W_FORMAT == 3:
+        acc = _dot_scaled_mxfp4_tile(a, acc, row_ptrs, scale_row_ptrs, k0, k_size, EVEN_K, BLOCK_K)
+    elif W_FORMAT == 2:
         even, odd = tl.split(tl.reshape(a, (a.shape[0], BLOCK_K // 2, 2)))
         low, high = mxfp4_tile(row_ptrs, scale_row_ptrs, k0, k_size, a.dtype, EVEN_K, BLOCK_K)
         acc = tl.dot(even, tl.trans(low), acc, input_precision=DOT_PRECISION)
-        return tl.dot(odd, tl.trans(high), acc, input_precision=DOT_PRECISION)
-    ks = k0 + tl.arange(0, BLOCK_K)
-    if EVEN_K:
-        w = tl.load(row_ptrs + ks[None, :])
+        acc = tl.dot(odd, tl.trans(high), acc, input_precision=DOT_PRECISION)
     else:
-        w = tl.load(row_ptrs + ks[None, :], mask=ks[None, :] < k_size, other=0.0)
-    w = w.to(a.dtype)  # FP8 widened; the activations' own dtype as it is
-    return tl.dot(a, tl.trans(w), acc, input_precision=DOT_PRECISION)
+        ks = k0 + tl.arange(0, BLOCK_K)
+        if EVEN_K:
+            w = tl.load(row_ptrs + ks[None, :])
+        else:
+            w = tl.load(row_ptrs + ks[None, :], mask=ks[None, :] < k_size, other=0.0)
+        w = w.to(a.dtype)  # FP8 widened; the activations' own dtype as it is
+        acc = tl.dot(a, tl.trans(w), acc, input_precision=DOT_PRECISION)
+    return acc
+
+
+@triton.jit
+def _dot_scaled_mxfp4_tile(
+    a, acc, row_ptrs, scale_row_ptrs, k0, k_size, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr
+):
+    """``acc + a @ W[:, k0 : k0 + BLOCK_K].T`` for packed MXFP4 rows through `tl.dot_scaled`,
+    which decodes the e2m1 values and their e8m0 scales to bf16 (``a``'s dtype) in Triton's own
+    upcast, exactly the dequantized weights, before the dot."""
+    cols = k0 // 2 + tl.arange(0, BLOCK_K // 2)  # byte columns
+    groups = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+    if EVEN_K:
+        packed = tl.load(row_ptrs + cols[None, :])
+        scales = tl.load(scale_row_ptrs + groups[None, :])
+    else:
+        packed = tl.load(row_ptrs + cols[None, :], mask=cols[None, :] < k_size // 2, other=0)
+        valid = groups[None, :] < k_size // 32
+        scales = tl.load(scale_row_ptrs + groups[None, :], mask=valid, other=127)
+    return tl.dot_scaled(a, None, "bf16", tl.trans(packed), scales, "e2m1", acc)
 
 
 @triton.jit
@@ -209,7 +234,7 @@ def _gate_up_kernel(
 
 
 @triton.jit(do_not_specialize=["pairs", "num_blocks"])
-def _down_grouped_kernel(
+def _down_kernel(
     a_ptr,
     w_ptr,
     w_scale_ptr,
@@ -229,6 +254,7 @@ def _down_grouped_kernel(
     stride_sn,
     stride_be,
     stride_om,
+    BY_PAIR: tl.constexpr,
     W_FORMAT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     EVEN_K: tl.constexpr,
@@ -239,14 +265,24 @@ def _down_grouped_kernel(
     STAGES: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """``out[pair] = round(a[row] @ w2_e.T + b2_e) * weight[pair]`` for the rows of one block
-    and BLOCK_N of the H columns; ``out`` rows are pairs (``[T, k, H]``)."""
-    block, tile_n = _grouped_tile(num_blocks, tl.cdiv(hidden, BLOCK_N), GROUP_M)
+    """``out[pair] = round(a[row] @ w2_e.T + b2_e) * weight[pair]`` for BLOCK_N of the H
+    columns; ``out`` rows are pairs (``[T, k, H]``). Grouped: the rows of block ``b`` (sorted
+    order). ``BY_PAIR``: one pair a program, ``a`` in pair order (``expert_of_block_ptr``: the
+    flat ids)."""
+    if BY_PAIR:
+        pid = tl.program_id(0)
+        block = pid % pairs  # the pair
+        tile_n = pid // pairs
+        pair = tl.where(tl.arange(0, BLOCK_M) == 0, block, pairs)
+        rows = pair
+    else:
+        block, tile_n = _grouped_tile(num_blocks, tl.cdiv(hidden, BLOCK_N), GROUP_M)
+        rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
     expert = tl.load(expert_of_block_ptr + block)
     if expert < 0:
         return
-    rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_ids_ptr + rows)
+    if not BY_PAIR:
+        pair = tl.load(sorted_ids_ptr + rows)
     row_valid = pair < pairs
     a_rows = a_ptr + rows.to(tl.int64)[:, None] * stride_am
     cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -385,12 +421,19 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def weight_format(weight: torch.Tensor, scale: torch.Tensor | None) -> int:
+def weight_format(weight: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> int:
     """The kernels' ``W_FORMAT`` of stacked experts: plain (no scale), FP8 (float8 weights with
-    float32 row scales) or MXFP4 (uint8 packed weights with uint8 group scales)."""
+    float32 row scales) or MXFP4 (uint8 packed weights with uint8 group scales) with activations
+    of ``dtype``. Compiled MXFP4 products on bf16 activations go through `tl.dot_scaled`
+    (Triton's upcast: several times fewer instructions a value than the integer decode, which
+    bounds the small-batch products); the interpreter (no `tl.dot_scaled`) and fp16/fp32
+    activations decode in registers."""
     if scale is None:
         return W_PLAIN
-    return W_MXFP4 if weight.dtype == torch.uint8 else W_FP8
+    if weight.dtype != torch.uint8:
+        return W_FP8
+    scaled = dtype == torch.bfloat16 and not kernels_interpreted()
+    return W_MXFP4_SCALED if scaled else W_MXFP4
 
 
 def _scale_strides(scale: torch.Tensor | None) -> tuple[int, int]:
@@ -450,7 +493,7 @@ def _launch_gate_up(
         TOP_K=top_k,
         BY_PAIR=by_pair,
         ACTIVATION=ACTIVATIONS[activation],
-        W_FORMAT=weight_format(w13, scale),
+        W_FORMAT=weight_format(w13, scale, x.dtype),
         HAS_BIAS=b13 is not None,
         BLOCK_M=block_m,
         GROUP_M=tiles.group_m,
@@ -499,22 +542,53 @@ def gate_up_grouped(
 def down_grouped(
     a, w2, b2, weights, blocks: MoeBlocks, tiles: GemmTiles, out: torch.Tensor, scale=None
 ) -> torch.Tensor:
-    """``out [T * k, H]``: each pair's expert output times its routing weight. ``scale``: FP8
-    ``w2``'s float32 ``[E, H]`` or MXFP4 ``w2``'s uint8 ``[E, H, I / 32]`` (None: ``w2`` in
-    ``a``'s dtype)."""
-    pairs, hidden = out.shape
+    """``out [T * k, H]``: each pair's expert output times its routing weight, from ``a`` in
+    sorted order. ``scale``: FP8 ``w2``'s float32 ``[E, H]`` or MXFP4 ``w2``'s uint8
+    ``[E, H, I / 32]`` (None: ``w2`` in ``a``'s dtype)."""
     num_blocks = blocks.expert_of_block.numel()
+    _launch_down(
+        a,
+        w2,
+        b2,
+        weights,
+        blocks.sorted_ids,
+        blocks.expert_of_block,
+        num_blocks,
+        tiles,
+        out,
+        scale,
+        blocks.block_m,
+        by_pair=False,
+    )
+    return out
+
+
+def down_by_pair(
+    a, w2, b2, ids, weights, tiles: GemmTiles, out: torch.Tensor, scale=None
+) -> torch.Tensor:
+    """``out [T * k, H]`` as `down_grouped`'s, from ``a`` in pair order (`gate_up_by_pair`'s),
+    one program per pair and column tile: no alignment, and k times the programs of
+    `down_by_token` for a GPU that one token's column tiles would leave half idle."""
+    _launch_down(a, w2, b2, weights, ids, ids, 0, tiles, out, scale, MIN_DOT_ROWS, by_pair=True)
+    return out
+
+
+def _launch_down(
+    a, w2, b2, weights, sorted_ids, experts, num_blocks, tiles, out, scale, block_m, by_pair
+):
+    pairs, hidden = out.shape
+    grid = (pairs if by_pair else num_blocks) * triton.cdiv(hidden, tiles.block_n)
     launch(
-        _down_grouped_kernel,
-        (num_blocks * triton.cdiv(hidden, tiles.block_n),),
+        _down_kernel,
+        (grid,),
         a,
         w2,
         scale if scale is not None else w2,
         b2 if b2 is not None else w2,
         weights,
         out,
-        blocks.sorted_ids,
-        blocks.expert_of_block,
+        sorted_ids,
+        experts,
         pairs,
         hidden,
         a.shape[1],
@@ -525,14 +599,14 @@ def down_grouped(
         *_scale_strides(scale),
         b2.stride(0) if b2 is not None else 0,
         out.stride(0),
-        W_FORMAT=weight_format(w2, scale),
+        BY_PAIR=by_pair,
+        W_FORMAT=weight_format(w2, scale, a.dtype),
         HAS_BIAS=b2 is not None,
-        BLOCK_M=blocks.block_m,
+        BLOCK_M=block_m,
         GROUP_M=tiles.group_m,
         DOT_PRECISION=_dot_precision(a.dtype),
         **_tile_args(tiles, a.shape[1]),
     )
-    return out
 
 
 def down_by_token(
@@ -562,7 +636,7 @@ def down_by_token(
         out.stride(0),
         TOP_K=top_k,
         SLOTS=triton.next_power_of_2(top_k),
-        W_FORMAT=weight_format(w2, scale),
+        W_FORMAT=weight_format(w2, scale, a.dtype),
         HAS_BIAS=b2 is not None,
         BLOCK_M=MIN_DOT_ROWS,
         DOT_PRECISION=_dot_precision(a.dtype),

@@ -6,8 +6,9 @@ measured per `MoeShape` and token count, and heuristics where it measured nothin
 `MoeTiles` say which of the two paths runs (`ember.kernels.fused_moe`):
 
 - by pair (decode): one program per (pair, column tile) for gate/up and per (token, column
-  tile) for down, which sums the token's k experts itself: two launches, no alignment, and
-  each program streams one expert's weight rows, as a decode GEMV does;
+  tile) for down, which sums the token's k experts itself (two launches), or, where a token's
+  column tiles are too few to fill the GPU, per (pair, column tile) and a sum over k: no
+  alignment, and each program streams one expert's weight rows, as a decode GEMV does;
 - grouped: pairs aligned into blocks of ``block_m`` rows of one expert (`ember.kernels.moe_align`),
   one grouped GEMM for gate/up with the activation fused, one for down with the routing weights
   applied, and a sum over k.
@@ -77,12 +78,15 @@ class GemmTiles:
 @dataclass(frozen=True)
 class MoeTiles:
     """A launch of the fused MoE: the path (``by_pair``), the rows of an aligned block
-    (grouped path; by pair, `MIN_DOT_ROWS`) and each product's tiles."""
+    (grouped path; by pair, `MIN_DOT_ROWS`) and each product's tiles. By pair, down runs one
+    program per token and column tile summing its k experts (``down_by_token``), or one per
+    pair and column tile and a sum over k after (more programs, one more launch)."""
 
     by_pair: bool
     block_m: int
     gate_up: GemmTiles
     down: GemmTiles
+    down_by_token: bool = True
 
     def as_dict(self) -> dict:
         return {
@@ -90,11 +94,18 @@ class MoeTiles:
             "block_m": self.block_m,
             "gate_up": vars(self.gate_up).copy(),
             "down": vars(self.down).copy(),
+            "down_by_token": self.down_by_token,
         }
 
     @classmethod
     def from_dict(cls, d: dict) -> MoeTiles:
-        return cls(d["by_pair"], d["block_m"], GemmTiles(**d["gate_up"]), GemmTiles(**d["down"]))
+        return cls(
+            d["by_pair"],
+            d["block_m"],
+            GemmTiles(**d["gate_up"]),
+            GemmTiles(**d["down"]),
+            d.get("down_by_token", True),
+        )
 
 
 class MeasuredMoeTiles(NamedTuple):
@@ -148,11 +159,15 @@ def default_moe_tiles(shape: MoeShape, tokens: int, tuning: MoeTuning | None = N
     pairs = tokens * shape.top_k
     budget = tuning.shared_memory_budget
     if tokens <= tuning.by_pair_max_tokens:
+        # Down by token while the tokens' column tiles fill the GPU twice, else by pair.
+        down_by_token = tokens * cdiv(shape.hidden, 16) >= 2 * tuning.num_sms
+        down_programs = tokens if down_by_token else pairs
         tiles = MoeTiles(
             by_pair=True,
             block_m=MIN_DOT_ROWS,
             gate_up=_stream_tiles(shape.intermediate, shape.hidden, pairs, tuning.num_sms),
-            down=_stream_tiles(shape.hidden, shape.intermediate, tokens, tuning.num_sms),
+            down=_stream_tiles(shape.hidden, shape.intermediate, down_programs, tuning.num_sms),
+            down_by_token=down_by_token,
         )
         return fit_shared_memory(tiles, shape.elem_bytes, budget // 2, shape.weight_bytes)
     rows_per_expert = pairs / shape.num_experts

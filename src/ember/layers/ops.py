@@ -39,6 +39,9 @@ class Ops:
     # kernels: "Fused MoE"); w13 and w2 may be `Fp8Weight`s (scales [E, 2I], [E, H]) or packed
     # `ember.layers.mxfp4.Mxfp4Weight`s ("MXFP4 experts").
     moe_experts: Callable[..., torch.Tensor]
+    # (routing, logits [T, E], top_k, norm_topk_prob) -> (topk_weights float32 [T, k],
+    # topk_ids int32 [T, k]): a MoE router's choice (`ember.layers.moe_routing`).
+    moe_route: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     sample: Callable[..., torch.Tensor]
     # [B, V] float32, bfloat16 or float16 -> int64 [B]: the first maximum of each row
     # (all-greedy batches).
@@ -83,6 +86,7 @@ def reference_ops(defer_norms: bool = False, split_k_parts: int = 1) -> Ops:
     """Plain PyTorch; ``defer_norms`` runs the deferred-norm form too and ``split_k_parts`` > 1
     leaves every plain-form sub-block output as that many partial sums (both for their tests)."""
     from ember.layers import reference_ops as ref
+    from ember.layers.moe_routing import route_reference
 
     linear_parts = None
     if split_k_parts > 1:
@@ -95,6 +99,7 @@ def reference_ops(defer_norms: bool = False, split_k_parts: int = 1) -> Ops:
         silu_and_mul=ref.silu_and_mul_reference,
         gate_up_silu=ref.gate_up_silu_reference,
         moe_experts=ref.moe_experts_reference,
+        moe_route=route_reference,
         sample=ref.sample_reference,
         greedy_argmax=partial(torch.argmax, dim=-1),
         capturable=False,
@@ -128,6 +133,7 @@ def triton_ops(
     from ember.kernels.compile_ahead import compile_ahead, kernels_interpreted
     from ember.kernels.fused_moe import fused_moe
     from ember.kernels.linear import LinearRouter
+    from ember.kernels.moe_route import moe_route
 
     if programmatic_launch not in PDL_MODES:
         raise ValueError(
@@ -167,6 +173,7 @@ def triton_ops(
         # The fused MoE kernels, their paths and tiles from the device's table; plain launches
         # (no PDL in them yet: a step's chain waits at them as at a cuBLAS kernel).
         moe_experts=partial(fused_moe, tuning=tuning.moe),
+        moe_route=moe_route,
     )
 
 

@@ -48,11 +48,12 @@ import torch
 from torch import nn
 
 from ember.config import ModelConfig
+from ember.layers.moe_routing import Routing
 from ember.layers.ops import Ops
 from ember.models.checkpoint_layout import CheckpointLayout
 from ember.models.llama import attention_tensors, is_ignored_tensor, shared_tensors
 from ember.models.llama_moe import MoeForCausalLM
-from ember.models.moe import Routing, SparseMoeBlock
+from ember.models.moe import SparseMoeBlock
 from ember.models.weight_placer import TensorConversion
 from ember.parallel.sharding import Split
 from ember.weights.mxfp4 import BLOCK_COLUMNS, dequantize_mxfp4

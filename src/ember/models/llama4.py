@@ -51,6 +51,7 @@ from torch import nn
 
 from ember.config import ModelConfig
 from ember.layers.fp8 import Fp8Weight, quantize_rows_into
+from ember.layers.moe_routing import Routing
 from ember.layers.ops import Ops
 from ember.layers.residual import ResidualStream, add_sub_block_result, sub_block_input
 from ember.models.checkpoint_layout import CheckpointLayout, Shapes
@@ -63,7 +64,7 @@ from ember.models.llama import (
     shared_tensors,
 )
 from ember.models.llama_moe import MoeForCausalLM
-from ember.models.moe import Routing, SparseMoeBlock, route
+from ember.models.moe import SparseMoeBlock
 from ember.models.weight_placer import TensorConversion
 from ember.parallel.group import ParallelGroup
 from ember.parallel.sharding import Split, TensorSlice
@@ -100,7 +101,7 @@ class Llama4MoeBlock(SparseMoeBlock):
         if row_norm is not None:
             raise ValueError("a mixture-of-experts block reads the plain residual stream only")
         logits = ops.linear(x, self.gate.weight)
-        scores, ids = route(self.routing, logits, self.top_k, self.norm_topk_prob)
+        scores, ids = ops.moe_route(self.routing, logits, self.top_k, self.norm_topk_prob)
         # The input scaled in the model's dtype, as transformers scales it; the output taken whole.
         scaled = x * scores.to(x.dtype)
         routed = ops.moe_experts(scaled, *self.experts(), torch.ones_like(scores), ids)

@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from ember.config import ModelConfig
+from ember.layers.moe_routing import Routing
 from ember.layers.ops import Ops
 from ember.models.checkpoint_layout import CheckpointLayout, Shapes, layer_of
 from ember.models.llama import (
@@ -47,7 +48,7 @@ from ember.models.llama import (
     shared_tensors,
     weight_scale_shapes,
 )
-from ember.models.moe import Routing, SparseMoeBlock
+from ember.models.moe import SparseMoeBlock
 from ember.models.weight_placer import SCALAR_SHAPES
 from ember.parallel.sharding import Split, TensorSlice
 

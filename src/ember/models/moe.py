@@ -1,7 +1,8 @@
 """A mixture-of-experts MLP: a router picks each token's experts and their weights, and
 `Ops.moe_experts` runs them.
 
-The routing is computed here, one variant per model family (`Routing`, `route`); the experts'
+The routing is one variant per model family (`ember.layers.moe_routing.Routing`, run by
+`Ops.moe_route`); the experts'
 weights are stacked per layer as the ops read them (docs/CONTRACTS.md, "Mixture of experts"):
 ``w13`` [E, 2I, H] (gate rows, then up rows) and ``w2`` [E, H, I], in the model's dtype, in
 FP8 with a scale per expert and row, or packed in MXFP4 (`ember.layers.mxfp4`).
@@ -23,13 +24,12 @@ the checkpoint's, which can flip a near tie between experts. So MoE models never
 
 from __future__ import annotations
 
-import enum
-
 import torch
 from torch import nn
 
 from ember.config import ModelConfig
 from ember.layers.fp8 import FP8_DTYPE, Fp8Weight
+from ember.layers.moe_routing import Routing
 from ember.layers.mxfp4 import Mxfp4Weight, mxfp4_parameters
 from ember.layers.ops import Ops
 from ember.layers.residual import ResidualStream, add_sub_block_result, sub_block_input
@@ -38,49 +38,6 @@ from ember.parallel.group import ParallelGroup
 
 # Stacked experts as `Ops.moe_experts` takes them.
 ExpertWeight = torch.Tensor | Fp8Weight | Mxfp4Weight
-
-
-class Routing(enum.Enum):
-    """How a model family turns router logits into each token's experts and weights."""
-
-    # Softmax over all experts (float32), the top k, renormalised to sum to 1; the weights stay
-    # float32 (transformers' MixtralTopKRouter).
-    MIXTRAL = "mixtral"
-    # Softmax over all experts (float32), the top k, renormalised iff ``norm_topk_prob``; the
-    # weights rounded to the logits' dtype, as transformers' Qwen3MoeTopKRouter returns them.
-    QWEN3_MOE = "qwen3_moe"
-    # The top k of the logits (the router's bias already in them), then a softmax over those k
-    # alone, rounded to the logits' dtype (transformers' GptOssTopKRouter).
-    GPT_OSS = "gpt_oss"
-    # The sigmoid of each chosen logit (the top k of the logits, in their dtype), rounded to the
-    # logits' dtype, as transformers' Llama4Router scores them. Llama 4 scales the expert's
-    # input by it, not its output (`ember.models.llama4`).
-    LLAMA4 = "llama4"
-
-
-def route(
-    routing: Routing, logits: torch.Tensor, top_k: int, norm_topk_prob: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(topk_weights, topk_ids)`` of router ``logits`` [T, E] (the model's dtype): float32 and
-    int32, both [T, top_k], the experts in descending order of probability."""
-    if routing is Routing.GPT_OSS:
-        top, ids = torch.topk(logits, top_k, dim=-1)
-        weights = torch.softmax(top.float(), dim=-1).to(logits.dtype).float()
-        return weights, ids.to(torch.int32)
-    if routing is Routing.LLAMA4:
-        top, ids = torch.topk(logits, top_k, dim=-1)
-        return torch.sigmoid(top.float()).to(logits.dtype).float(), ids.to(torch.int32)
-    probs = torch.softmax(logits.float(), dim=-1)
-    weights, ids = torch.topk(probs, top_k, dim=-1)
-    if routing is Routing.MIXTRAL:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    elif routing is Routing.QWEN3_MOE:
-        if norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        weights = weights.to(logits.dtype).float()
-    else:
-        raise ValueError(f"no routing for {routing}")
-    return weights, ids.to(torch.int32)
 
 
 class SparseMoeBlock(nn.Module):
@@ -158,7 +115,7 @@ class SparseMoeBlock(nn.Module):
         if row_norm is not None:
             raise ValueError("a mixture-of-experts block reads the plain residual stream only")
         logits = self.ops.linear(x, self.gate.weight, self.gate.bias)
-        weights, ids = route(self.routing, logits, self.top_k, self.norm_topk_prob)
+        weights, ids = self.ops.moe_route(self.routing, logits, self.top_k, self.norm_topk_prob)
         out = self.ops.moe_experts(
             x, *self.experts(), weights, ids, activation=self.activation, b13=self.b13, b2=self.b2
         )
