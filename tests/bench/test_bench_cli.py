@@ -284,6 +284,8 @@ def test_profile_groups_kernels_by_category():
     assert categorize("_fused_add_rms_norm_kernel") == "norm"
     assert categorize("_rope_and_cache_write_kernel") == "rope_kv_write"
     assert categorize("Memcpy DtoH (Device -> Pinned)") == "copy"
+    for moe in ("_gate_up_kernel", "_down_kernel", "_align_kernel", "_route_kernel"):
+        assert categorize(moe) == "moe"
     assert categorize("something_else") == "other"
     events = [("nvjet_gemm", 30.0), ("nvjet_gemm", 30.0), ("_paged_attention_kernel", 10.0)] * 2
     summary = summarize_kernels(events, num_steps=2)

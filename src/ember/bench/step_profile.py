@@ -24,6 +24,18 @@ from ember.sampling_params import SamplingParams
 # Substrings of kernel names, checked in order; the first match names the category.
 CATEGORIES = (
     ("attention", ("paged_attention",)),
+    # The fused MoE's kernels (`ember.kernels.fused_moe`, `moe_align`, `moe_route`).
+    (
+        "moe",
+        (
+            "gate_up_kernel",
+            "down_kernel",
+            "down_by_token",
+            "align_kernel",
+            "sum_over_top_k",
+            "route_kernel",
+        ),
+    ),
     ("norm", ("rms_norm", "rmsnorm")),
     ("rope_kv_write", ("rope",)),
     ("activation", ("silu",)),

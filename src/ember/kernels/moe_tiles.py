@@ -165,8 +165,10 @@ def default_moe_tiles(shape: MoeShape, tokens: int, tuning: MoeTuning | None = N
         tiles = MoeTiles(
             by_pair=True,
             block_m=MIN_DOT_ROWS,
-            gate_up=_stream_tiles(shape.intermediate, shape.hidden, pairs, tuning.num_sms),
-            down=_stream_tiles(shape.hidden, shape.intermediate, down_programs, tuning.num_sms),
+            gate_up=_stream_tiles(shape, shape.intermediate, shape.hidden, pairs, tuning.num_sms),
+            down=_stream_tiles(
+                shape, shape.hidden, shape.intermediate, down_programs, tuning.num_sms
+            ),
             down_by_token=down_by_token,
         )
         return fit_shared_memory(tiles, shape.elem_bytes, budget // 2, shape.weight_bytes)
@@ -174,8 +176,8 @@ def default_moe_tiles(shape: MoeShape, tokens: int, tuning: MoeTuning | None = N
     block_m = next((m for m in (16, 32, 64) if rows_per_expert <= m * 1.5), 128)
     if block_m == 16:  # one or two tokens an expert: still a weight stream
         blocks = min(pairs, shape.num_experts)
-        gate_up = _stream_tiles(shape.intermediate, shape.hidden, blocks, tuning.num_sms)
-        down = _stream_tiles(shape.hidden, shape.intermediate, blocks, tuning.num_sms)
+        gate_up = _stream_tiles(shape, shape.intermediate, shape.hidden, blocks, tuning.num_sms)
+        down = _stream_tiles(shape, shape.hidden, shape.intermediate, blocks, tuning.num_sms)
         tiles = MoeTiles(False, block_m, gate_up, down)
         return fit_shared_memory(tiles, shape.elem_bytes, budget // 2, shape.weight_bytes)
     warps = 4 if block_m <= 32 else 8
@@ -185,14 +187,16 @@ def default_moe_tiles(shape: MoeShape, tokens: int, tuning: MoeTuning | None = N
     return fit_shared_memory(tiles, shape.elem_bytes, budget, shape.weight_bytes)
 
 
-def _stream_tiles(cols: int, k: int, row_programs: int, num_sms: int) -> GemmTiles:
+def _stream_tiles(shape: MoeShape, cols: int, k: int, row_programs: int, num_sms: int) -> GemmTiles:
     """Tiles of a weight stream over ``cols`` output columns by ``row_programs`` programs a
-    column tile: the widest of 64, 32, 16 columns whose programs fill two waves. (An MXFP4
-    weight's K, a multiple of 32, gets a BLOCK_K of whole scale groups.)"""
+    column tile: the widest of 64, 32, 16 columns whose programs fill two waves. MXFP4
+    weights take K steps of 128 (whole scale groups; `bench tune` found 256 slower on their
+    decode-bound products)."""
     block_n = 64
     while block_n > 16 and row_programs * cdiv(cols, block_n) < 2 * num_sms:
         block_n //= 2
-    block_k = min(256 if k >= 2048 else 128, max(16, next_power_of_2(k)))
+    longest = 128 if shape.mxfp4 or k < 2048 else 256
+    block_k = min(longest, max(16, next_power_of_2(k)))
     return GemmTiles(block_n, block_k, stages=4, num_warps=4)
 
 
