@@ -110,7 +110,6 @@ def test_quantizing_llama4_at_load_holds_one_stacked_expert_tensor(tmp_path):
     for quantization in (None, "fp8"):
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()
         llm = LLM(
             str(path),
             device="cuda",
@@ -120,8 +119,9 @@ def test_quantizing_llama4_at_load_holds_one_stacked_expert_tensor(tmp_path):
             enforce_eager=True,
             quantization=quantization,
         )
-        kept = llm.instance.weight_bytes + llm.instance.kv_cache_bytes
-        transient[quantization] = torch.cuda.max_memory_allocated() - before - kept
+        # The peak over what stays: torch's statistics count the load's temporaries, but not
+        # the weights and cache where they live in the CUDA virtual-memory arena.
+        transient[quantization] = torch.cuda.max_memory_allocated() - torch.cuda.memory_allocated()
         del llm
     assert transient["fp8"] - transient[None] < 1.2 * gate_up_bytes
 
