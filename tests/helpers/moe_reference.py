@@ -7,10 +7,23 @@ roundings are what a test's tolerance allows for.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import torch.nn.functional as F
 
+from ember.kernels.moe_tiles import GemmTiles, MoeTiles
+
 ROUTINGS = ("random", "one_expert", "some_experts_empty")
+
+# Small tiles of each path for the bf16/fp32 and FP8 kernel tests (MXFP4's keep whole scale
+# groups: their own, in tests/kernels/test_fused_moe_mxfp4.py).
+BY_PAIR = MoeTiles(True, 16, GemmTiles(16, 32, 2, 4), GemmTiles(32, 32, 2, 4))
+# By pair with down one program per pair, and the sum over k after.
+BY_PAIR_SPLIT = replace(BY_PAIR, down_by_token=False)
+GROUPED = MoeTiles(False, 16, GemmTiles(32, 64, 2, 4), GemmTiles(32, 32, 2, 4, group_m=2))
+# Rows of 32, column tiles past I and H, K steps that do not divide H or I.
+GROUPED_ODD = MoeTiles(False, 32, GemmTiles(32, 32, 2, 4, group_m=3), GemmTiles(64, 32, 2, 4))
 
 
 def _act(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:

@@ -4,23 +4,24 @@ one, both activations, biases, fp32 and bf16; and the op as the Triton ops expos
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
 import torch
-from helpers.moe_reference import assert_bf16_matches, moe_reference, moe_weights, routing
+from helpers.moe_reference import (
+    BY_PAIR,
+    BY_PAIR_SPLIT,
+    GROUPED,
+    GROUPED_ODD,
+    assert_bf16_matches,
+    moe_reference,
+    moe_weights,
+    routing,
+)
 
 from ember.kernels.fused_moe import fused_moe
-from ember.kernels.moe_tiles import GemmTiles, MoeShape, MoeTiles, MoeTuning, default_moe_tiles
+from ember.kernels.moe_tiles import MoeShape, MoeTuning, default_moe_tiles
 from ember.kernels.tuning import KernelTuning
 from ember.layers.ops import triton_ops
 
-BY_PAIR = MoeTiles(True, 16, GemmTiles(16, 32, 2, 4), GemmTiles(32, 32, 2, 4))
-GROUPED = MoeTiles(False, 16, GemmTiles(32, 64, 2, 4), GemmTiles(32, 32, 2, 4, group_m=2))
-# Rows of 32, column tiles past I and H, K steps that do not divide H or I.
-GROUPED_ODD = MoeTiles(False, 32, GemmTiles(32, 32, 2, 4, group_m=3), GemmTiles(64, 32, 2, 4))
-# By pair with down one program per pair, and the sum over k after.
-BY_PAIR_SPLIT = replace(BY_PAIR, down_by_token=False)
 PATHS = {"by_pair": BY_PAIR, "by_pair_split": BY_PAIR_SPLIT, "grouped": GROUPED}
 
 

@@ -5,23 +5,23 @@ the same operands; an FP8 operand without its scales is refused."""
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
 import torch
-from helpers.moe_reference import assert_bf16_matches, moe_reference, moe_weights, routing
+from helpers.moe_reference import (
+    BY_PAIR,
+    BY_PAIR_SPLIT,
+    GROUPED,
+    GROUPED_ODD,
+    assert_bf16_matches,
+    moe_reference,
+    moe_weights,
+    routing,
+)
 
 from ember.kernels.fused_moe import fused_moe
-from ember.kernels.moe_tiles import GemmTiles, MoeTiles
 from ember.layers.fp8 import Fp8Weight, dense_weight, quantize_rows
 from ember.layers.reference_ops import moe_experts_reference
 
-BY_PAIR = MoeTiles(True, 16, GemmTiles(16, 32, 2, 4), GemmTiles(32, 32, 2, 4))
-GROUPED = MoeTiles(False, 16, GemmTiles(32, 64, 2, 4), GemmTiles(32, 32, 2, 4, group_m=2))
-# Rows of 32, column tiles past I and H, K steps that do not divide H or I.
-GROUPED_ODD = MoeTiles(False, 32, GemmTiles(32, 32, 2, 4, group_m=3), GemmTiles(64, 32, 2, 4))
-# By pair with down one program per pair, and the sum over k after.
-BY_PAIR_SPLIT = replace(BY_PAIR, down_by_token=False)
 PATHS = {
     "by_pair": BY_PAIR,
     "by_pair_split": BY_PAIR_SPLIT,

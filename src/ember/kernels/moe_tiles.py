@@ -158,6 +158,7 @@ def default_moe_tiles(shape: MoeShape, tokens: int, tuning: MoeTuning | None = N
     tuning = tuning or MoeTuning()
     pairs = tokens * shape.top_k
     budget = tuning.shared_memory_budget
+    mxfp4 = shape.mxfp4
     if tokens <= tuning.by_pair_max_tokens:
         # Down by token while the tokens' column tiles fill the GPU twice, else by pair.
         down_by_token = tokens * cdiv(shape.hidden, 16) >= 2 * tuning.num_sms
@@ -165,9 +166,9 @@ def default_moe_tiles(shape: MoeShape, tokens: int, tuning: MoeTuning | None = N
         tiles = MoeTiles(
             by_pair=True,
             block_m=MIN_DOT_ROWS,
-            gate_up=_stream_tiles(shape, shape.intermediate, shape.hidden, pairs, tuning.num_sms),
+            gate_up=_stream_tiles(shape.intermediate, shape.hidden, pairs, tuning.num_sms, mxfp4),
             down=_stream_tiles(
-                shape, shape.hidden, shape.intermediate, down_programs, tuning.num_sms
+                shape.hidden, shape.intermediate, down_programs, tuning.num_sms, mxfp4
             ),
             down_by_token=down_by_token,
         )
@@ -176,8 +177,8 @@ def default_moe_tiles(shape: MoeShape, tokens: int, tuning: MoeTuning | None = N
     block_m = next((m for m in (16, 32, 64) if rows_per_expert <= m * 1.5), 128)
     if block_m == 16:  # one or two tokens an expert: still a weight stream
         blocks = min(pairs, shape.num_experts)
-        gate_up = _stream_tiles(shape, shape.intermediate, shape.hidden, blocks, tuning.num_sms)
-        down = _stream_tiles(shape, shape.hidden, shape.intermediate, blocks, tuning.num_sms)
+        gate_up = _stream_tiles(shape.intermediate, shape.hidden, blocks, tuning.num_sms, mxfp4)
+        down = _stream_tiles(shape.hidden, shape.intermediate, blocks, tuning.num_sms, mxfp4)
         tiles = MoeTiles(False, block_m, gate_up, down)
         return fit_shared_memory(tiles, shape.elem_bytes, budget // 2, shape.weight_bytes)
     warps = 4 if block_m <= 32 else 8
@@ -187,15 +188,15 @@ def default_moe_tiles(shape: MoeShape, tokens: int, tuning: MoeTuning | None = N
     return fit_shared_memory(tiles, shape.elem_bytes, budget, shape.weight_bytes)
 
 
-def _stream_tiles(shape: MoeShape, cols: int, k: int, row_programs: int, num_sms: int) -> GemmTiles:
+def _stream_tiles(cols: int, k: int, row_programs: int, num_sms: int, mxfp4: bool) -> GemmTiles:
     """Tiles of a weight stream over ``cols`` output columns by ``row_programs`` programs a
-    column tile: the widest of 64, 32, 16 columns whose programs fill two waves. MXFP4
+    column tile: the widest of 64, 32, 16 columns whose programs fill two waves. ``mxfp4``
     weights take K steps of 128 (whole scale groups; `bench tune` found 256 slower on their
     decode-bound products)."""
     block_n = 64
     while block_n > 16 and row_programs * cdiv(cols, block_n) < 2 * num_sms:
         block_n //= 2
-    longest = 128 if shape.mxfp4 or k < 2048 else 256
+    longest = 128 if mxfp4 or k < 2048 else 256
     block_k = min(longest, max(16, next_power_of_2(k)))
     return GemmTiles(block_n, block_k, stages=4, num_warps=4)
 
