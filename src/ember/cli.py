@@ -177,6 +177,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "versions (default: ember's directory in the user's cache directory; a TRITON_CACHE_DIR "
         "you set wins)",
     )
+    parser.add_argument(
+        "--kernel-tuning",
+        metavar="FILE",
+        help="a tune.json from `ember bench tune --sections moe` on this GPU: the fused MoE "
+        "kernels launch with its measured tiles (default: the tables shipped for this GPU "
+        "model, else heuristics)",
+    )
     parser.add_argument("--max-model-len", type=int, help="context length (default: the model's)")
     parser.add_argument(
         "--gpu-memory-utilization",

@@ -446,6 +446,9 @@ class EngineConfig:
     # kept (`ember.kernels.kernel_cache`); None: under the user's cache directory.
     download_dir: str | None = None
     kernel_cache_dir: str | None = None
+    # `ember bench tune`'s tune.json whose fused-MoE tiles this model's kernels launch with,
+    # over those shipped for its GPU (`ember.kernels.tuning_files`); None: the shipped ones.
+    kernel_tuning: str | None = None
     dtype: str = "auto"
     device: str = "auto"
     served_model_name: str | None = None

@@ -119,8 +119,9 @@ def test_moe_sweep_is_coordinate_descent_over_gate_up_then_down():
 
 
 def test_moe_table_reads_back_into_the_tuning():
-    from ember.bench.tune_moe import MOE_SHAPES, measured_as_dict, measured_rows
+    from ember.bench.tune_moe import MOE_SHAPES
     from ember.kernels.moe_tiles import MeasuredMoeTiles, MoeTuning, default_moe_tiles
+    from ember.kernels.tuning_files import measured_as_dict, measured_rows
 
     shape = MOE_SHAPES["gpt-oss-20b"]
     tiles = default_moe_tiles(shape, 300)

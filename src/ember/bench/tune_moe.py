@@ -11,7 +11,8 @@ the floor (the chosen experts' weight bytes, and x and out, over the measured HB
 the heuristics' time, the best and its tiles; at grouped sizes also the two products alone
 against torch's grouped GEMM (``torch._grouped_mm``) on the same blocks, which says whether a
 library path would pay at large prefills. The section's ``table`` holds the best tiles as
-`MeasuredMoeTiles` rows (`measured_rows` reads them back into a `MoeTuning`).
+`MeasuredMoeTiles` rows, which `ember serve --kernel-tuning FILE` reads
+(`ember.kernels.tuning_files`).
 
 The ``-mxfp4`` shapes are gpt-oss's experts as its checkpoints hold them, packed in MXFP4
 (`ember.layers.mxfp4`): the same sweep over the kernels' MXFP4 variant, its floor counting the
@@ -34,6 +35,7 @@ from ember.kernels.moe_tiles import (
     default_moe_tiles,
     fit_shared_memory,
 )
+from ember.kernels.tuning_files import measured_as_dict
 from ember.layers.mxfp4 import Mxfp4Weight
 from ember.weights.mxfp4 import quantize_mxfp4
 
@@ -287,7 +289,7 @@ def bench_moe(
     shapes: dict[str, MoeShape], hbm_bytes_per_s: float, tokens=MOE_TOKENS
 ) -> dict[str, object]:
     """`bench_moe_point` over ``shapes`` x ``tokens``; ``table``: each point's best tiles as
-    `MeasuredMoeTiles` rows (`measured_rows` reads them back)."""
+    `MeasuredMoeTiles` rows (`ember.kernels.tuning_files` reads them back)."""
     from ember.bench.tune import _print_row
     from ember.kernels.tuning import KernelTuning
 
@@ -304,21 +306,3 @@ def bench_moe(
         del weights
         torch.cuda.empty_cache()
     return {"rows": rows, "table": table}
-
-
-def measured_as_dict(row: MeasuredMoeTiles) -> dict:
-    return {
-        "shape": row.shape._asdict(),
-        "max_tokens": row.max_tokens,
-        "tiles": row.tiles.as_dict(),
-    }
-
-
-def measured_rows(table: list[dict]) -> tuple[MeasuredMoeTiles, ...]:
-    """The ``table`` of a tune.json's moe section as `MoeTuning.measured` rows (each bound up
-    to the next measured count: a row serves the counts from its predecessor's up to its
-    own)."""
-    return tuple(
-        MeasuredMoeTiles(MoeShape(**r["shape"]), r["max_tokens"], MoeTiles.from_dict(r["tiles"]))
-        for r in table
-    )

@@ -128,7 +128,7 @@ class ModelInstance:
             # beside the weights, are found there (`ember.kernels.kernel_cache`).
             kernel_cache.prepare(self.device, self.plan.checkpoint, config.kernel_cache_dir)
         # This instance's routing and tile tables, for its GPU (`ember.kernels.tuning`).
-        self.tuning = KernelTuning.for_device(self.device)
+        self.tuning = KernelTuning.for_device(self.device, config.kernel_tuning)
         self.ops = select_ops(
             self.device,
             config.backend,

@@ -19,6 +19,7 @@ import torch
 
 from ember.kernels.attention_plan import AttentionTuning
 from ember.kernels.moe_tiles import MoeTuning
+from ember.kernels.tuning_files import file_rows, shipped_rows
 
 # The skinny GEMM's largest M: its tiles hold at most this many rows (`ember.kernels.skinny_gemm`).
 SKINNY_GEMM_MAX_ROWS = 64
@@ -75,7 +76,14 @@ class KernelTuning:
     defer_norms_max_rows: int = SKINNY_GEMM_MAX_ROWS
 
     @classmethod
-    def for_device(cls, device: torch.device) -> KernelTuning:
-        """The table for ``device``: the H200's, with the device's SM count."""
+    def for_device(cls, device: torch.device, tuning_file: str | None = None) -> KernelTuning:
+        """The table for ``device``: the H200's, with the device's SM count, and the fused
+        MoE's rows measured on this GPU model (shipped with ember), then those of
+        ``tuning_file`` (`ember bench tune`'s tune.json; `ember.kernels.tuning_files`)."""
         attention = AttentionTuning.for_device(device)
-        return cls(attention=attention, moe=MoeTuning(num_sms=attention.num_sms))
+        gpu_name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+        rows = shipped_rows(gpu_name) if gpu_name else ()
+        if tuning_file is not None:
+            rows += file_rows(tuning_file, gpu_name)
+        moe = MoeTuning(num_sms=attention.num_sms).with_measured(*rows)
+        return cls(attention=attention, moe=moe)

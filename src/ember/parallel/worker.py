@@ -75,7 +75,7 @@ def _join_and_build(spec: WorkerSpec, conn):
     group = TorchParallelGroup(store, spec.rank, spec.size, plan.device)
     if plan.device.type == "cuda":
         kernel_cache.prepare(plan.device, plan.checkpoint, config.kernel_cache_dir)
-    tuning = KernelTuning.for_device(plan.device)
+    tuning = KernelTuning.for_device(plan.device, config.kernel_tuning)
     ops = select_ops(
         plan.device, config.backend, config.programmatic_launch, config.defer_norms, tuning
     )
