@@ -23,8 +23,8 @@ import importlib
 import pytest
 import torch
 from helpers.fp8_checkpoints import fp8_checkpoint
-from helpers.fp8_emulation import mean_prompt_logprob_gap, rounded_activations
-from helpers.gpu_parity import DENSE_ARCHS, random_prompts
+from helpers.fp8_emulation import rounded_activations
+from helpers.gpu_parity import DENSE_ARCHS, mean_prompt_logprob_gap, random_prompts
 from helpers.tiny_models import make_tiny_model
 
 from ember import LLM, SamplingParams

@@ -14,12 +14,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.gpu_parity import random_prompts
+from helpers.gpu_parity import mean_prompt_logprob_gap, random_prompts
 from helpers.hf_reference import hf_greedy_tokens
 
 from ember import LLM, SamplingParams
 from ember.bench.make_model import make_model
-from ember.bench.parity import compare_greedy
 
 pytestmark = [
     pytest.mark.gpu,
@@ -27,6 +26,7 @@ pytestmark = [
 ]
 
 LLM_ARGS = {"device": "cuda", "max_model_len": 256, "kv_cache_memory_bytes": 1 << 30}
+BACKENDS = ("reference", "triton")
 
 
 @pytest.fixture(scope="module", params=[None, "mxfp4"], ids=["bf16-experts", "mxfp4-experts"])
@@ -42,28 +42,39 @@ def tiny_dir(request, tmp_path_factory):
     )
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_triton_path_matches_reference_path(tiny_dir, dtype):
-    """fp32: the same greedy tokens. bf16: where the paths part, a near-tie (each token in the
-    other's top 5). Prompts of up to 89 tokens outgrow the 16-key window."""
+def _run(path: Path, backend: str, dtype: str, prompts, params: SamplingParams):
+    llm = LLM(str(path), backend=backend, dtype=dtype, **LLM_ARGS)
+    assert llm.instance.model_config.mxfp4_experts == ("mxfp4" in path.name)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    llm.instance.scheduler.check_invariants()
+    if backend == "triton":
+        assert llm.instance.runner.graphs.captured, "steps should have used CUDA graphs"
+    return outs
+
+
+def test_triton_path_matches_reference_path_in_float32(tiny_dir):
+    """The same greedy tokens. Prompts of up to 89 tokens outgrow the 16-key window."""
     prompts = random_prompts(16)
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=5)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    reference, fast = (_run(tiny_dir, b, "float32", prompts, params) for b in BACKENDS)
+    assert [o.outputs[0].token_ids for o in fast] == [o.outputs[0].token_ids for o in reference]
 
-    def run(backend: str) -> list[tuple[list[int], list]]:
-        llm = LLM(str(tiny_dir), backend=backend, dtype=dtype, **LLM_ARGS)
-        assert llm.instance.model_config.mxfp4_experts == ("mxfp4" in tiny_dir.name)
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-        llm.instance.scheduler.check_invariants()
-        if backend == "triton":
-            assert llm.instance.runner.graphs.captured, "steps should have used CUDA graphs"
-        return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
 
-    reference, fast = run("reference"), run("triton")
-    if dtype == "float32":
-        assert [a for a, _ in fast] == [b for b, _ in reference]
-    else:
-        rows = [compare_greedy(a, b) for a, b in zip(fast, reference)]
-        assert all(row["near_tie"] for row in rows), rows
+def test_triton_path_in_bf16_is_as_close_to_float32_as_the_reference(tiny_dir):
+    """In bf16 the paths round differently (the fused MoE adds biases and computes the clamped
+    SwiGLU in fp32 where the reference rounds each op; attention multiplies P by V in bf16 on
+    the tensor cores), and gpt-oss's router turns a last-bit difference at a near-tie of its
+    top-k logits into another expert: greedy tokens can part at non-near-ties (a layer-by-layer
+    trace: bench/results/README.md, "gpt-oss in bf16"). What must hold is that the Triton path
+    is no further from the float32 reference than the reference path in bf16 is."""
+    prompts = random_prompts(16)
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+    exact = _run(tiny_dir, "reference", "float32", prompts, params)
+    reference, fast = (_run(tiny_dir, b, "bfloat16", prompts, params) for b in BACKENDS)
+    rounding = mean_prompt_logprob_gap(reference, exact)
+    assert rounding > 0, "bf16 should have moved the reference's logprobs"
+    gap = mean_prompt_logprob_gap(fast, exact)
+    assert gap < 1.25 * rounding, (gap, rounding)
 
 
 def test_triton_path_matches_transformers(tiny_dir):

@@ -1,6 +1,6 @@
 """The reference path with its activations rounded to FP8 as the Triton path's ``_scaled_mm``
-rounds them (per row, `ember.layers.fp8.quantize_rows`), and a distance between two runs'
-prompt logprobs: how the FP8 GPU tests tell the activations' rounding from a wrong product."""
+rounds them (per row, `ember.layers.fp8.quantize_rows`): how the FP8 GPU tests tell the
+activations' rounding from a wrong product."""
 
 from __future__ import annotations
 
@@ -28,14 +28,3 @@ def rounded_activations(monkeypatch):
     with monkeypatch.context() as patch:
         patch.setattr(reference_ops, "linear_reference", linear)
         yield
-
-
-def mean_prompt_logprob_gap(a, b) -> float:
-    """Mean |difference| of the prompt tokens' logprobs (all but each prompt's first) between
-    two runs' outputs of the same prompts."""
-    gaps = [
-        abs(next(iter(x.values())).logprob - next(iter(y.values())).logprob)
-        for out_a, out_b in zip(a, b, strict=True)
-        for x, y in zip(out_a.prompt_logprobs[1:], out_b.prompt_logprobs[1:], strict=True)
-    ]
-    return sum(gaps) / len(gaps)
