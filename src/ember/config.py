@@ -193,6 +193,15 @@ class ModelConfig:
             and (layer + 1) % self.decoder_sparse_step == 0
         )
 
+    def kv_window(self, max_model_len: int) -> int | None:
+        """The keys behind a query that any layer reads, when every layer attends through a
+        window shorter than ``max_model_len`` (the largest window); else None (a layer reads
+        every key before its query, or a chunk's from its start)."""
+        layers = [self.attention_of(i).within(max_model_len) for i in range(self.num_layers)]
+        if not layers or any(a.window is None or a.chunk_size is not None for a in layers):
+            return None
+        return max(a.window for a in layers)
+
     def attention_of(self, layer: int) -> LayerAttention:
         """How decoder layer ``layer`` attends."""
         if len(self.layer_attention) > 1:

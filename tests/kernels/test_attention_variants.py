@@ -214,7 +214,8 @@ def test_the_invalid_are_refused(gen, device):
 
 def test_a_sliding_window_mistral_on_the_kernels_gives_transformers_tokens(tmp_path, device):
     """The engine on the kernels (chunked prefill through a small token budget, then decodes
-    past the 12-key window): transformers' greedy tokens."""
+    past the 12-key window; blocks of 4, given back as the window passes them, their entries
+    the scratch block): transformers' greedy tokens."""
     transformers = pytest.importorskip("transformers")
     path = make_tiny_model("MistralForCausalLM", tmp_path, sliding_window=12)
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -227,8 +228,10 @@ def test_a_sliding_window_mistral_on_the_kernels_gives_transformers_tokens(tmp_p
         dtype="float32",
         max_model_len=128,
         max_num_batched_tokens=16,
+        block_size=4,
         kv_cache_memory_bytes=64 << 20,
     )
+    assert llm.instance.kv_manager.window == 12
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     for prompt, out in zip(prompts, outputs):

@@ -13,6 +13,13 @@ arrives with the same prefix takes it back instead of computing it again. Free b
 reused least recently freed first, unregistered ones before any registered one, and a registered
 block loses its key only when it is reused. A shared block is never written: a request only
 appends to blocks past its last full one.
+
+Sliding windows: in a model whose every layer attends through a window (Mistral's), a query at
+position p reads no key below p - window + 1, so the blocks wholly below the next query's window
+go back to the pool as the request advances (cached ones stay cached), and their table entries
+point at the scratch block: a long sequence holds about window / block_size blocks, and what it
+passed counts against nobody's admission. A model with any full-attention layer keeps every
+block (its layers share one table).
 """
 
 from __future__ import annotations
@@ -22,6 +29,9 @@ from dataclasses import dataclass
 
 from ember.engine.block_hashes import BlockHasher, new_secret
 from ember.engine.request import Request
+
+# Kept back from requests: padded CUDA-graph slots and released table entries point at it.
+SCRATCH_BLOCK = 0
 
 
 class BlockPool:
@@ -33,7 +43,9 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.ref_counts = [0] * num_blocks
         # Reused from the front: unregistered blocks go there, registered ones to the back.
-        self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_blocks))
+        self.free: OrderedDict[int, None] = OrderedDict.fromkeys(
+            range(SCRATCH_BLOCK + 1, num_blocks)
+        )
         self.key_of: list[bytes | None] = [None] * num_blocks
         self.block_of: dict[bytes, int] = {}  # the registered blocks, by key
 
@@ -117,8 +129,18 @@ class KVCacheManager:
     ``prefix_caching``, a request starts from the longest prefix of its tokens already cached
     (`claim_cached_prefix`) and leaves its full blocks cached for later ones."""
 
-    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = False) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        prefix_caching: bool = False,
+        window: int | None = None,
+    ) -> None:
+        if window is not None and window < 1:
+            raise ValueError(f"a window holds at least one key, not {window}")
         self.block_size = block_size
+        # Every layer's window (the largest of them), or None: some layer reads every key.
+        self.window = window
         self.pool = BlockPool(num_blocks)
         self.prefix_caching = prefix_caching
         self.stats = PrefixCacheStats()
@@ -195,14 +217,39 @@ class KVCacheManager:
             register(table[i], keys[i])
         request.num_cached_blocks = full
 
+    def release_out_of_window(self, request: Request) -> int:
+        """Give back the request's blocks that no query from its next one on can see (each
+        wholly below ``num_computed_tokens - window + 1``), registering full ones first; their
+        entries become the scratch block. Returns how many were released now. The step that
+        reads them last is already launched: a block handed out again is written only by a
+        later step, after it on the device."""
+        if self.window is None:
+            return 0
+        below = max(0, request.num_computed_tokens - self.window + 1) // self.block_size
+        table = self._blocks.get(request.request_id)
+        first = request.num_released_blocks
+        if table is None or below <= first:
+            return 0
+        self.cache_full_blocks(request)
+        below = min(below, len(table))
+        if self.prefix_caching:  # a block leaves registered (its tokens known on the host)
+            below = min(below, request.num_cached_blocks)
+        if below <= first:
+            return 0
+        self.pool.release(table[first:below])
+        table[first:below] = [SCRATCH_BLOCK] * (below - first)
+        request.num_released_blocks = below
+        return below - first
+
     def free(self, request: Request) -> None:
         """Let go of the request's blocks, registering its full ones first."""
         blocks = self._blocks.get(request.request_id)
         if blocks:
             self.cache_full_blocks(request)
             del self._blocks[request.request_id]
-            self.pool.release(blocks)
+            self.pool.release(blocks[request.num_released_blocks :])
         request.num_cached_blocks = 0
+        request.num_released_blocks = 0
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block (the KV memory was released or overwritten)."""
@@ -227,8 +274,11 @@ class KVCacheManager:
         )
         holders = [0] * pool.num_blocks
         for ids in self._blocks.values():
-            assert len(ids) == len(set(ids)), "a request holds a block twice"
-            for block in ids:
+            held = [b for b in ids if b != SCRATCH_BLOCK]
+            assert len(held) == len(set(held)), "a request holds a block twice"
+            released = len(ids) - len(held)
+            assert ids[:released] == [SCRATCH_BLOCK] * released, "a released block not first"
+            for block in held:
                 holders[block] += 1
         assert holders == pool.ref_counts, "a reference count disagrees with the tables"
         free = set(pool.free)

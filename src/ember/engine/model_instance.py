@@ -186,7 +186,10 @@ class ModelInstance:
         self.model = self._allocate_model(zeroed=compile_workers > 0)
         self.kv_cache, self.kv_arena = allocate_kv_cache(self.plan, num_blocks, self._arenas)
         self.kv_manager = KVCacheManager(
-            num_blocks, block_size, prefix_caching=config.cache.enable_prefix_caching
+            num_blocks,
+            block_size,
+            prefix_caching=config.cache.enable_prefix_caching,
+            window=self.model_config.kv_window(self.max_model_len),
         )
         self.asleep = False
         self._stashed: Stashed | None = None

@@ -54,6 +54,9 @@ class Request:
     # many blocks at the head of its current table are in the cache.
     block_hashes: list[bytes] = field(default_factory=list)
     num_cached_blocks: int = 0
+    # Blocks at the head of its table given back because every layer's window has passed
+    # them (`KVCacheManager.release_out_of_window`): their entries point at the scratch block.
+    num_released_blocks: int = 0
     # Where `params.structured_outputs` asks: the grammar, which the runner brings up to date
     # with the recorded outputs as it collects each step.
     grammar: GrammarMatcher | None = None

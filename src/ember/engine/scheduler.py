@@ -56,6 +56,10 @@ class Scheduler:
         # Where a request's next full block ends, for the decode path's one comparison (a block
         # size beyond any sequence when nothing is cached: the comparison never holds).
         self._cache_block_size = kv_cache.block_size if kv_cache.prefix_caching else 1 << 62
+        # How far a sliding window trails the next query (a lag beyond any sequence without
+        # one): past it by a whole block, the block below goes back to the pool.
+        self._window_lag = kv_cache.window - 1 if kv_cache.window is not None else 1 << 62
+        self._block_size = kv_cache.block_size
 
     # -- requests in and out -------------------------------------------------------------------
 
@@ -114,6 +118,7 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.limits.max_num_seqs:
             request = self.waiting[0]
             cached = self.kv_cache.claim_cached_prefix(request)
+            self.kv_cache.release_out_of_window(request)  # cached blocks its window has passed
             num_new = self._chunk_size(request, budget)
             new_blocks = self.kv_cache.allocate_slots(
                 request.request_id, request.num_computed_tokens + num_new
@@ -163,7 +168,10 @@ class Scheduler:
         new_blocks = self.kv_cache.allocate_slots(request_id, computed + 1)
         if new_blocks is None:
             return False
-        out.cached_requests.append(CachedRequestData(request_id, new_blocks))
+        released = 0
+        if computed - self._window_lag >= (request.num_released_blocks + 1) * self._block_size:
+            released = self.kv_cache.release_out_of_window(request)
+        out.cached_requests.append(CachedRequestData(request_id, new_blocks, released))
         out.num_scheduled_tokens[request_id] = 1
         self.step_counts.decode_tokens += 1
         request.num_computed_tokens = computed + 1
@@ -176,6 +184,7 @@ class Scheduler:
         if num_new <= 0:
             return 0
         self.kv_cache.cache_full_blocks(request)
+        released = self.kv_cache.release_out_of_window(request)
         while True:
             new_blocks = self.kv_cache.allocate_slots(
                 request.request_id, request.num_computed_tokens + num_new
@@ -187,7 +196,7 @@ class Scheduler:
                 self._preempt(request)
                 return 0
             self._preempt(victim)
-        out.cached_requests.append(CachedRequestData(request.request_id, new_blocks))
+        out.cached_requests.append(CachedRequestData(request.request_id, new_blocks, released))
         self._commit(request, num_new, out)
         return num_new
 

@@ -29,6 +29,9 @@ class NewRequestData:
 class CachedRequestData:
     request_id: str
     new_block_ids: list[int]
+    # Blocks at the head of its table given back this step (out of every layer's window):
+    # their entries now point at the scratch block.
+    num_released_blocks: int = 0
 
 
 @dataclass

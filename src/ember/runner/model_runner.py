@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from ember.config import StepLimits
+from ember.engine.kv_cache_manager import SCRATCH_BLOCK
 from ember.engine.request import Request, RequestStatus
 from ember.engine.step_types import RunnerOutput, SchedulerOutput, TokenLogprobs
 from ember.layers.attention import AttentionBackend, StagedAttention
@@ -55,6 +56,7 @@ class RunningRequest:
     __slots__ = (
         "block_array",
         "block_ids",
+        "num_released_blocks",
         "pending_row",
         "pending_step",
         "request",
@@ -69,11 +71,27 @@ class RunningRequest:
         self.stop_ids_until_min_tokens = stop_ids + tuple(request.params.stop_token_ids)
         self.pending_step: StepHandle | None = None
         self.pending_row = 0
+        # Entries at the head of the table that point at the scratch block (released, out of
+        # every layer's window; a request may start with some: cached blocks it passed).
+        self.num_released_blocks = 0
+        while (
+            self.num_released_blocks < len(block_ids)
+            and block_ids[self.num_released_blocks] == SCRATCH_BLOCK
+        ):
+            self.num_released_blocks += 1
         self.add_blocks(block_ids)
 
     def add_blocks(self, block_ids: list[int]) -> None:
         self.block_ids.extend(block_ids)
         self.block_array = np.asarray(self.block_ids, dtype=np.int32)  # copied into block tables
+
+    def release_blocks(self, count: int) -> None:
+        """The next ``count`` blocks at the head of the table went back to the pool (out of
+        every layer's window): their entries point at the scratch block."""
+        start = self.num_released_blocks
+        self.block_ids[start : start + count] = [SCRATCH_BLOCK] * count
+        self.num_released_blocks = start + count
+        self.block_array = np.asarray(self.block_ids, dtype=np.int32)
 
     # The sampler's row.
     @property
@@ -469,6 +487,8 @@ class ModelRunner:
             if new.request.grammar is not None:
                 self._structured.add(new.request.request_id)
         for cached in scheduled.cached_requests:
+            if cached.num_released_blocks:
+                states[cached.request_id].release_blocks(cached.num_released_blocks)
             if cached.new_block_ids:
                 states[cached.request_id].add_blocks(cached.new_block_ids)
 

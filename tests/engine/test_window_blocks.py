@@ -1,0 +1,139 @@
+"""Sliding windows give blocks back: in a model whose every layer attends through a window, the
+blocks every layer's window has passed return to the pool as a sequence advances, while every
+key a scheduled query can see stays held; cached ones stay cached; on a tiny Mistral, the same
+greedy tokens as transformers from a pool far smaller than its sequences, without preempting."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers.fake_runner import FakeRunner
+from helpers.hf_reference import hf_greedy_tokens
+from helpers.prefill import prompts_of_lengths
+from helpers.tiny_models import make_tiny_model
+
+from ember import LLM, SamplingParams
+from ember.config import StepLimits
+from ember.engine.kv_cache_manager import SCRATCH_BLOCK, KVCacheManager
+from ember.engine.request import Request
+from ember.engine.scheduler import Scheduler
+
+
+def make_request(rid: str, prompt: list[int], max_tokens: int) -> Request:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    return Request(rid, list(prompt), params, 0, max_tokens)
+
+
+def windowed_scheduler(num_blocks, block_size=4, window=8, prefix_caching=False, **limits):
+    kv = KVCacheManager(num_blocks, block_size, prefix_caching, window=window)
+    limits = {"max_num_batched_tokens": 8, "max_num_seqs": 4, **limits}
+    return Scheduler(StepLimits(**limits), kv)
+
+
+def run_checking_windows(scheduler: Scheduler) -> int:
+    """Step to the end; after each schedule, every key a scheduled query sees is in a block its
+    request holds (not the scratch block), released entries lead each table, and the accounting
+    holds. Returns the most blocks one request held."""
+    kv, runner, most = scheduler.kv_cache, FakeRunner(), 0
+    for _ in range(10_000):
+        if not scheduler.has_unfinished():
+            return most
+        out = scheduler.schedule()
+        for request_id, fed in out.num_scheduled_tokens.items():
+            request = scheduler.requests[request_id]
+            table = kv.block_ids(request_id)
+            first_query = request.num_computed_tokens - fed
+            lowest_key = max(0, first_query - kv.window + 1)
+            for position in range(lowest_key, request.num_computed_tokens):
+                assert table[position // kv.block_size] != SCRATCH_BLOCK, (request_id, position)
+            released = request.num_released_blocks
+            assert table[:released] == [SCRATCH_BLOCK] * released
+            most = max(most, len(table) - released)
+        runner.step(scheduler, out)
+        scheduler.check_invariants()
+    raise AssertionError("the scheduler did not finish")
+
+
+def test_a_sequence_longer_than_the_pool_holds_only_its_window():
+    # 15 usable blocks of 4 (60 tokens); three sequences of 70-89 tokens at once (61 blocks).
+    s = windowed_scheduler(num_blocks=16, max_num_seqs=3)
+    for i, (prompt, out) in enumerate([(40, 30), (25, 60), (9, 80)]):
+        s.add_request(make_request(f"r{i}", range(1, prompt + 1), out))
+    most = run_checking_windows(s)
+    assert s.num_preemptions == 0
+    # window 8 + a chunk of 8, over blocks of 4 not aligned to either: at most 5 blocks.
+    assert most <= 5
+    assert s.kv_cache.num_free_blocks == 15
+
+
+def test_without_a_window_nothing_is_released():
+    kv = KVCacheManager(64, 4)
+    s = Scheduler(StepLimits(max_num_batched_tokens=8, max_num_seqs=2), kv)
+    request = make_request("a", range(1, 30), 20)
+    s.add_request(request)
+    runner = FakeRunner()
+    while s.has_unfinished():
+        out = s.schedule()
+        assert all(c.num_released_blocks == 0 for c in out.cached_requests)
+        if request.status.name == "RUNNING":
+            assert SCRATCH_BLOCK not in kv.block_ids("a")
+        runner.step(s, out)
+    assert request.num_released_blocks == 0
+
+
+def test_released_blocks_stay_cached_for_a_later_prompt():
+    s = windowed_scheduler(num_blocks=32, prefix_caching=True)
+    prompt = list(range(1, 41))
+    s.add_request(make_request("a", prompt, 4))
+    run_checking_windows(s)
+    cached = s.kv_cache.pool.num_cached
+    assert cached >= 40 // 4 - 1  # released along the way, registered first
+    later = make_request("b", prompt, 4)
+    s.add_request(later)
+    first = s.schedule()
+    # It starts from the cached prefix (9 blocks: its last token is computed again) and at once
+    # gives back the blocks below the window of its first query, at 36.
+    assert first.num_scheduled_tokens["b"] == 4 and later.num_computed_tokens == 40
+    assert later.num_released_blocks == (36 - 8 + 1) // 4
+    (new,) = first.new_requests
+    assert new.block_ids[: later.num_released_blocks] == [SCRATCH_BLOCK] * later.num_released_blocks
+    s.check_invariants()
+
+
+def test_a_preempted_request_gives_back_only_what_it_still_holds():
+    s = windowed_scheduler(num_blocks=8)
+    request = make_request("a", range(1, 50), 4)
+    s.add_request(request)
+    runner = FakeRunner()
+    while request.num_released_blocks == 0:
+        runner.step(s, s.schedule())
+    s._preempt(request)
+    assert request.num_released_blocks == 0 and s.kv_cache.block_ids("a") == []
+    s.check_invariants()
+    assert s.kv_cache.num_free_blocks == 7
+
+
+@pytest.mark.slow
+def test_mistral_decodes_from_a_pool_smaller_than_its_sequences(tmp_path):
+    """A 12-key window, blocks of 4, 20 usable blocks (80 tokens) for three sequences of 36-56
+    tokens at once (35 blocks in all): transformers' greedy tokens, and no request preempted."""
+    transformers = pytest.importorskip("transformers")
+    path = make_tiny_model("MistralForCausalLM", tmp_path, sliding_window=12)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    llm = LLM(
+        str(path),
+        dtype="float32",
+        device="cpu",
+        max_model_len=64,
+        block_size=4,
+        num_gpu_blocks_override=21,
+        max_num_batched_tokens=16,
+    )
+    assert llm.instance.kv_manager.window == 12
+    prompts = prompts_of_lengths((40, 30, 20), hf.config.vocab_size, 5)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    for prompt, out in zip(prompts, outputs):
+        assert out.outputs[0].token_ids == hf_greedy_tokens(hf, prompt, 16)
+    assert llm.instance.scheduler.num_preemptions == 0
+    llm.instance.scheduler.check_invariants()
