@@ -137,3 +137,25 @@ def test_mistral_decodes_from_a_pool_smaller_than_its_sequences(tmp_path):
         assert out.outputs[0].token_ids == hf_greedy_tokens(hf, prompt, 16)
     assert llm.instance.scheduler.num_preemptions == 0
     llm.instance.scheduler.check_invariants()
+
+
+@pytest.mark.slow
+def test_a_windowed_model_serves_a_context_longer_than_its_pool(tmp_path):
+    """The pool need hold only a window and a chunk: 8 usable blocks of 4 (32 tokens) serve a
+    130-token sequence of a 12-key window with transformers' greedy tokens. A dense model is
+    refused such a pool, with what one sequence needs."""
+    transformers = pytest.importorskip("transformers")
+    path = make_tiny_model("MistralForCausalLM", tmp_path / "mistral", sliding_window=12)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    options = {"max_model_len": 256, "block_size": 4, "max_num_batched_tokens": 16}
+    # One block over the 27 positions of a window and a chunk, one more, and the scratch block.
+    llm = LLM(str(path), dtype="float32", device="cpu", num_gpu_blocks_override=9, **options)
+    assert llm.instance.plan.min_kv_blocks == 9
+    (prompt,) = prompts_of_lengths((100,), hf.config.vocab_size, 6)
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    (out,) = llm.generate([{"prompt_token_ids": prompt}], params)
+    assert out.outputs[0].token_ids == hf_greedy_tokens(hf, prompt, 30)
+    llm.instance.scheduler.check_invariants()
+    dense = make_tiny_model("LlamaForCausalLM", tmp_path / "llama")
+    with pytest.raises(ValueError, match=r"holds 32 tokens, fewer than one sequence of "):
+        LLM(str(dense), dtype="float32", device="cpu", num_gpu_blocks_override=9, **options)

@@ -146,10 +146,12 @@ class ModelInstance:
             kv_cache_bytes = standalone_kv_bytes(self.plan, memory or MemoryConfig())
         block_size = config.cache.block_size
         num_blocks = config.cache.num_blocks or self.plan.kv_blocks_for(kv_cache_bytes)
-        if (num_blocks - 1) * block_size < self.max_model_len:
+        if num_blocks < self.plan.min_kv_blocks:
             raise ValueError(
-                f"the KV cache holds {(num_blocks - 1) * block_size} tokens, fewer than "
-                f"max_model_len={self.max_model_len}; give it more memory or lower max_model_len"
+                f"the KV cache holds {(num_blocks - 1) * block_size} tokens, fewer than one "
+                f"sequence of max_model_len={self.max_model_len} needs "
+                f"({(self.plan.min_kv_blocks - 1) * block_size}); give it more memory or lower "
+                "max_model_len"
             )
         self.plan.check_complete()  # a missing tensor fails here, before anything is allocated
         self._arenas = arenas or ArenaFactory(self.device)

@@ -141,8 +141,17 @@ class ModelPlan:
 
     @property
     def min_kv_blocks(self) -> int:
-        """Blocks one sequence of the full context needs, plus the scratch block."""
-        return -(-self.max_model_len // self.config.cache.block_size) + 1
+        """Blocks one sequence of the full context needs, plus the scratch block. Where every
+        layer attends through a window, a sequence holds only the blocks over its window and
+        the chunk a step adds (`ember.engine.kv_cache_manager`): at most one block more than
+        ``window - 1 + max_num_batched_tokens`` positions span."""
+        block_size = self.config.cache.block_size
+        blocks = -(-self.max_model_len // block_size)
+        window = self.model_config.kv_window(self.max_model_len)
+        if window is not None:
+            span = window - 1 + self.limits.max_num_batched_tokens
+            blocks = min(blocks, -(-span // block_size) + 1)
+        return blocks + 1
 
     @functools.cached_property
     def weight_bytes(self) -> int:
