@@ -99,6 +99,20 @@ def test_model_config_carries_the_layers():
     assert ModelConfig.from_hf_dict(llama).attention_of(0) == PLAIN
 
 
+def test_only_a_model_windowed_in_every_layer_has_a_kv_window():
+    """The window whose passed blocks a sequence gives back (`KVCacheManager`): every layer
+    windowed (the largest window), none where a layer reads every key or a chunk's."""
+    mistral = _hf_dict(transformers.MistralConfig, sliding_window=12)
+    mistral["architectures"] = ["MistralForCausalLM"]
+    assert ModelConfig.from_hf_dict(mistral).kv_window(4096) == 12
+    assert ModelConfig.from_hf_dict(mistral).kv_window(12) is None  # the window hides nothing
+    gpt_oss = _hf_dict(transformers.GptOssConfig, sliding_window=128)
+    gpt_oss["architectures"] = ["GptOssForCausalLM"]
+    assert ModelConfig.from_hf_dict(gpt_oss).kv_window(4096) is None  # alternate full layers
+    llama = dict(mistral, architectures=["LlamaForCausalLM"])
+    assert ModelConfig.from_hf_dict(llama).kv_window(4096) is None
+
+
 def test_a_config_of_alike_layers_is_read_without_walking_them():
     """A config claiming a billion layers (the loader then refuses it against the checkpoint)
     costs nothing to read where its layers are alike."""

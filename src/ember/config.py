@@ -197,8 +197,9 @@ class ModelConfig:
         """The keys behind a query that any layer reads, when every layer attends through a
         window shorter than ``max_model_len`` (the largest window); else None (a layer reads
         every key before its query, or a chunk's from its start)."""
-        layers = [self.attention_of(i).within(max_model_len) for i in range(self.num_layers)]
-        if not layers or any(a.window is None or a.chunk_size is not None for a in layers):
+        # One entry (or none: plain) stands for every layer: no walk over a claimed layer count.
+        layers = [a.within(max_model_len) for a in self.layer_attention or (PLAIN,)]
+        if any(a.window is None or a.chunk_size is not None for a in layers):
             return None
         return max(a.window for a in layers)
 
