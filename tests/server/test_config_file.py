@@ -277,11 +277,13 @@ def test_pinned_models_memory_shares_fit_the_budget(write):
 def test_relative_paths_are_taken_from_the_files_folder_where_they_exist(tmp_path, write):
     (tmp_path / "models" / "m").mkdir(parents=True)
     (tmp_path / "t.jinja").write_text("{{ messages }}")
+    (tmp_path / "tune.json").write_text("{}")
     path = write(
         """
         [[models]]
         source = "models/m"
         chat_template = "t.jinja"
+        kernel_tuning = "tune.json"
 
         [[models]]
         source = "org/name"
@@ -293,6 +295,7 @@ def test_relative_paths_are_taken_from_the_files_folder_where_they_exist(tmp_pat
     assert here.engine.model == str(tmp_path / "models" / "m")
     assert here.name == "models/m"  # named as written
     assert here.chat_template == str(tmp_path / "t.jinja")
+    assert here.engine.kernel_tuning == str(tmp_path / "tune.json")
     assert there.engine.model == "org/name" and there.chat_template == "{{ messages }}"
 
 

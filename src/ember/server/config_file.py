@@ -228,6 +228,8 @@ def _model_entry(table: Mapping[str, Any], where: str, base_dir: Path | None) ->
         for key, option in _file_option_keys().items()
         if key in table
     }
+    if "kernel_tuning" in options:
+        options["kernel_tuning"] = _beside(options["kernel_tuning"], base_dir)
     parsers = {key: _parser(table[key], key, where) for key in _PARSER_KEYS if key in table}
     return ModelEntry(
         source=_beside(source, base_dir),
