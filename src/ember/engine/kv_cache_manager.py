@@ -220,7 +220,8 @@ class KVCacheManager:
     def release_out_of_window(self, request: Request) -> int:
         """Give back the request's blocks that no query from its next one on can see (each
         wholly below ``num_computed_tokens - window + 1``), registering full ones first; their
-        entries become the scratch block. Returns how many were released now. The step that
+        entries become the scratch block. Returns how many blocks at the head of its table are
+        released when this call released any, else 0. The step that
         reads them last is already launched: a block handed out again is written only by a
         later step, after it on the device."""
         if self.window is None:
@@ -239,7 +240,7 @@ class KVCacheManager:
         self.pool.release(table[first:below])
         table[first:below] = [SCRATCH_BLOCK] * (below - first)
         request.num_released_blocks = below
-        return below - first
+        return below
 
     def free(self, request: Request) -> None:
         """Let go of the request's blocks, registering its full ones first."""

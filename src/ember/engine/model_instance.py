@@ -191,7 +191,7 @@ class ModelInstance:
             num_blocks,
             block_size,
             prefix_caching=config.cache.enable_prefix_caching,
-            window=self.model_config.kv_window(self.max_model_len),
+            window=self.plan.kv_window,
         )
         self.asleep = False
         self._stashed: Stashed | None = None

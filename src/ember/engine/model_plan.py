@@ -139,6 +139,12 @@ class ModelPlan:
         per_layer = 2 * block_size * cfg.num_kv_heads * cfg.head_dim * self.kv_elem_bytes
         return cfg.num_layers * per_layer
 
+    @functools.cached_property
+    def kv_window(self) -> int | None:
+        """Every layer's window within the served context (the largest), or None: some layer
+        reads every key (`ModelConfig.kv_window`)."""
+        return self.model_config.kv_window(self.max_model_len)
+
     @property
     def min_kv_blocks(self) -> int:
         """Blocks one sequence of the full context needs, plus the scratch block. Where every
@@ -147,7 +153,7 @@ class ModelPlan:
         ``window - 1 + max_num_batched_tokens`` positions span."""
         block_size = self.config.cache.block_size
         blocks = -(-self.max_model_len // block_size)
-        window = self.model_config.kv_window(self.max_model_len)
+        window = self.kv_window
         if window is not None:
             span = window - 1 + self.limits.max_num_batched_tokens
             blocks = min(blocks, -(-span // block_size) + 1)

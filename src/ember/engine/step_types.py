@@ -29,8 +29,8 @@ class NewRequestData:
 class CachedRequestData:
     request_id: str
     new_block_ids: list[int]
-    # Blocks at the head of its table given back this step (out of every layer's window):
-    # their entries now point at the scratch block.
+    # Where this step gave blocks back (out of every layer's window): how many at the head of
+    # its table are released now, their entries the scratch block; else 0.
     num_released_blocks: int = 0
 
 

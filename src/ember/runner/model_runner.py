@@ -56,7 +56,6 @@ class RunningRequest:
     __slots__ = (
         "block_array",
         "block_ids",
-        "num_released_blocks",
         "pending_row",
         "pending_step",
         "request",
@@ -71,14 +70,6 @@ class RunningRequest:
         self.stop_ids_until_min_tokens = stop_ids + tuple(request.params.stop_token_ids)
         self.pending_step: StepHandle | None = None
         self.pending_row = 0
-        # Entries at the head of the table that point at the scratch block (released, out of
-        # every layer's window; a request may start with some: cached blocks it passed).
-        self.num_released_blocks = 0
-        while (
-            self.num_released_blocks < len(block_ids)
-            and block_ids[self.num_released_blocks] == SCRATCH_BLOCK
-        ):
-            self.num_released_blocks += 1
         self.add_blocks(block_ids)
 
     def add_blocks(self, block_ids: list[int]) -> None:
@@ -86,11 +77,9 @@ class RunningRequest:
         self.block_array = np.asarray(self.block_ids, dtype=np.int32)  # copied into block tables
 
     def release_blocks(self, count: int) -> None:
-        """The next ``count`` blocks at the head of the table went back to the pool (out of
-        every layer's window): their entries point at the scratch block."""
-        start = self.num_released_blocks
-        self.block_ids[start : start + count] = [SCRATCH_BLOCK] * count
-        self.num_released_blocks = start + count
+        """The ``count`` blocks at the head of the table are back in the pool (out of every
+        layer's window): their entries point at the scratch block."""
+        self.block_ids[:count] = [SCRATCH_BLOCK] * count
         self.block_array = np.asarray(self.block_ids, dtype=np.int32)
 
     # The sampler's row.
