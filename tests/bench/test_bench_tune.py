@@ -91,7 +91,8 @@ def test_moe_paths_by_pair_at_decode_and_grouped_block_sizes_up_to_the_rows_per_
 
     qwen = MOE_SHAPES["qwen3-30b-a3b"]
     paths = paths_for(qwen, 1, 132)
-    assert set(paths) == {"by_pair", "by_pair_split", "grouped_m16"}
+    assert set(paths) == {"by_pair", "by_pair_split", "by_pair_gemv", "grouped_m16"}
+    assert paths["by_pair_gemv"].gemv and paths["by_pair_gemv"].down_by_token
     assert paths["by_pair"].down_by_token and not paths["by_pair_split"].down_by_token
     # 4096 tokens x 8 over 128 experts: 256 rows an expert, every block size worth timing.
     grouped = paths_for(qwen, 4096, 132)

@@ -21,6 +21,9 @@ ROUTINGS = ("random", "one_expert", "some_experts_empty")
 BY_PAIR = MoeTiles(True, 16, GemmTiles(16, 32, 2, 4), GemmTiles(32, 32, 2, 4))
 # By pair with down one program per pair, and the sum over k after.
 BY_PAIR_SPLIT = replace(BY_PAIR, down_by_token=False)
+# The products on the CUDA cores: column tiles narrower than `tl.dot`'s 16 rows, and (at H and
+# I of 64 or 32 where the cases use them) K steps that do not divide K.
+BY_PAIR_GEMV = MoeTiles(True, 16, GemmTiles(8, 64, 2, 4), GemmTiles(4, 64, 1, 2), gemv=True)
 GROUPED = MoeTiles(False, 16, GemmTiles(32, 64, 2, 4), GemmTiles(32, 32, 2, 4, group_m=2))
 # Rows of 32, column tiles past I and H, K steps that do not divide H or I.
 GROUPED_ODD = MoeTiles(False, 32, GemmTiles(32, 32, 2, 4, group_m=3), GemmTiles(64, 32, 2, 4))

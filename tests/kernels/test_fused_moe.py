@@ -8,6 +8,7 @@ import pytest
 import torch
 from helpers.moe_reference import (
     BY_PAIR,
+    BY_PAIR_GEMV,
     BY_PAIR_SPLIT,
     GROUPED,
     GROUPED_ODD,
@@ -22,7 +23,12 @@ from ember.kernels.moe_tiles import MoeShape, MoeTuning, default_moe_tiles
 from ember.kernels.tuning import KernelTuning
 from ember.layers.ops import triton_ops
 
-PATHS = {"by_pair": BY_PAIR, "by_pair_split": BY_PAIR_SPLIT, "grouped": GROUPED}
+PATHS = {
+    "by_pair": BY_PAIR,
+    "by_pair_split": BY_PAIR_SPLIT,
+    "by_pair_gemv": BY_PAIR_GEMV,
+    "grouped": GROUPED,
+}
 
 
 def run_case(

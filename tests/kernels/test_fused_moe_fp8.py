@@ -9,6 +9,7 @@ import pytest
 import torch
 from helpers.moe_reference import (
     BY_PAIR,
+    BY_PAIR_GEMV,
     BY_PAIR_SPLIT,
     GROUPED,
     GROUPED_ODD,
@@ -25,6 +26,7 @@ from ember.layers.reference_ops import moe_experts_reference
 PATHS = {
     "by_pair": BY_PAIR,
     "by_pair_split": BY_PAIR_SPLIT,
+    "by_pair_gemv": BY_PAIR_GEMV,
     "grouped": GROUPED,
     "grouped_odd": GROUPED_ODD,
 }

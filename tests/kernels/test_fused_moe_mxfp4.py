@@ -13,9 +13,10 @@ import pytest
 import torch
 import triton
 import triton.language as tl
-from helpers.moe_reference import moe_reference, moe_weights, routing
+from helpers.moe_reference import BY_PAIR_GEMV, moe_reference, moe_weights, routing
 
 from ember.kernels.fused_moe import fused_moe
+from ember.kernels.moe_gemv import W_MXFP4_GEMV, _gemv_tile
 from ember.kernels.moe_tiles import GemmTiles, MoeTiles
 from ember.kernels.mxfp4 import mxfp4_tile
 from ember.layers.mxfp4 import Mxfp4Weight
@@ -31,6 +32,7 @@ BY_PAIR_SPLIT = replace(BY_PAIR, down_by_token=False)
 PATHS = {
     "by_pair": BY_PAIR,
     "by_pair_split": BY_PAIR_SPLIT,
+    "by_pair_gemv": BY_PAIR_GEMV,
     "grouped": GROUPED,
     "grouped_odd": GROUPED_ODD,
 }
@@ -203,3 +205,40 @@ def test_mxfp4_operands_that_do_not_pair_are_refused():
     with pytest.raises(ValueError, match="whole 32-value groups"):
         tiles = MoeTiles(True, 16, GemmTiles(16, 16, 2, 4), GemmTiles(16, 32, 2, 4))
         fused_moe(x, w13, w2, topk_weights, ids, tiles=tiles)
+
+
+@triton.jit
+def _gemv_group_sums_kernel(
+    blocks_ptr, scales_ptr, x_ptr, out_ptr, K: tl.constexpr, ROWS: tl.constexpr
+):
+    """The GEMV step's ``[ROWS, K / 32]`` group sums of packed rows against ``x``."""
+    rows = tl.arange(0, ROWS)[:, None]
+    acc = tl.zeros([ROWS, K // 32], dtype=tl.float32)
+    acc = _gemv_tile(
+        acc, x_ptr, blocks_ptr + rows * (K // 2), scales_ptr + rows * (K // 32), 0, K,
+        W_MXFP4_GEMV, True, K,
+    )  # fmt: skip
+    tl.store(out_ptr + rows * (K // 32) + tl.arange(0, K // 32)[None, :], acc)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered")  # 6 * 2^97 * 2^30 is infinite
+def test_the_gemv_step_decodes_every_code_at_every_scale_it_takes():
+    """Every byte value under scales from 2^-127 to 2^97 (e8m0 byte 224, the largest the GEMV
+    takes): against a one-hot activation at one place of every group, each group's sum is the
+    dequantized value there (a byte past 224 reads as infinite)."""
+    scales = torch.tensor([0, 1, 100, 120, 127, 128, 140, 224], dtype=torch.uint8)
+    rows, k = len(scales), 512
+    blocks = torch.arange(256, dtype=torch.uint8).repeat(rows, 1).view(rows, k // 32, 16)
+    group_scales = scales[:, None].expand(rows, k // 32).contiguous()
+    expected = dequantize_mxfp4(blocks, group_scales, torch.float32).view(rows, k // 32, 32)
+    for place in range(32):
+        x = torch.zeros(k // 32, 32)
+        x[:, place] = 1.0
+        out = torch.empty(rows, k // 32)
+        _gemv_group_sums_kernel[(1,)](blocks, group_scales, x.view(-1), out, K=k, ROWS=rows)
+        assert torch.equal(out, expected[:, :, place]), place
+    beyond = torch.full_like(group_scales, 225)
+    x = torch.zeros(k // 32, 32)
+    x[:, 2] = 1.0  # each group's byte 1: its low code, 0.5
+    _gemv_group_sums_kernel[(1,)](blocks, beyond, x.view(-1), out, K=k, ROWS=rows)
+    assert torch.isposinf(out).all()

@@ -3,6 +3,7 @@ or the heuristics, and that the heuristics' tiles fit an SM."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from ember.kernels.moe_tiles import (
@@ -13,6 +14,7 @@ from ember.kernels.moe_tiles import (
     MoeTuning,
     cdiv,
     default_moe_tiles,
+    gemv_moe_tiles,
     shared_memory_estimate,
 )
 from ember.kernels.tiles import SHARED_MEMORY_BUDGET
@@ -80,6 +82,32 @@ def test_measured_rows_win_up_to_their_bound_then_the_heuristics():
 def test_tiles_round_trip_through_a_dict():
     tiles = MoeTiles(True, 16, GemmTiles(16, 256, 4, 4), GemmTiles(32, 128, 3, 4, 1))
     assert MoeTiles.from_dict(tiles.as_dict()) == tiles
+    gemv = gemv_moe_tiles(GPT_OSS, 1)
+    assert MoeTiles.from_dict(gemv.as_dict()) == gemv and gemv.gemv
+    old_row = {k: v for k, v in tiles.as_dict().items() if k != "gemv"}  # a file from before
+    assert not MoeTiles.from_dict(old_row).gemv
+
+
+def test_gemv_tiles_fill_the_gpu_four_times_below_16_columns():
+    """One token of gpt-oss: 4 pairs of 2880 gate/up columns and one token of 2880 down columns
+    take column tiles that give at least four programs an SM where 2 columns allow."""
+    for shape, tokens in ((GPT_OSS, 1), (QWEN3, 1), (GPT_OSS, 4)):
+        tiles = gemv_moe_tiles(shape, tokens, MoeTuning(num_sms=132))
+        assert tiles.by_pair and tiles.down_by_token and tiles.gemv
+        gate_up_programs = tokens * shape.top_k * cdiv(shape.intermediate, tiles.gate_up.block_n)
+        down_programs = tokens * cdiv(shape.hidden, tiles.down.block_n)
+        for programs, gemm in ((gate_up_programs, tiles.gate_up), (down_programs, tiles.down)):
+            assert programs >= 4 * 132 or gemm.block_n == 2
+            assert programs < 8 * 132 or gemm.block_n == 32  # the widest that fills them
+    assert gemv_moe_tiles(GPT_OSS, 1).down.block_n < 16  # past tl.dot's floor
+
+
+def test_the_gemv_path_runs_by_pair_with_down_by_token():
+    gemm = GemmTiles(8, 256, 2, 4)
+    with pytest.raises(ValueError, match="by pair with down by token"):
+        MoeTiles(False, 16, gemm, gemm, gemv=True)
+    with pytest.raises(ValueError, match="by pair with down by token"):
+        MoeTiles(True, 16, gemm, gemm, down_by_token=False, gemv=True)
 
 
 def test_the_device_table_carries_the_sm_count():

@@ -34,6 +34,7 @@ from ember.kernels.moe_tiles import (
     MoeTuning,
     default_moe_tiles,
     fit_shared_memory,
+    gemv_moe_tiles,
 )
 from ember.kernels.tuning_files import measured_as_dict
 from ember.layers.mxfp4 import Mxfp4Weight
@@ -61,6 +62,16 @@ STREAM_CANDIDATES = (
 )
 # MXFP4 weights move a quarter of bf16's bytes a K step: longer steps too.
 MXFP4_STREAM_CANDIDATES = ((16, 512, 4, 4), (32, 512, 3, 8))
+# GEMV candidates (by pair on the CUDA cores): (block_n, block_k, stages, num_warps).
+GEMV_CANDIDATES = (
+    (4, 256, 2, 4),
+    (8, 256, 2, 4),
+    (16, 256, 2, 4),
+    (8, 512, 2, 4),
+    (16, 128, 2, 4),
+    (32, 256, 2, 8),
+    (8, 256, 1, 2),
+)
 # Tensor-core candidates (prefill): (block_n, block_k, stages, num_warps, group_m).
 GEMM_CANDIDATES = (
     (64, 64, 4, 4, 8),
@@ -89,6 +100,7 @@ def paths_for(shape: MoeShape, tokens: int, num_sms: int) -> dict[str, MoeTiles]
         by_pair = default_moe_tiles(shape, tokens, MoeTuning(num_sms, by_pair_max_tokens=tokens))
         paths["by_pair"] = replace(by_pair, down_by_token=True)
         paths["by_pair_split"] = replace(by_pair, down_by_token=False)
+        paths["by_pair_gemv"] = fit(gemv_moe_tiles(shape, tokens, MoeTuning(num_sms)), shape)
     grouped_only = MoeTuning(num_sms=num_sms, by_pair_max_tokens=0)
     grouped = default_moe_tiles(shape, tokens, grouped_only)
     for block_m in block_ms_for(shape, tokens):
@@ -111,8 +123,10 @@ def _grouped_tiles(tiles: MoeTiles, block_m: int) -> MoeTiles:
 
 
 def candidates(tiles: MoeTiles, mxfp4: bool = False) -> list[GemmTiles]:
-    """The product tiles swept for a path: weight-stream ones at 16 rows (longer K steps too
-    for ``mxfp4`` weights), tensor-core above."""
+    """The product tiles swept for a path: GEMV ones for the CUDA-core path, weight-stream
+    ones at 16 rows (longer K steps too for ``mxfp4`` weights), tensor-core above."""
+    if tiles.gemv:
+        return [GemmTiles(*c) for c in GEMV_CANDIDATES]
     if tiles.block_m <= 16:
         extra = MXFP4_STREAM_CANDIDATES if mxfp4 else ()
         return [GemmTiles(*c) for c in (*STREAM_CANDIDATES, *extra)]
@@ -193,7 +207,8 @@ def sweep_path(measure, tiles: MoeTiles, shape: MoeShape) -> tuple[MoeTiles, dic
 
 
 def tiles_key(tiles: MoeTiles) -> str:
-    return f"m{tiles.block_m}_gu_{tiles.gate_up.name()}_dn_{tiles.down.name()}"
+    path = "gemv" if tiles.gemv else f"m{tiles.block_m}"
+    return f"{path}_gu_{tiles.gate_up.name()}_dn_{tiles.down.name()}"
 
 
 def _products_us(inputs: dict, tiles: MoeTiles, tuning: MoeTuning) -> dict[str, object]:

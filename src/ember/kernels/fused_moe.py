@@ -9,7 +9,9 @@ decode step captures it in a CUDA graph and replays it under any routing.
 The device's `MoeTuning` picks, per shape and token count, the path and tiles
 (`ember.kernels.moe_tiles`): by pair at decode (two or three launches, each program streaming
 one chosen expert's rows, so a step reads only the chosen experts' weights), grouped past it
-(alignment, two grouped GEMMs, the sum over k; `ember.kernels.moe_gemm`).
+(alignment, two grouped GEMMs, the sum over k; `ember.kernels.moe_gemm`). The by-pair products
+run on the tensor cores (one row padded to `tl.dot`'s 16) or, where the table says ``gemv``, on
+the CUDA cores (`ember.kernels.moe_gemv`).
 
 FP8 experts (``w13`` and ``w2`` as `Fp8Weight`s: float8 e4m3 with a float32 scale per expert
 and row) run the same kernels: each weight tile is read at one byte an element and widened to
@@ -42,6 +44,7 @@ from ember.kernels.moe_gemm import (
     gate_up_grouped,
     sum_over_top_k,
 )
+from ember.kernels.moe_gemv import down_gemv_by_token, gate_up_gemv
 from ember.kernels.moe_tiles import MXFP4_GROUP, MoeShape, MoeTiles, MoeTuning
 from ember.layers.fp8 import FP8_DTYPE, Fp8Weight
 from ember.layers.mxfp4 import BLOCK_BYTES, Mxfp4Weight
@@ -190,6 +193,9 @@ def fused_moe(
         _check_mxfp4_tiles(tiles)
     ids = topk_ids.reshape(-1).to(torch.int32).contiguous()
     weights = topk_weights.reshape(-1).contiguous()
+    if tiles.gemv:
+        inter = gate_up_gemv(x, w13, b13, ids, top_k, activation, tiles.gate_up, scale=w13_scale)
+        return down_gemv_by_token(inter, w2, b2, ids, weights, top_k, tiles.down, out, w2_scale)
     if tiles.by_pair:
         inter = gate_up_by_pair(x, w13, b13, ids, top_k, activation, tiles.gate_up, scale=w13_scale)
         if tiles.down_by_token:

@@ -80,13 +80,21 @@ class MoeTiles:
     """A launch of the fused MoE: the path (``by_pair``), the rows of an aligned block
     (grouped path; by pair, `MIN_DOT_ROWS`) and each product's tiles. By pair, down runs one
     program per token and column tile summing its k experts (``down_by_token``), or one per
-    pair and column tile and a sum over k after (more programs, one more launch)."""
+    pair and column tile and a sum over k after (more programs, one more launch). ``gemv``
+    (by pair, down by token): the products on the CUDA cores (`ember.kernels.moe_gemv`), one
+    row a program and no `tl.dot`, so no padding to 16 rows and no tensor-core decode of
+    MXFP4 tiles; its column tiles may be narrower than 16."""
 
     by_pair: bool
     block_m: int
     gate_up: GemmTiles
     down: GemmTiles
     down_by_token: bool = True
+    gemv: bool = False
+
+    def __post_init__(self) -> None:
+        if self.gemv and not (self.by_pair and self.down_by_token):
+            raise ValueError("the GEMV products run by pair with down by token")
 
     def as_dict(self) -> dict:
         return {
@@ -95,6 +103,7 @@ class MoeTiles:
             "gate_up": vars(self.gate_up).copy(),
             "down": vars(self.down).copy(),
             "down_by_token": self.down_by_token,
+            "gemv": self.gemv,
         }
 
     @classmethod
@@ -105,6 +114,7 @@ class MoeTiles:
             GemmTiles(**d["gate_up"]),
             GemmTiles(**d["down"]),
             d.get("down_by_token", True),
+            d.get("gemv", False),
         )
 
 
@@ -188,6 +198,24 @@ def default_moe_tiles(shape: MoeShape, tokens: int, tuning: MoeTuning | None = N
     return fit_shared_memory(tiles, shape.elem_bytes, budget, shape.weight_bytes)
 
 
+def gemv_moe_tiles(shape: MoeShape, tokens: int, tuning: MoeTuning | None = None) -> MoeTiles:
+    """Heuristic tiles of the by-pair path on the CUDA cores (``MoeTiles.gemv``): column tiles
+    narrow enough that the programs fill the GPU four times over (a GEMV program keeps fewer
+    loads in flight than a pipelined `tl.dot` one), K steps of 256 values."""
+    tuning = tuning or MoeTuning()
+    pairs = tokens * shape.top_k
+
+    def stream(cols: int, row_programs: int) -> GemmTiles:
+        block_n = 32
+        while block_n > 2 and row_programs * cdiv(cols, block_n) < 4 * tuning.num_sms:
+            block_n //= 2
+        block_k = min(256, max(MXFP4_GROUP, next_power_of_2(shape.hidden)))
+        return GemmTiles(block_n, block_k, stages=2, num_warps=4)
+
+    gate_up = stream(shape.intermediate, pairs)
+    return MoeTiles(True, MIN_DOT_ROWS, gate_up, stream(shape.hidden, tokens), gemv=True)
+
+
 def _stream_tiles(cols: int, k: int, row_programs: int, num_sms: int, mxfp4: bool) -> GemmTiles:
     """Tiles of a weight stream over ``cols`` output columns by ``row_programs`` programs a
     column tile: the widest of 64, 32, 16 columns whose programs fill two waves. ``mxfp4``
@@ -217,13 +245,15 @@ def fit_shared_memory(
     budget: int = SHARED_MEMORY_BUDGET,
     weight_bytes: float | None = None,
 ) -> MoeTiles:
-    """Halve BLOCK_K (to 32), then drop stages (to 2), until each product's tiles fit."""
+    """Halve BLOCK_K (to 32), then drop stages (to 2), until each product's tiles fit (a GEMV
+    program stages one activation row, not a block of them)."""
+    rows = 1 if tiles.gemv else tiles.block_m
 
     def fit(gemm: GemmTiles, gated: bool) -> GemmTiles:
         config = shrink_to_fit(
             {"block_k": gemm.block_k, "stages": gemm.stages},
             lambda c: shared_memory_estimate(
-                tiles.block_m, replace(gemm, **c), elem_bytes, gated, weight_bytes
+                rows, replace(gemm, **c), elem_bytes, gated, weight_bytes
             ),
             [("block_k", 32, True), ("stages", 2, False)],
             budget,
