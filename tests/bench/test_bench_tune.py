@@ -119,6 +119,26 @@ def test_moe_sweep_is_coordinate_descent_over_gate_up_then_down():
     assert tiles_key(start) in times
 
 
+def test_mxfp4_sweep_tries_each_product_decoding_in_registers():
+    """After the tile sweep, an MXFP4 path times each product's best decoding in registers
+    and keeps it where faster (here down's only); the GEMV path has no such choice."""
+    from ember.bench.tune_moe import MOE_SHAPES, paths_for, sweep_path
+
+    shape = MOE_SHAPES["gpt-oss-20b-mxfp4"]
+    paths = paths_for(shape, 1, 132)
+
+    def measure(tiles):
+        return 10.0 - tiles.down.mxfp4_in_registers + tiles.gate_up.mxfp4_in_registers
+
+    best, times = sweep_path(measure, paths["by_pair"], shape)
+    assert best.down.mxfp4_in_registers and not best.gate_up.mxfp4_in_registers
+    assert sum("regs" in key for key in times) == 2
+    _, gemv_times = sweep_path(measure, paths["by_pair_gemv"], shape)
+    assert not any("regs" in key for key in gemv_times)
+    grouped, _ = sweep_path(lambda t: 1.0, paths["grouped_m16"], MOE_SHAPES["gpt-oss-20b"])
+    assert not grouped.down.mxfp4_in_registers  # bf16 experts: no decode to choose
+
+
 def test_moe_table_reads_back_into_the_tuning():
     from ember.bench.tune_moe import MOE_SHAPES
     from ember.kernels.moe_tiles import MeasuredMoeTiles, MoeTuning, default_moe_tiles

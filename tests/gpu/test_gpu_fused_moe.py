@@ -15,7 +15,7 @@ from helpers.moe_reference import moe_reference
 
 from ember.bench.tune_moe import MOE_SHAPES, expert_weights
 from ember.kernels.fused_moe import fused_moe
-from ember.kernels.moe_tiles import MoeShape, MoeTuning
+from ember.kernels.moe_tiles import MoeShape, MoeTuning, gemv_moe_tiles
 from ember.layers.fp8 import Fp8Weight, dense_weight, quantize_rows
 
 pytestmark = [
@@ -75,6 +75,29 @@ def test_bf16_matches_the_reference_on_the_default_table(experts, tokens):
     out = fused_moe(
         x, **weights, topk_weights=topk_weights, topk_ids=topk_ids, activation=activation
     )
+    assert_near_reference(out, x, weights, topk_ids, topk_weights, activation)
+
+
+@pytest.mark.parametrize("form", ["bf16", "fp8"])
+@pytest.mark.parametrize("tokens", [1, 4])
+def test_the_gemv_path_matches_the_reference(experts, tokens, form):
+    """The by-pair products on the CUDA cores (`MoeTiles.gemv`), compiled, on bf16 and FP8
+    experts."""
+    shape, weights, activation = experts
+    if form == "fp8":
+        fp8 = {"w13": fp8_experts(weights["w13"]), "w2": fp8_experts(weights["w2"])}
+        operands = {**weights, **fp8}
+        weights = {**weights, **{k: dense_weight(w, torch.float32) for k, w in fp8.items()}}
+    else:
+        operands = weights
+    g = torch.Generator(device="cuda").manual_seed(tokens)
+    x = torch.randn(tokens, shape.hidden, generator=g, device="cuda").bfloat16()
+    topk_ids, topk_weights = random_routing(tokens, shape.num_experts, shape.top_k, tokens)
+    tiles = gemv_moe_tiles(shape, tokens)
+    out = fused_moe(
+        x, **operands, topk_weights=topk_weights, topk_ids=topk_ids, activation=activation,
+        tiles=tiles,
+    )  # fmt: skip
     assert_near_reference(out, x, weights, topk_ids, topk_weights, activation)
 
 

@@ -1,7 +1,8 @@
 """The fused MoE's MXFP4 variant compiled on the GPU: gpt-oss-20b's experts packed as its
 checkpoint holds them, on both paths and each block size the table picks, against the plain
 reference on the dequantized weights (biases and the clamped SwiGLU included) and against the
-same kernels on those weights in bf16; and a CUDA graph replayed under changing routings.
+same kernels on those weights in bf16; each way of decoding the tiles (`tl.dot_scaled`, in
+registers, the GEMV's); and a CUDA graph replayed under changing routings.
 
 Skipped without a CUDA GPU; `tools/gpu_run.sh` runs these (stage tests, or moe).
 """
@@ -103,3 +104,40 @@ def test_a_captured_graph_of_mxfp4_experts_follows_each_replays_routing(
             compute_dtype=torch.float32, **biases,
         )  # fmt: skip
         assert (out.float() - expected).norm() / expected.norm() < 1e-2
+
+
+@pytest.mark.parametrize("path", ["by_pair", "by_pair_gemv", "grouped"])
+@pytest.mark.parametrize("tokens", [1, 3, 300])
+def test_every_decode_of_mxfp4_experts_computes_the_same_products(experts, path, tokens):
+    """Compiled, each way a product can decode MXFP4 tiles: `tl.dot_scaled` (the heuristics'),
+    the register decode on the tensor cores, and the GEMV's on the CUDA cores all give the
+    reference's result on the dequantized weights, and the tensor-core two the same bits as far
+    as their dots' summation orders allow."""
+    from dataclasses import replace
+
+    from ember.kernels.moe_tiles import default_moe_tiles, gemv_moe_tiles
+
+    packed, dense, biases = experts
+    g = torch.Generator(device="cuda").manual_seed(tokens)
+    x = torch.randn(tokens, SHAPE.hidden, generator=g, device="cuda").bfloat16()
+    ids, weights = random_routing(tokens, tokens)
+    routed = {"topk_weights": weights, "topk_ids": ids, "activation": "swiglu_oai", **biases}
+    by_pair = path != "grouped"
+    tuning = MoeTuning(by_pair_max_tokens=tokens if by_pair else 0)
+    scaled = default_moe_tiles(SHAPE, tokens, tuning)
+    registers = replace(
+        scaled,
+        gate_up=replace(scaled.gate_up, mxfp4_in_registers=True),
+        down=replace(scaled.down, mxfp4_in_registers=True),
+    )
+    expected = moe_reference(x, **dense, **routed, compute_dtype=torch.float32)
+    if path == "by_pair_gemv":
+        runs = [gemv_moe_tiles(SHAPE, tokens, tuning)]
+    else:
+        runs = [scaled, registers]
+    outs = [fused_moe(x, **packed, **routed, tiles=tiles) for tiles in runs]
+    for out in outs:
+        error = (out.float() - expected).norm() / expected.norm()
+        assert error < 1e-2, f"relative error {error:.2e}"
+    if len(outs) == 2:
+        torch.testing.assert_close(outs[0], outs[1], atol=0.1, rtol=0.05)

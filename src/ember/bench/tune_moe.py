@@ -181,8 +181,9 @@ def _run_moe(inputs: dict, tiles: MoeTiles, tuning: MoeTuning) -> None:
 
 def sweep_path(measure, tiles: MoeTiles, shape: MoeShape) -> tuple[MoeTiles, dict[str, object]]:
     """Coordinate sweep of one path from ``tiles``: gate/up's candidates, then down's with
-    gate/up's best, fitted to ``shape``'s shared memory; ``measure(tiles)`` gives µs (or why it
-    failed). Returns the best tiles and every timing by `tiles_key`."""
+    gate/up's best, fitted to ``shape``'s shared memory, then (MXFP4 on the tensor cores) each
+    product's best decoding in registers rather than through `tl.dot_scaled`; ``measure(tiles)``
+    gives µs (or why it failed). Returns the best tiles and every timing by `tiles_key`."""
     from ember.bench.tune import fastest
 
     times: dict[str, object] = {}
@@ -193,16 +194,20 @@ def sweep_path(measure, tiles: MoeTiles, shape: MoeShape) -> tuple[MoeTiles, dic
             times[key] = measure(trial)
         return times[key]
 
+    def keep_fastest(trials: list[MoeTiles]) -> MoeTiles:
+        by_key = {tiles_key(best): best, **{tiles_key(t): t for t in trials}}
+        winner = fastest({key: timed(trial) for key, trial in by_key.items()})
+        return best if winner is None else by_key[winner]
+
     best = tiles
     timed(best)
     for product in ("gate_up", "down"):
-        trials = {tiles_key(best): best}
-        for gemm in candidates(tiles, shape.mxfp4):
-            trial = fit(replace(best, **{product: gemm}), shape)
-            trials[tiles_key(trial)] = trial
-        winner = fastest({key: timed(trial) for key, trial in trials.items()})
-        if winner is not None:
-            best = trials[winner]
+        gemms = candidates(tiles, shape.mxfp4)
+        best = keep_fastest([fit(replace(best, **{product: gemm}), shape) for gemm in gemms])
+    if shape.mxfp4 and not best.gemv:  # each product's tiles decoding in registers instead
+        for product in ("gate_up", "down"):
+            gemm = replace(getattr(best, product), mxfp4_in_registers=True)
+            best = keep_fastest([replace(best, **{product: gemm})])
     return best, times
 
 

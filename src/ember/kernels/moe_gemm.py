@@ -421,18 +421,22 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def weight_format(weight: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> int:
+def weight_format(
+    weight: torch.Tensor,
+    scale: torch.Tensor | None,
+    dtype: torch.dtype,
+    mxfp4_in_registers: bool = False,
+) -> int:
     """The kernels' ``W_FORMAT`` of stacked experts: plain (no scale), FP8 (float8 weights with
     float32 row scales) or MXFP4 (uint8 packed weights with uint8 group scales) with activations
     of ``dtype``. Compiled MXFP4 products on bf16 activations go through `tl.dot_scaled`
-    (Triton's upcast: several times fewer instructions a value than the integer decode, which
-    bounds the small-batch products); the interpreter (no `tl.dot_scaled`) and fp16/fp32
-    activations decode in registers."""
+    (Triton's upcast) unless the tiles say ``mxfp4_in_registers``; the interpreter (no
+    `tl.dot_scaled`) and fp16/fp32 activations decode in registers."""
     if scale is None:
         return W_PLAIN
     if weight.dtype != torch.uint8:
         return W_FP8
-    scaled = dtype == torch.bfloat16 and not kernels_interpreted()
+    scaled = dtype == torch.bfloat16 and not kernels_interpreted() and not mxfp4_in_registers
     return W_MXFP4_SCALED if scaled else W_MXFP4
 
 
@@ -493,7 +497,7 @@ def _launch_gate_up(
         TOP_K=top_k,
         BY_PAIR=by_pair,
         ACTIVATION=ACTIVATIONS[activation],
-        W_FORMAT=weight_format(w13, scale, x.dtype),
+        W_FORMAT=weight_format(w13, scale, x.dtype, tiles.mxfp4_in_registers),
         HAS_BIAS=b13 is not None,
         BLOCK_M=block_m,
         GROUP_M=tiles.group_m,
@@ -600,7 +604,7 @@ def _launch_down(
         b2.stride(0) if b2 is not None else 0,
         out.stride(0),
         BY_PAIR=by_pair,
-        W_FORMAT=weight_format(w2, scale, a.dtype),
+        W_FORMAT=weight_format(w2, scale, a.dtype, tiles.mxfp4_in_registers),
         HAS_BIAS=b2 is not None,
         BLOCK_M=block_m,
         GROUP_M=tiles.group_m,
@@ -636,7 +640,7 @@ def down_by_token(
         out.stride(0),
         TOP_K=top_k,
         SLOTS=triton.next_power_of_2(top_k),
-        W_FORMAT=weight_format(w2, scale, a.dtype),
+        W_FORMAT=weight_format(w2, scale, a.dtype, tiles.mxfp4_in_registers),
         HAS_BIAS=b2 is not None,
         BLOCK_M=MIN_DOT_ROWS,
         DOT_PRECISION=_dot_precision(a.dtype),

@@ -6,10 +6,8 @@ instructions a value). A GEMV needs neither: each program multiplies its weight 
 activation row in fp32 FMAs and sums along K once at the end. It has no 16-column floor either,
 so narrow column tiles fill the GPU at one token.
 
-MXFP4 codes decode in three integer operations: an e2m1 code's exponent and mantissa bits
-shifted into a float32's lowest exponent bits, its sign into the sign bit, are the value times
-2^-126 (a subnormal for the exponent-0 codes 0 and 0.5: exact, as the CUDA cores keep
-subnormals). A K step multiplies those by the activations times 2^96 (so no product is
+MXFP4 codes decode to their values times 2^-126 in three integer operations
+(`ember.kernels.mxfp4`). A K step multiplies those by the activations times 2^96 (so no product is
 subnormal), sums each scale group's 32 products and multiplies the sum by the group's scale
 times 2^30, ``2^(x - 97)``, built from its bits: one multiply a group, not a value. That takes
 the scales e8m0 can hold up to 2^97 (byte 224; weights sit far below) and activations up to
@@ -29,16 +27,13 @@ import triton.language as tl
 from ember.kernels.compile_ahead import launch
 from ember.kernels.moe_gemm import ACTIVATIONS, W_FP8, W_PLAIN, _activate, _scale_strides
 from ember.kernels.moe_tiles import GemmTiles
+from ember.kernels.mxfp4 import e2m1_pairs_times_2_neg126
 
 # The kernels' weight forms (FP8 and plain as in `ember.kernels.moe_gemm`).
 W_MXFP4_GEMV = 2
 # Values of an MXFP4 scale group, and its packed bytes.
 _GROUP = tl.constexpr(32)
 _GROUP_BYTES = tl.constexpr(16)
-# float32 bit patterns: the sign, and an e2m1 code's exponent and mantissa bits placed at the
-# lowest exponent bits and the top mantissa bit.
-_SIGN_BIT = tl.constexpr(-2147483648)
-_CODE_BITS = tl.constexpr(0x01C00000)
 
 
 # The activations' factor, and the scales' (their product undoes the codes' 2^-126).
@@ -52,14 +47,6 @@ def _e8m0_times_2_30(exponents):
     largest such float32 exponent, infinite)."""
     biased = exponents.to(tl.int32) + _SCALE_EXPONENT_BIAS
     bits = tl.minimum(biased, 255) << 23
-    return bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _e2m1_times_2_neg126(codes_low_bits, sign_bits):
-    """float32 bits of e2m1 codes times 2^-126: ``codes_low_bits`` hold the code's exponent and
-    mantissa at bits 22-24, ``sign_bits`` its sign at bit 31 (both masked here)."""
-    bits = (codes_low_bits & _CODE_BITS) | (sign_bits & _SIGN_BIT)
     return bits.to(tl.float32, bitcast=True)
 
 
@@ -104,9 +91,7 @@ def _gemv_tile(
             )
             x = tl.load(x_row_ptr + x_cols, mask=x_cols < k_size, other=0.0)
         x_even, x_odd = tl.split(x.to(tl.float32) * _X_FACTOR)
-        p = packed.to(tl.int32)
-        even = _e2m1_times_2_neg126(p << 22, p << 28)
-        odd = _e2m1_times_2_neg126(p << 18, p << 24)
+        even, odd = e2m1_pairs_times_2_neg126(packed)
         group_sums = tl.sum(even * x_even[None, :, :] + odd * x_odd[None, :, :], axis=2)
         acc += group_sums * _e8m0_times_2_30(scales)
     else:

@@ -63,16 +63,20 @@ class GemmTiles:
     """One of the two products' tiles. ``block_n``: output columns a program stores (for
     gate/up, columns of each half: it reads ``2 * block_n`` weight rows); ``group_m``: grouped
     path only, row blocks that sweep the column tiles together (their weight tiles shared in
-    L2)."""
+    L2); ``mxfp4_in_registers``: how a tensor-core product decodes MXFP4 weights."""
 
     block_n: int
     block_k: int
     stages: int
     num_warps: int
     group_m: int = 1
+    # MXFP4 weights on bf16 activations, compiled: decode each tile in registers
+    # (`ember.kernels.mxfp4.mxfp4_tile`) rather than through `tl.dot_scaled`'s upcast.
+    mxfp4_in_registers: bool = False
 
     def name(self) -> str:
-        return f"n{self.block_n}_k{self.block_k}_s{self.stages}_w{self.num_warps}_g{self.group_m}"
+        name = f"n{self.block_n}_k{self.block_k}_s{self.stages}_w{self.num_warps}_g{self.group_m}"
+        return name + "_regs" if self.mxfp4_in_registers else name
 
 
 @dataclass(frozen=True)

@@ -2,10 +2,13 @@
 (`ember.layers.mxfp4`): Hopper has no FP4 tensor-core product, so a tile is read packed (half
 a byte a value, a byte of scale per 32), decoded to the activations' dtype and fed to `tl.dot`.
 
-Decoding is exact: an e2m1 code (a sign, a 2-bit exponent, a 1-bit mantissa: 0, 0.5, 1, 1.5,
-2, 3, 4, 6) is decoded in integers, the group's scale ``2^(x - 127)`` built from its bits; their
-product in float32 is what `ember.weights.mxfp4.dequantize_mxfp4` computes, rounded to the
-dtype once (exact in bf16 and fp32).
+Decoding is exact and cheap: an e2m1 code (a sign, a 2-bit exponent, a 1-bit mantissa: 0, 0.5,
+1, 1.5, 2, 3, 4, 6) with its exponent and mantissa bits shifted into a float32's lowest exponent
+bits and its sign into the sign bit is the value times 2^-126 (a subnormal for the exponent-0
+codes: the CUDA cores keep subnormals): three integer operations a value, where an arithmetic
+decode takes about a dozen. Times 2^126 and the group's scale ``2^(x - 127)`` (built from its
+bits), it is what `ember.weights.mxfp4.dequantize_mxfp4` computes, rounded to the dtype once
+(exact in bf16 and fp32).
 """
 
 from __future__ import annotations
@@ -17,18 +20,22 @@ import triton.language as tl
 _SMALLEST_SCALE = tl.constexpr(5.877471754111438e-39)
 
 
+# float32 bit patterns: the sign bit, and where a code's exponent and mantissa bits go (the
+# exponent's lowest two bits and the mantissa's top one).
+_SIGN_BIT = tl.constexpr(-2147483648)
+_CODE_BITS = tl.constexpr(0x01C00000)
+_TWO_POW_126 = tl.constexpr(2.0**126)
+
+
 @triton.jit
-def e2m1_to_float(codes):
-    """Float32 values of 4-bit e2m1 ``codes`` (an integer tensor, 0-15): exponent 0 gives
-    0 or 0.5, exponent e > 0 gives (1 + m/2) 2^(e-1); bit 3 is the sign (code 8 is -0)."""
-    codes = codes.to(tl.int32)
-    exponent = (codes >> 1) & 3
-    mantissa = codes & 1
-    # 4x the magnitude as an integer: (2 [normal] + m) << max(e, 1).
-    quads = (tl.where(exponent > 0, 2, 0) + mantissa) << tl.maximum(exponent, 1)
-    magnitude = quads.to(tl.float32) * 0.25
-    sign = (codes & 8) << 28  # float32's sign bit (a negative zero too)
-    return (magnitude.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+def e2m1_pairs_times_2_neg126(packed):
+    """Float32 ``(low, high)`` values times 2^-126 of the two e2m1 codes of each byte of
+    ``packed`` (code bits 0-2: mantissa, then exponent; bit 3: the sign; the low nibble first).
+    """
+    p = packed.to(tl.int32)
+    low = ((p << 22) & _CODE_BITS) | ((p << 28) & _SIGN_BIT)
+    high = ((p << 18) & _CODE_BITS) | ((p << 24) & _SIGN_BIT)
+    return low.to(tl.float32, bitcast=True), high.to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -63,6 +70,8 @@ def mxfp4_tile(
         packed = tl.load(row_ptrs + cols[None, :], mask=valid, other=0)
         scales = tl.load(scale_row_ptrs + groups[None, :], mask=valid, other=127)
     scale = e8m0_to_float(scales)
-    even = (e2m1_to_float(packed & 0xF) * scale).to(dtype)
-    odd = (e2m1_to_float(packed >> 4) * scale).to(dtype)
+    low, high = e2m1_pairs_times_2_neg126(packed)
+    # (value * 2^126) first: a normal float32, which the scale moves exactly.
+    even = (low * _TWO_POW_126 * scale).to(dtype)
+    odd = (high * _TWO_POW_126 * scale).to(dtype)
     return even, odd
