@@ -203,6 +203,19 @@ class ModelConfig:
             return None
         return max(a.window for a in layers)
 
+    def kv_local_layers(self, max_model_len: int) -> tuple[frozenset[int], int] | None:
+        """Where some layers read every key and others only a span behind the query (a window,
+        or a chunk: at most its size), the latter's indices and their longest span, which a KV
+        pool of their own need hold (`ember.engine.kv_cache_manager`); else None (every layer
+        alike: `kv_window`)."""
+        if len(self.layer_attention) <= 1:
+            return None
+        spans = [a.within(max_model_len).key_span for a in self.layer_attention]
+        local = frozenset(i for i, span in enumerate(spans) if span is not None)
+        if not local or len(local) == len(spans):
+            return None
+        return local, max(spans[i] for i in local)
+
     def attention_of(self, layer: int) -> LayerAttention:
         """How decoder layer ``layer`` attends."""
         if len(self.layer_attention) > 1:

@@ -18,14 +18,23 @@ Sliding windows: in a model whose every layer attends through a window (Mistral'
 position p reads no key below p - window + 1, so the blocks wholly below the next query's window
 go back to the pool as the request advances (cached ones stay cached), and their table entries
 point at the scratch block: a long sequence holds about window / block_size blocks, and what it
-passed counts against nobody's admission. A model with any full-attention layer keeps every
-block (its layers share one table).
+passed counts against nobody's admission. A model that mixes full-attention layers with windowed
+(or chunked) ones keeps its windowed layers' K/V in a pool of their own with a table of their
+own (``local_blocks``): the full layers' table keeps every block, the local one gives blocks back
+as above (a chunked layer counts as a window of its chunk's size). A request is admitted when
+both pools have room; the local pool is sized for every running sequence's window
+(`ember.engine.model_plan.ModelPlan.local_kv_blocks`), so in practice the full layers' pool
+alone decides. Under prefix caching a local block is registered under the same key as the full
+one of those tokens, and a request takes back a cached prefix only as far as the local pool still
+holds the blocks that its next query's window reaches.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from ember.engine.block_hashes import BlockHasher, new_secret
 from ember.engine.request import Request
@@ -124,10 +133,30 @@ class PrefixCacheStats:
         self.hits += num_cached
 
 
+@dataclass(frozen=True)
+class LocalBlocks:
+    """The windowed layers' own pool of a model that mixes them with full-attention layers:
+    ``num_blocks`` (the scratch block included) and the longest span of keys behind a query
+    that one of them reads (``window``)."""
+
+    num_blocks: int
+    window: int
+
+
+class NewBlocks(NamedTuple):
+    """Blocks an allocation added to a request's table and, with `LocalBlocks`, to its local
+    table."""
+
+    main: Sequence[int]
+    local: Sequence[int]
+
+
 class KVCacheManager:
     """Grows each request's block table as its tokens arrive, and frees it when it ends. With
     ``prefix_caching``, a request starts from the longest prefix of its tokens already cached
-    (`claim_cached_prefix`) and leaves its full blocks cached for later ones."""
+    (`claim_cached_prefix`) and leaves its full blocks cached for later ones. ``window``: every
+    layer's (the largest), which frees the blocks behind it; ``local_blocks``: the windowed
+    layers' own pool, for a model whose other layers read every key."""
 
     def __init__(
         self,
@@ -135,17 +164,31 @@ class KVCacheManager:
         block_size: int,
         prefix_caching: bool = False,
         window: int | None = None,
+        local_blocks: LocalBlocks | None = None,
     ) -> None:
-        if window is not None and window < 1:
-            raise ValueError(f"a window holds at least one key, not {window}")
+        for span in (window, local_blocks.window if local_blocks else None):
+            if span is not None and span < 1:
+                raise ValueError(f"a window holds at least one key, not {span}")
+        if window is not None and local_blocks is not None:
+            raise ValueError("a model whose every layer is windowed has no local pool")
         self.block_size = block_size
         # Every layer's window (the largest of them), or None: some layer reads every key.
         self.window = window
         self.pool = BlockPool(num_blocks)
+        # The windowed layers' pool and tables, for a model that mixes them with full ones.
+        self.local_pool = BlockPool(local_blocks.num_blocks) if local_blocks else None
+        self.local_window = local_blocks.window if local_blocks else None
         self.prefix_caching = prefix_caching
         self.stats = PrefixCacheStats()
         self._hasher = BlockHasher(block_size, new_secret())
         self._blocks: dict[str, list[int]] = {}
+        self._local_blocks: dict[str, list[int]] = {}
+
+    @property
+    def release_window(self) -> int | None:
+        """The window behind which the table that gives blocks back (the local one, else the
+        only one) frees them; None: no table does."""
+        return self.local_window if self.local_pool is not None else self.window
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -153,20 +196,40 @@ class KVCacheManager:
     def block_ids(self, request_id: str) -> list[int]:
         return self._blocks.get(request_id, [])
 
-    def allocate_slots(self, request_id: str, total_tokens: int) -> list[int] | None:
-        """Make room for `total_tokens` tokens of the request; return the newly added block ids,
-        or None (and change nothing) when the pool cannot supply them."""
+    def local_block_ids(self, request_id: str) -> list[int] | None:
+        """The request's local table (None without a local pool)."""
+        if self.local_pool is None:
+            return None
+        return self._local_blocks.get(request_id, [])
+
+    def allocate_slots(self, request_id: str, total_tokens: int) -> NewBlocks | None:
+        """Make room for `total_tokens` tokens of the request; return the newly added block ids
+        of each table, or None (and change nothing) when a pool cannot supply them."""
+        needed = self.blocks_needed(total_tokens)
         owned = self._blocks.setdefault(request_id, [])
-        missing = self.blocks_needed(total_tokens) - len(owned)
+        missing = needed - len(owned)
+        local = self.local_pool
         if missing <= 0:
-            return []
+            return _NO_NEW_BLOCKS
         new = self.pool.allocate(missing)
         if new is None:
             if not owned:
                 del self._blocks[request_id]
             return None
+        if local is None:
+            owned.extend(new)
+            return NewBlocks(new, ())
+        local_owned = self._local_blocks.setdefault(request_id, [])
+        new_local = local.allocate(needed - len(local_owned))
+        if new_local is None:
+            self.pool.release(new)
+            if not owned:
+                del self._blocks[request_id]
+                del self._local_blocks[request_id]
+            return None
         owned.extend(new)
-        return new
+        local_owned.extend(new_local)
+        return NewBlocks(new, new_local)
 
     def claim_cached_prefix(self, request: Request) -> int:
         """Give a request about to start (nothing computed, nothing held) the cached blocks of
@@ -191,13 +254,37 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
+        local_hits, first_local = self._local_prefix(keys, len(hits))
+        del hits[len(local_hits) + first_local if self.local_pool is not None else len(hits) :]
         if not hits:
             return 0
         self.pool.share(hits)
         self._blocks[request.request_id] = hits
+        if self.local_pool is not None:
+            self.local_pool.share(local_hits)
+            self._local_blocks[request.request_id] = [SCRATCH_BLOCK] * first_local + local_hits
+            request.num_released_blocks = first_local
         request.num_cached_blocks = len(hits)
         request.num_computed_tokens = len(hits) * self.block_size
         return request.num_computed_tokens
+
+    def _local_prefix(self, keys: list[bytes], count: int) -> tuple[list[int], int]:
+        """The local pool's cached blocks for a prefix of at most ``count`` cached blocks: the
+        longest prefix whose blocks within the next query's window the local pool still holds,
+        as ``(blocks, index of the first)`` (the blocks before it are out of that window)."""
+        local = self.local_pool
+        if local is None:
+            return [], 0
+        block_of, window, size = local.block_of, self.local_window, self.block_size
+        while count > 0:
+            first = max(0, count * size - window + 1) // size
+            missing = next(
+                (i for i in range(count - 1, first - 1, -1) if keys[i] not in block_of), None
+            )
+            if missing is None:
+                return [block_of[keys[i]] for i in range(first, count)], first
+            count = missing
+        return [], 0
 
     def cache_full_blocks(self, request: Request) -> None:
         """Register the request's full blocks whose tokens are known on the host and whose K/V
@@ -215,19 +302,25 @@ class KVCacheManager:
         table, register = self._blocks[request.request_id], self.pool.register
         for i in range(first, full):
             register(table[i], keys[i])
+        if self.local_pool is not None:  # its live entries (released ones left registered)
+            table, register = self._local_blocks[request.request_id], self.local_pool.register
+            for i in range(max(first, request.num_released_blocks), full):
+                register(table[i], keys[i])
         request.num_cached_blocks = full
 
     def release_out_of_window(self, request: Request) -> int:
         """Give back the request's blocks that no query from its next one on can see (each
-        wholly below ``num_computed_tokens - window + 1``), registering full ones first; their
-        entries become the scratch block. Returns how many blocks at the head of its table are
+        wholly below ``num_computed_tokens - window + 1``; the local table's, with a local
+        pool), registering full ones first; their entries become the scratch block. Returns how many blocks at the head of its table are
         released when this call released any, else 0. The step that
         reads them last is already launched: a block handed out again is written only by a
         later step, after it on the device."""
-        if self.window is None:
+        window = self.release_window
+        if window is None:
             return 0
-        below = max(0, request.num_computed_tokens - self.window + 1) // self.block_size
-        table = self._blocks.get(request.request_id)
+        below = max(0, request.num_computed_tokens - window + 1) // self.block_size
+        local = self.local_pool is not None
+        table = (self._local_blocks if local else self._blocks).get(request.request_id)
         first = request.num_released_blocks
         if table is None or below <= first:
             return 0
@@ -237,7 +330,7 @@ class KVCacheManager:
             below = min(below, request.num_cached_blocks)
         if below <= first:
             return 0
-        self.pool.release(table[first:below])
+        (self.local_pool if local else self.pool).release(table[first:below])
         table[first:below] = [SCRATCH_BLOCK] * (below - first)
         request.num_released_blocks = below
         return below
@@ -248,13 +341,20 @@ class KVCacheManager:
         if blocks:
             self.cache_full_blocks(request)
             del self._blocks[request.request_id]
-            self.pool.release(blocks[request.num_released_blocks :])
+            local = self._local_blocks.pop(request.request_id, None)
+            if local is not None:
+                self.local_pool.release(local[request.num_released_blocks :])
+                self.pool.release(blocks)
+            else:
+                self.pool.release(blocks[request.num_released_blocks :])
         request.num_cached_blocks = 0
         request.num_released_blocks = 0
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block (the KV memory was released or overwritten)."""
         self.pool.forget_all()
+        if self.local_pool is not None:
+            self.local_pool.forget_all()
 
     @property
     def num_free_blocks(self) -> int:
@@ -267,26 +367,43 @@ class KVCacheManager:
         return 1.0 - self.pool.num_free / self.pool.capacity
 
     def check_invariants(self, live_request_ids: set[str]) -> None:
-        """Every block is free or held by live requests, as many as its reference count says;
-        every key names one block and back (AssertionError if not)."""
-        pool = self.pool
+        """Every block of each pool is free or held by live requests, as many as its reference
+        count says; every key names one block and back; a local table is as long as the main
+        one (AssertionError if not)."""
         assert set(self._blocks) <= live_request_ids, (
             f"blocks held by ended requests: {set(self._blocks) - live_request_ids}"
         )
-        holders = [0] * pool.num_blocks
-        for ids in self._blocks.values():
-            held = [b for b in ids if b != SCRATCH_BLOCK]
-            assert len(held) == len(set(held)), "a request holds a block twice"
-            released = len(ids) - len(held)
-            assert ids[:released] == [SCRATCH_BLOCK] * released, "a released block not first"
-            for block in held:
-                holders[block] += 1
-        assert holders == pool.ref_counts, "a reference count disagrees with the tables"
-        free = set(pool.free)
-        assert len(free) == len(pool.free)
-        held = {b for b in range(1, pool.num_blocks) if holders[b]}
-        assert not free & held, "a held block is free"
-        assert free | held == set(range(1, pool.num_blocks)), "a block was lost"
-        for key, block in pool.block_of.items():
-            assert pool.key_of[block] == key, "a cached key names a block keyed otherwise"
-        assert sum(k is not None for k in pool.key_of) == len(pool.block_of)
+        if self.local_pool is None:
+            _check_pool(self.pool, self._blocks)
+            return
+        assert set(self._local_blocks) == set(self._blocks), "a table without its local one"
+        for request_id, ids in self._blocks.items():
+            assert SCRATCH_BLOCK not in ids, "the full layers' table released a block"
+            assert len(self._local_blocks[request_id]) == len(ids), "the tables' lengths differ"
+        _check_pool(self.pool, self._blocks)
+        _check_pool(self.local_pool, self._local_blocks)
+
+
+# The common case (the tokens fit the blocks held), shared: nothing appends to it.
+_NO_NEW_BLOCKS = NewBlocks((), ())
+
+
+def _check_pool(pool: BlockPool, tables: dict[str, list[int]]) -> None:
+    """`KVCacheManager.check_invariants` of one pool and the tables that hold its blocks."""
+    holders = [0] * pool.num_blocks
+    for ids in tables.values():
+        held = [b for b in ids if b != SCRATCH_BLOCK]
+        assert len(held) == len(set(held)), "a request holds a block twice"
+        released = len(ids) - len(held)
+        assert ids[:released] == [SCRATCH_BLOCK] * released, "a released block not first"
+        for block in held:
+            holders[block] += 1
+    assert holders == pool.ref_counts, "a reference count disagrees with the tables"
+    free = set(pool.free)
+    assert len(free) == len(pool.free)
+    held = {b for b in range(1, pool.num_blocks) if holders[b]}
+    assert not free & held, "a held block is free"
+    assert free | held == set(range(1, pool.num_blocks)), "a block was lost"
+    for key, block in pool.block_of.items():
+        assert pool.key_of[block] == key, "a cached key names a block keyed otherwise"
+    assert sum(k is not None for k in pool.key_of) == len(pool.block_of)

@@ -17,7 +17,7 @@ import torch
 from ember.config import EngineConfig, MemoryConfig
 from ember.engine.device_arena import ArenaFactory
 from ember.engine.host_stash import HostStash, Stashed
-from ember.engine.kv_cache_manager import KVCacheManager
+from ember.engine.kv_cache_manager import KVCacheManager, LocalBlocks
 from ember.engine.model_parts import (
     allocate_kv_cache,
     allocate_model,
@@ -187,11 +187,15 @@ class ModelInstance:
         # ops on whatever the parameters hold, and uninitialised memory may hold NaNs.
         self.model = self._allocate_model(zeroed=compile_workers > 0)
         self.kv_cache, self.kv_arena = allocate_kv_cache(self.plan, num_blocks, self._arenas)
+        local = self.plan.kv_local_layers
         self.kv_manager = KVCacheManager(
             num_blocks,
             block_size,
             prefix_caching=config.cache.enable_prefix_caching,
             window=self.plan.kv_window,
+            local_blocks=LocalBlocks(self.plan.local_kv_blocks(num_blocks), local[1])
+            if local
+            else None,
         )
         self.asleep = False
         self._stashed: Stashed | None = None
@@ -352,6 +356,7 @@ class ModelInstance:
             mixed_cuda_graphs=config.cuda_graph_mode == "full",
             compile_ahead=self.ops.compile_ahead,
             peers=self.workers,
+            local_layers=self.plan.local_layers,
         )
         # Overlap: launch step N+1 before collecting step N (on by default on a GPU).
         self.overlap = config.overlap if config.overlap is not None else self.device.type == "cuda"

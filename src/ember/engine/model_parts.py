@@ -65,16 +65,55 @@ def allocate_model(
     return model.eval(), arena
 
 
+class PooledKVCache:
+    """The KV cache of a model whose windowed layers keep their K/V in a pool of their own:
+    ``[2, blocks, block_size, kv_heads, head_dim]`` per layer, as a model reads a
+    ``[layers, 2, ...]`` cache's (``kv_cache[layer]``), each a view of its pool's tensor."""
+
+    def __init__(self, pools: list[torch.Tensor], layers: list[torch.Tensor]) -> None:
+        self.pools, self.layers = pools, layers
+
+    def __getitem__(self, layer: int) -> torch.Tensor:
+        return self.layers[layer]
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    @property
+    def device(self) -> torch.device:
+        return self.pools[0].device
+
+    def zero_(self) -> PooledKVCache:
+        for pool in self.pools:
+            pool.zero_()
+        return self
+
+
 def allocate_kv_cache(plan: ModelPlan, num_blocks: int, arenas: ArenaFactory):
     """The paged KV cache of ``num_blocks`` blocks (of this rank's KV heads), zeroed, in an
-    arena of its own; returns ``(kv_cache, arena)``."""
+    arena of its own; returns ``(kv_cache, arena)``: a ``[layers, 2, blocks, ...]`` tensor, or
+    with local layers (`ModelPlan.kv_local_layers`) a `PooledKVCache` whose local layers' pool
+    holds `ModelPlan.local_kv_blocks`."""
     cfg, block_size = plan.rank_config, plan.config.cache.block_size
-    kv_shape = (cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-    kv_layout = [(kv_shape, plan.kv_dtype)]
+    page = (block_size, cfg.num_kv_heads, cfg.head_dim)
+    local = plan.local_layers
+    if not local:
+        kv_layout = [((cfg.num_layers, 2, num_blocks, *page), plan.kv_dtype)]
+    else:
+        local_blocks = plan.local_kv_blocks(num_blocks)
+        kv_layout = [
+            ((cfg.num_layers - len(local), 2, num_blocks, *page), plan.kv_dtype),
+            ((len(local), 2, local_blocks, *page), plan.kv_dtype),
+        ]
     arena = arenas.make(arena_bytes(kv_layout))
-    (kv_cache,) = carve(arena, kv_layout)
-    kv_cache.zero_()
-    return kv_cache, arena
+    pools = carve(arena, kv_layout)
+    for pool in pools:
+        pool.zero_()
+    if not local:
+        return pools[0], arena
+    main, local_pool = iter(pools[0]), iter(pools[1])
+    layers = [next(local_pool if i in local else main) for i in range(cfg.num_layers)]
+    return PooledKVCache(pools, layers), arena
 
 
 def cos_sin_cache(plan: ModelPlan) -> torch.Tensor:

@@ -132,12 +132,59 @@ class ModelPlan:
         return torch.empty((), dtype=self.kv_dtype).element_size()
 
     @property
-    def kv_block_bytes(self) -> int:
-        """Bytes of one block over every layer (of one rank's KV heads): the one size every KV
-        sizing path divides by."""
+    def kv_layer_block_bytes(self) -> int:
+        """Bytes of one block of one layer (of one rank's KV heads)."""
         cfg, block_size = self.rank_config, self.config.cache.block_size
-        per_layer = 2 * block_size * cfg.num_kv_heads * cfg.head_dim * self.kv_elem_bytes
-        return cfg.num_layers * per_layer
+        return 2 * block_size * cfg.num_kv_heads * cfg.head_dim * self.kv_elem_bytes
+
+    @property
+    def kv_block_bytes(self) -> int:
+        """Bytes of one block over every layer (of one rank's KV heads)."""
+        return self.rank_config.num_layers * self.kv_layer_block_bytes
+
+    @functools.cached_property
+    def kv_local_layers(self) -> tuple[frozenset[int], int] | None:
+        """The windowed layers that keep their K/V in a pool of their own, and their longest
+        span of keys, where the model mixes them with full-attention layers
+        (`ModelConfig.kv_local_layers`); else None."""
+        return self.model_config.kv_local_layers(self.max_model_len)
+
+    @property
+    def local_layers(self) -> frozenset[int]:
+        return self.kv_local_layers[0] if self.kv_local_layers else frozenset()
+
+    @property
+    def local_kv_bound(self) -> int | None:
+        """Blocks the local pool is given at most (the scratch block included): each running
+        sequence holds the blocks over its window and the chunk it computes, at most the
+        window's blocks and three more (a partial block at each end, one its registration may
+        keep), and the chunks of a step span at most their tokens' blocks. Under prefix
+        caching twice that: a cached prefix is taken back only with the local blocks its last
+        window covers, and the room beside the running windows keeps as many of those."""
+        if self.kv_local_layers is None:
+            return None
+        window, block_size = self.kv_local_layers[1], self.config.cache.block_size
+        per_sequence = -(-(window - 1) // block_size) + 3
+        chunks = -(-self.limits.max_num_batched_tokens // block_size)
+        running = self.limits.max_num_seqs * per_sequence + chunks
+        cached = running if self.config.cache.enable_prefix_caching else 0
+        return running + cached + 1
+
+    def local_kv_blocks(self, num_blocks: int) -> int | None:
+        """The local pool's blocks beside ``num_blocks`` of the full layers' (no more than
+        those: a local table is never longer), None without local layers."""
+        bound = self.local_kv_bound
+        return None if bound is None else min(num_blocks, bound)
+
+    def kv_bytes_for(self, num_blocks: int) -> int:
+        """The KV cache's bytes at ``num_blocks`` (the full layers' pool, with the local one
+        beside it)."""
+        local = self.local_kv_blocks(num_blocks)
+        if local is None:
+            return num_blocks * self.kv_block_bytes
+        local_layers = len(self.local_layers)
+        main_layers = self.rank_config.num_layers - local_layers
+        return (num_blocks * main_layers + local * local_layers) * self.kv_layer_block_bytes
 
     @functools.cached_property
     def kv_window(self) -> int | None:
@@ -192,7 +239,15 @@ class ModelPlan:
             check_complete(self.layout, list(self.tensor_headers.values()))
 
     def kv_blocks_for(self, kv_bytes: int) -> int:
-        return max(2, kv_bytes // self.kv_block_bytes)
+        """The most blocks (of the full layers' pool, beside the local one) ``kv_bytes``
+        hold."""
+        blocks = max(2, kv_bytes // self.kv_block_bytes)  # as many local blocks as full ones
+        bound = self.local_kv_bound
+        if bound is None or blocks <= bound:
+            return blocks
+        local_bytes = bound * len(self.local_layers) * self.kv_layer_block_bytes
+        main_layers = self.rank_config.num_layers - len(self.local_layers)
+        return max(bound, (kv_bytes - local_bytes) // (main_layers * self.kv_layer_block_bytes))
 
     def close(self) -> None:
         close = getattr(self.checkpoint, "close", None)
@@ -281,7 +336,7 @@ def standalone_kv_bytes(plan: ModelPlan, memory: MemoryConfig) -> int:
     its configured size, else what the budget leaves after its weights and reserve."""
     cache = plan.config.cache
     if cache.num_blocks is not None:
-        return cache.num_blocks * plan.kv_block_bytes
+        return plan.kv_bytes_for(cache.num_blocks)
     if cache.kv_cache_memory_bytes is not None:
         return cache.kv_cache_memory_bytes
     if memory.memory_budget_bytes is not None:

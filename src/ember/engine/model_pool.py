@@ -786,7 +786,7 @@ class ModelPool:
     def _kv_cache_bytes(self, slot: _Slot) -> int:
         plan, cache, policy = slot.plan, slot.plan.config.cache, slot.policy
         if cache.num_blocks is not None:
-            return cache.num_blocks * plan.kv_block_bytes
+            return plan.kv_bytes_for(cache.num_blocks)
         if cache.kv_cache_memory_bytes is not None:
             return cache.kv_cache_memory_bytes
         total = self.budget.total_bytes
@@ -794,7 +794,7 @@ class ModelPool:
             return CPU_KV_BYTES_DEFAULT
         share = policy.memory_share or 1.0 / len(self.slots)
         wanted = int(total * share) - plan.weight_bytes - self._reserve(slot)
-        return max(wanted, plan.min_kv_blocks * plan.kv_block_bytes)
+        return max(wanted, plan.kv_bytes_for(plan.min_kv_blocks))
 
     def _slot(self, name: str) -> _Slot:
         slot = self.slots.get(name)

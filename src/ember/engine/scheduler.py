@@ -58,7 +58,8 @@ class Scheduler:
         self._cache_block_size = kv_cache.block_size if kv_cache.prefix_caching else 1 << 62
         # How far a sliding window trails the next query (a lag beyond any sequence without
         # one): past it by a whole block, the block below goes back to the pool.
-        self._window_lag = kv_cache.window - 1 if kv_cache.window is not None else 1 << 62
+        window = kv_cache.release_window
+        self._window_lag = window - 1 if window is not None else 1 << 62
         self._block_size = kv_cache.block_size
 
     # -- requests in and out -------------------------------------------------------------------
@@ -132,8 +133,13 @@ class Scheduler:
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
+            local_ids = self.kv_cache.local_block_ids(request.request_id)
             out.new_requests.append(
-                NewRequestData(request, list(self.kv_cache.block_ids(request.request_id)))
+                NewRequestData(
+                    request,
+                    list(self.kv_cache.block_ids(request.request_id)),
+                    list(local_ids) if local_ids is not None else None,
+                )
             )
             self._known_to_runner.add(request.request_id)
             self._commit(request, num_new, out)
@@ -171,7 +177,9 @@ class Scheduler:
         released = 0
         if computed - self._window_lag >= (request.num_released_blocks + 1) * self._block_size:
             released = self.kv_cache.release_out_of_window(request)
-        out.cached_requests.append(CachedRequestData(request_id, new_blocks, released))
+        out.cached_requests.append(
+            CachedRequestData(request_id, new_blocks.main, released, new_blocks.local)
+        )
         out.num_scheduled_tokens[request_id] = 1
         self.step_counts.decode_tokens += 1
         request.num_computed_tokens = computed + 1
@@ -196,7 +204,9 @@ class Scheduler:
                 self._preempt(request)
                 return 0
             self._preempt(victim)
-        out.cached_requests.append(CachedRequestData(request.request_id, new_blocks, released))
+        out.cached_requests.append(
+            CachedRequestData(request.request_id, new_blocks.main, released, new_blocks.local)
+        )
         self._commit(request, num_new, out)
         return num_new
 
@@ -291,6 +301,8 @@ class Scheduler:
         self.kv_cache.check_invariants(set(self.requests))
         if not self.requests:
             assert self.kv_cache.num_free_blocks == self.kv_cache.pool.capacity
+            local = self.kv_cache.local_pool
+            assert local is None or local.num_free == local.capacity
 
 
 def _attach_prompt_logprobs(updates: list[RequestUpdate], scored: dict[str, Request]) -> None:

@@ -8,6 +8,7 @@ computed, its parameters) and into which it records each sample; after that only
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -23,15 +24,19 @@ class NewRequestData:
 
     request: Request
     block_ids: list[int]
+    # Its windowed layers' table, where they have a pool of their own (else None).
+    local_block_ids: list[int] | None = None
 
 
 @dataclass
 class CachedRequestData:
     request_id: str
-    new_block_ids: list[int]
-    # Where this step gave blocks back (out of every layer's window): how many at the head of
-    # its table are released now, their entries the scratch block; else 0.
+    new_block_ids: Sequence[int]
+    # Where this step gave blocks back (out of every layer's window, or the windowed layers'
+    # own table): how many at the head of that table are released now, their entries the
+    # scratch block; else 0.
     num_released_blocks: int = 0
+    new_local_block_ids: Sequence[int] = ()
 
 
 @dataclass

@@ -455,7 +455,8 @@ class LlamaForCausalLM(nn.Module):
             self.ops, hidden, self.cfg.rms_norm_eps, self._defers_norms_for(hidden)
         )
         for i, layer in enumerate(self.layers):
-            stream = layer(stream, ctx, cos_sin_cache, kv_cache[i, 0], kv_cache[i, 1])
+            k_cache, v_cache = kv_cache[i]  # a local layer's: in its own pool (`for_layer`)
+            stream = layer(stream, ctx.for_layer(i), cos_sin_cache, k_cache, v_cache)
         return final_norm(self.ops, stream, self.norm)
 
     def _defers_norms_for(self, hidden: torch.Tensor) -> bool:

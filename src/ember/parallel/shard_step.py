@@ -65,8 +65,10 @@ class ShardRunner:
         kv_cache: torch.Tensor,
         cos_sin_cache: torch.Tensor,
         buffers: InputBuffers,
+        local_layers: frozenset[int] = frozenset(),
     ) -> None:
         self.model = model
+        self.local_layers = local_layers
         self.attention = attention
         self.kv_cache = kv_cache
         self.cos_sin_cache = cos_sin_cache
@@ -92,6 +94,7 @@ class ShardRunner:
             step.max_query_len,
             step.max_seq_len,
             step.attention,
+            self.local_layers,
         )
         hidden = self.model(input_ids, ctx, self.cos_sin_cache, self.kv_cache)
         if step.score_rows:

@@ -84,9 +84,12 @@ def _join_and_build(spec: WorkerSpec, conn):
     model, _ = allocate_model(plan, ops, attention, group, arenas, zeroed=False)
     kv_cache, _ = allocate_kv_cache(plan, spec.num_blocks, arenas)
     bytes_read = load_weights(model, plan, None)
-    buffers = InputBuffers(plan.limits, config.cache.block_size, plan.device, attention)
+    local = plan.local_layers
+    buffers = InputBuffers(
+        plan.limits, config.cache.block_size, plan.device, attention, local=bool(local)
+    )
     conn.send(("ready", bytes_read))
-    return ShardRunner(model, attention, kv_cache, cos_sin_cache(plan), buffers)
+    return ShardRunner(model, attention, kv_cache, cos_sin_cache(plan), buffers, local)
 
 
 def _exit_with_parent() -> None:

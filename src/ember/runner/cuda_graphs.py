@@ -36,7 +36,7 @@ import torch
 from ember.config import StepLimits
 from ember.kernels.compile_ahead import CompileCounts
 from ember.layers.attention import AttentionBackend, StagedAttention
-from ember.layers.forward_context import ForwardContext
+from ember.layers.forward_context import ForwardContext, local_context
 from ember.runner.input_buffers import InputBuffers
 
 logger = logging.getLogger(__name__)
@@ -109,8 +109,10 @@ class StepGraphs:
         cos_sin_cache: torch.Tensor,
         limits: StepLimits,
         mixed: bool = True,
+        local_layers: frozenset[int] = frozenset(),
     ) -> None:
         self.model = model
+        self.local_layers = local_layers
         self.buffers = buffers
         self.attention = attention
         self.kv_cache = kv_cache
@@ -235,6 +237,7 @@ class StepGraphs:
             attention=self.attention.metadata(
                 buf, StagedAttention(grid=grid), s, max_query_len, key.max_seq_len
             ),
+            **local_context(buf, self.local_layers, t, s),
         )
 
     def _forward(self, key: GraphKey) -> torch.Tensor:

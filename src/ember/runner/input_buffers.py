@@ -137,21 +137,42 @@ class InputBlock:
         return self.device_tensors[name]
 
 
+def _local_arrays(t: int, s: int, max_blocks_per_seq: int, local: bool) -> ArrayLayout:
+    """The local layers' slot mapping and block tables (none without local layers)."""
+    if not local:
+        return {}
+    return {
+        "local_slot_mapping": ((t,), torch.int64),
+        "local_block_tables": ((s, max_blocks_per_seq), torch.int32),
+    }
+
+
 class InputBuffers:
     """Device-side inputs of a step, sized for the largest step the limits allow: the general
     block (with the attention backend's arrays), and the decode block for steps of one token per
     sequence."""
 
     def __init__(
-        self, limits: StepLimits, block_size: int, device: torch.device, attention: AttentionBackend
+        self,
+        limits: StepLimits,
+        block_size: int,
+        device: torch.device,
+        attention: AttentionBackend,
+        local: bool = False,
     ) -> None:
+        """``local``: the windowed layers have a pool of their own, whose slot mapping and
+        block tables each block stages too."""
         max_seqs = limits.max_num_seqs
         max_blocks_per_seq = -(-limits.max_model_len // block_size)
-        self.general = InputBlock(
-            limits.max_step_tokens, max_seqs, max_blocks_per_seq, device, attention.step_arrays()
-        )
+        t = limits.max_step_tokens
+        general = {
+            **attention.step_arrays(),
+            **_local_arrays(t, max_seqs, max_blocks_per_seq, local),
+        }
+        self.general = InputBlock(t, max_seqs, max_blocks_per_seq, device, general)
         # Decode steps have no chunks: the decode block stages nothing for attention.
-        self.decode = InputBlock(max_seqs, max_seqs, max_blocks_per_seq, device)
+        decode = _local_arrays(max_seqs, max_seqs, max_blocks_per_seq, local)
+        self.decode = InputBlock(max_seqs, max_seqs, max_blocks_per_seq, device, decode)
 
     def block(self, decode: bool) -> InputBlock:
         return self.decode if decode else self.general

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -56,16 +56,30 @@ class RunningRequest:
     __slots__ = (
         "block_array",
         "block_ids",
+        "local_block_array",
+        "local_block_ids",
         "pending_row",
         "pending_step",
         "request",
         "stop_ids_until_min_tokens",
     )
 
-    def __init__(self, request: Request, block_ids: list[int], stop_ids: tuple[int, ...]) -> None:
+    def __init__(
+        self,
+        request: Request,
+        block_ids: list[int],
+        stop_ids: tuple[int, ...],
+        local_block_ids: list[int] | None = None,
+    ) -> None:
         self.request = request
         self.block_ids: list[int] = []
         self.block_array = np.zeros(0, np.int32)
+        # The windowed layers' own table, where they have a pool of their own.
+        self.local_block_ids: list[int] | None = None
+        self.local_block_array = np.zeros(0, np.int32)
+        if local_block_ids is not None:
+            self.local_block_ids = []
+            self.add_local_blocks(local_block_ids)
         # Masked until min_tokens: EOS and the request's stop ids.
         self.stop_ids_until_min_tokens = stop_ids + tuple(request.params.stop_token_ids)
         self.pending_step: StepHandle | None = None
@@ -76,9 +90,18 @@ class RunningRequest:
         self.block_ids.extend(block_ids)
         self.block_array = np.asarray(self.block_ids, dtype=np.int32)  # copied into block tables
 
+    def add_local_blocks(self, block_ids: Sequence[int]) -> None:
+        self.local_block_ids.extend(block_ids)
+        self.local_block_array = np.asarray(self.local_block_ids, dtype=np.int32)
+
     def release_blocks(self, count: int) -> None:
-        """The ``count`` blocks at the head of the table are back in the pool (out of every
-        layer's window): their entries point at the scratch block."""
+        """The ``count`` blocks at the head of the table that gives blocks back (the local
+        one, else the only one) are back in their pool: their entries point at the scratch
+        block."""
+        if self.local_block_ids is not None:
+            self.local_block_ids[:count] = [SCRATCH_BLOCK] * count
+            self.local_block_array = np.asarray(self.local_block_ids, dtype=np.int32)
+            return
         self.block_ids[:count] = [SCRATCH_BLOCK] * count
         self.block_array = np.asarray(self.block_ids, dtype=np.int32)
 
@@ -135,11 +158,13 @@ class ModelRunner:
         mixed_cuda_graphs: bool = True,
         compile_ahead: Callable[..., AbstractContextManager] | None = None,
         peers: StepPeers | None = None,
+        local_layers: frozenset[int] = frozenset(),
     ) -> None:
         """``limits``: the instance's step limits, with ``max_model_len`` resolved;
         ``compile_ahead``: the ops' (`Ops.compile_ahead`), for `compile_kernels`; ``peers``:
         the other tensor-parallel ranks, sent each step's inputs as it launches (None: the
-        model runs here alone)."""
+        model runs here alone); ``local_layers``: the windowed layers whose K/V sit in a pool
+        of their own (`ember.engine.model_plan.ModelPlan.kv_local_layers`)."""
         self.peers = peers
         self.compile_ahead = compile_ahead
         self.model = model
@@ -159,7 +184,10 @@ class ModelRunner:
         self._structured: set[str] = set()
         self._grammar_masks: GrammarMasks | None = None
         self._grammar_failures: list[tuple[str, str]] = []
-        self.buffers = InputBuffers(limits, block_size, self.device, attention)
+        self.local_layers = local_layers
+        self.buffers = InputBuffers(
+            limits, block_size, self.device, attention, local=bool(local_layers)
+        )
         self.graphs = None
         if use_cuda_graphs and self.device.type == "cuda":
             self.graphs = StepGraphs(
@@ -170,6 +198,7 @@ class ModelRunner:
                 cos_sin_cache,
                 limits,
                 mixed=mixed_cuda_graphs,
+                local_layers=local_layers,
             )
         self._in_flight: StepHandle | None = None
 
@@ -238,7 +267,7 @@ class ModelRunner:
         block = self.buffers.block(key.decode)
         staging = block.next_staging()
         staging.numpy("query_start_loc")[0] = 0
-        padded = self._pad_for_graph(staging, _StepPlan(), key)
+        padded = self._pad_for_graph(staging, _StepPlan(local=bool(self.local_layers)), key)
         block.upload(staging, padded.upload_counts)
 
     # -- the step ---------------------------------------------------------------------------------
@@ -469,7 +498,9 @@ class ModelRunner:
         if self._structured:
             self._structured.difference_update(scheduled.finished_request_ids)
         for new in scheduled.new_requests:
-            state = RunningRequest(new.request, new.block_ids, self.stop_ids_until_min_tokens)
+            state = RunningRequest(
+                new.request, new.block_ids, self.stop_ids_until_min_tokens, new.local_block_ids
+            )
             states[new.request.request_id] = state
             if new.request.params.prompt_logprobs is not None:
                 self._start_scoring(state)
@@ -480,6 +511,8 @@ class ModelRunner:
                 states[cached.request_id].release_blocks(cached.num_released_blocks)
             if cached.new_block_ids:
                 states[cached.request_id].add_blocks(cached.new_block_ids)
+            if cached.new_local_block_ids:
+                states[cached.request_id].add_local_blocks(cached.new_local_block_ids)
 
     def _start_scoring(self, state: RunningRequest) -> None:
         """Compute the prompt logprobs of a request that asks, from where an earlier run of it
@@ -500,7 +533,7 @@ class ModelRunner:
         bs = self.block_size
         ids, pos, slots = st.numpy("input_ids"), st.numpy("positions"), st.numpy("slot_mapping")
         tables = st.numpy("block_tables")
-        plan = _StepPlan()
+        plan = _StepPlan(local=bool(self.local_layers))
         states, sampling_states = self.states, plan.sampling_states
         seq_ends, token_ends, sample_rows = [], [], []  # per sequence; per sampled sequence
         gather_dst, gather_src = [], []  # rows whose token is still on the device
@@ -558,7 +591,24 @@ class ModelRunner:
         if self._scoring:  # rare: which rows give which prompt logprobs
             plan.scores = plan_scores(self._scoring, scheduled, token_ends, seq_ends)
         plan.attention = self.attention.stage(st, num_seqs, max_query_len)
+        if self.local_layers:
+            self._stage_local_tables(scheduled, st)
         return plan
+
+    def _stage_local_tables(self, scheduled: SchedulerOutput, st) -> None:
+        """The local layers' slot mapping and block tables, the main ones' twins over each
+        request's local table (its released head points at the scratch block)."""
+        bs = self.block_size
+        slots, tables = st.numpy("local_slot_mapping"), st.numpy("local_block_tables")
+        t = 0
+        for s, (request_id, n) in enumerate(scheduled.num_scheduled_tokens.items()):
+            state = self.states[request_id]
+            end = state.request.num_computed_tokens
+            p = np.arange(end - n, end)
+            local = state.local_block_array
+            slots[t : t + n] = local[p // bs].astype(np.int64) * bs + p % bs
+            tables[s, : len(local)] = local
+            t += n
 
     def _graph_bucket(self, plan: _StepPlan, buf: InputBlock) -> GraphKey | None:
         """The graph that runs the step, or None (eager); a graph reads the block its kind
@@ -584,6 +634,9 @@ class ModelRunner:
         st.numpy("positions")[t : key.num_tokens] = 0
         st.numpy("slot_mapping")[t : key.num_tokens] = -1
         st.numpy("block_tables")[s : key.num_seqs] = 0
+        if self.local_layers:
+            st.numpy("local_slot_mapping")[t : key.num_tokens] = -1
+            st.numpy("local_block_tables")[s : key.num_seqs] = 0
         st.numpy("sample_indices")[n_samples : key.num_seqs] = 0
         padded = _StepPlan(**plan.__dict__)
         if key.decode:
@@ -609,6 +662,7 @@ class ModelRunner:
             plan.max_query_len,
             plan.max_seq_len,
             plan.attention,
+            self.local_layers,
         )
 
 
@@ -643,6 +697,7 @@ class _StepPlan:
     num_sample_rows: int = 0  # sample_indices rows to upload beyond the sampled ones (padding)
     attention: StagedAttention = field(default_factory=StagedAttention)
     scores: StepScores | None = None  # prompt logprobs to compute (eagerly)
+    local: bool = False  # the local layers' slots and tables are staged too
 
     @property
     def upload_counts(self) -> dict[str, int]:
@@ -657,4 +712,9 @@ class _StepPlan:
             "gather_dst": self.num_gathers,
             "gather_src": self.num_gathers,
             **self.attention.uploads,
+            **(
+                {"local_slot_mapping": self.num_tokens, "local_block_tables": self.num_seqs}
+                if self.local
+                else {}
+            ),
         }
