@@ -433,6 +433,31 @@ def test_the_chosen_experts_floor_counts_packed_mxfp4_bytes(tmp_path):
     assert plain.weight_bytes - packed.weight_bytes == plain.expert_bytes - packed.expert_bytes
 
 
+def test_warm_requests_hold_only_their_windows_in_a_windowed_layers_pool(tmp_path):
+    """gpt-oss's windowed layers in their own pool, sized for 4 running windows: the step
+    benchmark's warm requests of 400 tokens fit, as the scheduler would keep them (a chunk at a
+    time, what the window passed given back), where their whole tables would not."""
+    from ember.bench.make_model import make_model
+    from ember.bench.roofline import Ceilings
+    from ember.bench.step_bench import StepBench
+    from ember.config import engine_config
+    from ember.engine.model_instance import ModelInstance
+
+    path = make_model("tiny-gpt-oss", tmp_path / "gpt-oss", device="cpu")
+    config = engine_config(
+        str(path), device="cpu", num_gpu_blocks_override=200, max_model_len=512, max_num_seqs=4,
+        max_num_batched_tokens=64,
+    )  # fmt: skip
+    bench = StepBench(ModelInstance(config), Ceilings(1e11, 1e12), None, None)
+    kv = bench.inst.kv_manager
+    assert kv.local_pool.capacity < 4 * 400 // kv.block_size < kv.pool.capacity
+    row = bench.decode(batch=4, context=400, steps=2, warmup=1)
+    assert row["step_ms"] > 0
+    assert bench.eager_vs_graph(batch=2, context=300)["eager_step_ms"] > 0  # its own runner
+    bench.inst.scheduler.check_invariants()
+    assert kv.local_pool.num_free == kv.local_pool.capacity
+
+
 def test_the_chosen_experts_floor_counts_fp8_llama4_experts_at_a_byte(tmp_path):
     """Llama 4 on dummy weights, FP8 (make-model's config, as the Scout benchmark runs it)
     against bf16's config: the same weights multiplied; the routed experts read at a byte a

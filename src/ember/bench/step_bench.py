@@ -64,7 +64,7 @@ class StepBench:
         # GPU's, which reads its heads' KV and its slice of the weights (of every expert).
         cfg = instance.plan.rank_config
         self.cfg = cfg
-        kv_elem = instance.kv_cache.element_size()  # 1 for an FP8 cache
+        kv_elem = instance.plan.kv_elem_bytes  # 1 for an FP8 cache
         self.kv_bytes_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * kv_elem
         # Every GEMM weight is read once per step, at its own element size (an FP8 weight's one
         # byte, with its row scales; MXFP4 experts' packed half byte, with their group scales);
@@ -103,9 +103,16 @@ class StepBench:
         prompt = torch.randint(3, self.cfg.vocab_size, (context,)).tolist()
         params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
         request = inst.make_request(rid, prompt, params)
-        if inst.kv_manager.allocate_slots(rid, context - 1) is None:
-            raise MemoryError("KV pool exhausted")
-        request.num_computed_tokens = context - 1
+        kv = inst.kv_manager
+        # A chunk at a time, giving back what windows pass as a scheduler would (a windowed
+        # pool holds only the windows).
+        chunk = inst.limits.max_num_batched_tokens
+        for end in range(min(chunk, context - 1), context - 1 + chunk, chunk):
+            end = min(end, context - 1)
+            if kv.allocate_slots(rid, end) is None:
+                raise MemoryError("KV pool exhausted")
+            request.num_computed_tokens = end
+            kv.release_out_of_window(request)
         inst.scheduler.add_request(request)
         return rid
 
@@ -331,6 +338,7 @@ class StepBench:
             stop_ids_until_min_tokens=runner.stop_ids_until_min_tokens,
             limits=inst.limits,
             use_cuda_graphs=False,
+            local_layers=runner.local_layers,
         )
 
     def prefill(self, chunk: int, repeat: int = 3) -> dict:
