@@ -159,16 +159,15 @@ class ModelPlan:
         sequence holds the blocks over its window and the chunk it computes, at most the
         window's blocks and three more (a partial block at each end, one its registration may
         keep), and the chunks of a step span at most their tokens' blocks. Under prefix
-        caching twice that: a cached prefix is taken back only with the local blocks its last
-        window covers, and the room beside the running windows keeps as many of those."""
+        caching, as many windows again: a cached prefix is taken back only with the local
+        blocks its last window covers, and that room keeps one for each running sequence."""
         if self.kv_local_layers is None:
             return None
         window, block_size = self.kv_local_layers[1], self.config.cache.block_size
-        per_sequence = -(-(window - 1) // block_size) + 3
+        windows = self.limits.max_num_seqs * (-(-(window - 1) // block_size) + 3)
         chunks = -(-self.limits.max_num_batched_tokens // block_size)
-        running = self.limits.max_num_seqs * per_sequence + chunks
-        cached = running if self.config.cache.enable_prefix_caching else 0
-        return running + cached + 1
+        cached = windows if self.config.cache.enable_prefix_caching else 0
+        return windows + chunks + cached + 1
 
     def local_kv_blocks(self, num_blocks: int) -> int | None:
         """The local pool's blocks beside ``num_blocks`` of the full layers' (no more than
