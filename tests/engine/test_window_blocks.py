@@ -304,6 +304,7 @@ def test_gpt_oss_decodes_with_its_windowed_layers_in_a_small_pool(tmp_path, pref
     kv = llm.instance.kv_manager
     assert kv.local_window == 16
     assert kv.local_pool.num_blocks == (47 if prefix_caching else 26) < kv.pool.num_blocks
+    assert llm.instance.load_report.local_num_blocks == kv.local_pool.num_blocks
     prompts = prompts_of_lengths((40, 30, 20), hf.config.vocab_size, 5)
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     expected = [hf_greedy_tokens(hf, prompt, 16) for prompt in prompts]

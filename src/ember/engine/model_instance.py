@@ -57,6 +57,8 @@ class LoadReport:
     weight_bytes: int
     kv_cache_bytes: int
     num_blocks: int
+    # The windowed layers' own pool, where they have one (`ModelPlan.kv_local_layers`).
+    local_num_blocks: int | None = None
     graphs_captured: int = 0
     graph_capture_seconds: float = 0.0
     # Of graph_capture_seconds: the graphs' eager warm-up passes (first-time kernel compiles
@@ -231,6 +233,7 @@ class ModelInstance:
             weight_bytes=self.weight_bytes,
             kv_cache_bytes=self.kv_cache_bytes,
             num_blocks=num_blocks,
+            local_num_blocks=self.plan.local_kv_blocks(num_blocks),
             resident_bytes=max(0, self._device_reserved() - reserved_before),
             started_at=started_at,
         )
