@@ -315,3 +315,22 @@ def test_gpt_oss_decodes_with_its_windowed_layers_in_a_small_pool(tmp_path, pref
     if prefix_caching:
         # The second time each prompt takes back every whole block before its last token.
         assert kv.stats.hits == 4 * ((40 - 1) // 4 + (30 - 1) // 4 + (20 - 1) // 4)
+
+
+@pytest.mark.slow
+def test_a_woken_gpt_oss_gives_the_tokens_it_gave_before_sleeping(tmp_path):
+    """Both pools go to sleep and come back (zeroed) with the model: the same greedy tokens."""
+    from ember.api import Engine
+
+    path = make_tiny_model("GptOssForCausalLM", tmp_path)
+    engine = Engine()
+    engine.add_model("gpt-oss", str(path), device="cpu", max_model_len=64, block_size=4)
+    assert engine.instance("gpt-oss").kv_manager.local_pool is not None
+    prompts = prompts_of_lengths((40, 30), 1000, 7)
+    batch = [{"prompt_token_ids": p} for p in prompts]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    before = [o.outputs[0].token_ids for o in engine.generate(batch, params, model="gpt-oss")]
+    engine.sleep("gpt-oss")
+    engine.wake("gpt-oss")
+    after = [o.outputs[0].token_ids for o in engine.generate(batch, params, model="gpt-oss")]
+    assert after == before
