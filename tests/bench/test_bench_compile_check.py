@@ -57,15 +57,18 @@ def test_every_default_configuration_fits_an_h200():
     # The attention kernel as the planner launches it, its heaviest variants among them.
     attention = {r["case"]: r["constexprs"] for r in results if r["kernel"] == "paged_attention"}
     launches = {"decode split", "decode", "decode, full grid", "mixed decodes", "mixed chunks"}
-    # Each over a bf16 cache and over an FP8 one; windows, chunks, sinks and NoPE on bf16.
+    # Each over a bf16 cache and over an FP8 one; windows, chunks, sinks, NoPE and the QK norms
+    # on bf16.
     variants = {
-        "decode split, window, sinks, QK norm",
+        "decode split, window, sinks, QK L2 norm",
+        "decode split, QK RMSNorm",
         "decode, chunks, NoPE",
         "mixed chunks, window, sinks",
     }
     assert set(attention) == launches | {f"{case}, fp8 kv" for case in launches} | variants
-    for variant in ("SPLIT_KV", "ROPE", "PRELOAD_KV", "TILE_MAP", "KV_FP8", "KEY_START", "SINKS"):
-        assert any(constexprs[variant] for constexprs in attention.values()), variant
+    switches = ("SPLIT_KV", "ROPE", "PRELOAD_KV", "TILE_MAP", "KV_FP8", "KEY_START", "SINKS")
+    for switch in (*switches, "QK_RMS_NORM", "QK_L2_NORM"):
+        assert any(constexprs[switch] for constexprs in attention.values()), switch
     for r in results:
         assert 0 < r["shared_bytes"] <= SM90_SHARED_MEMORY_LIMIT and r["fits"], r
     # The pipelined tiles are what take the room: a wider step asks more.

@@ -16,6 +16,46 @@ from ember import LLM, SamplingParams
 pytestmark = pytest.mark.slow
 
 
+@pytest.fixture
+def qk_norm_spy(monkeypatch):
+    """Where the Triton path's q/k norms run: the widths of the RMSNorm kernel's rows (set up
+    before an instance's ops are made), and the kernels the ``qk_norm`` option reached."""
+    from ember.kernels import attention_step, rmsnorm
+
+    seen = {"norm_widths": set(), "fused_into": set()}
+    rms_norm, rope_and_cache_write = rmsnorm.rms_norm, attention_step.rope_and_cache_write
+    paged_attention = attention_step.paged_attention
+
+    def norm_spy(x, *args, **kwargs):
+        seen["norm_widths"].add(x.shape[-1])
+        return rms_norm(x, *args, **kwargs)
+
+    def rope_spy(*args, **kwargs):
+        if kwargs.get("qk_norm") is not None:
+            seen["fused_into"].add("rope_and_cache_write")
+        return rope_and_cache_write(*args, **kwargs)
+
+    def attention_spy(*args, **kwargs):
+        if kwargs.get("rope") is not None and kwargs["rope"].qk_norm is not None:
+            seen["fused_into"].add("paged_attention")
+        return paged_attention(*args, **kwargs)
+
+    monkeypatch.setattr(rmsnorm, "rms_norm", norm_spy)
+    monkeypatch.setattr(attention_step, "rope_and_cache_write", rope_spy)
+    monkeypatch.setattr(attention_step, "paged_attention", attention_spy)
+    return seen
+
+
+def assert_qk_norms_fused(llm, seen):
+    """A Qwen3 model's q/k norms ran inside the RoPE kernel (prefill chunks) and the attention
+    kernel (decodes), never as RMSNorm launches over head-wide rows; other models pass none."""
+    cfg = llm.instance.model.cfg
+    assert cfg.head_dim not in seen["norm_widths"]
+    assert seen["fused_into"] == (
+        {"rope_and_cache_write", "paged_attention"} if cfg.qk_norm else set()
+    )
+
+
 @pytest.mark.parametrize(
     "arch",
     [
@@ -26,7 +66,7 @@ pytestmark = pytest.mark.slow
         "Llama4ForCausalLM",
     ],
 )
-def test_triton_backend_matches_reference_backend(arch, tmp_path, device, gen):
+def test_triton_backend_matches_reference_backend(arch, tmp_path, device, gen, qk_norm_spy):
     path = make_tiny_model(arch, tmp_path)
     prompts = [torch.randint(3, 4000, (n,), generator=gen).tolist() for n in (3, 17, 40)]
     params = [
@@ -50,10 +90,13 @@ def test_triton_backend_matches_reference_backend(arch, tmp_path, device, gen):
         outputs[backend] = [o.outputs[0].token_ids for o in outs]
         llm.instance.scheduler.check_invariants()
     assert outputs["triton"] == outputs["reference"]
+    assert_qk_norms_fused(llm, qk_norm_spy)
 
 
 @pytest.mark.parametrize("arch", ["Qwen3MoeForCausalLM", "MixtralForCausalLM", "Llama4ForCausalLM"])
-def test_fp8_experts_on_the_kernels_give_the_reference_tokens(arch, tmp_path, device, gen):
+def test_fp8_experts_on_the_kernels_give_the_reference_tokens(
+    arch, tmp_path, device, gen, qk_norm_spy
+):
     """An FP8 checkpoint's experts through the fused MoE kernels (decode steps by pair, prompt
     chunks grouped) against the reference's dequantizing loop, in float32: the same tokens.
     Llama 4's experts take their router-scaled inputs, beside its FP8 shared expert and dense
@@ -76,6 +119,7 @@ def test_fp8_experts_on_the_kernels_give_the_reference_tokens(arch, tmp_path, de
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
         outputs[backend] = [o.outputs[0].token_ids for o in outs]
     assert outputs["triton"] == outputs["reference"]
+    assert_qk_norms_fused(llm, qk_norm_spy)
 
 
 def test_parity_bench_runs_and_agrees(tmp_path, device):

@@ -159,13 +159,20 @@ def stream_k_gemm_configs() -> list[CompiledConfig]:
 _ATTENTION_VARIANTS = (
     (
         "decode split",
-        "decode split, window, sinks, QK norm",
-        {"KEY_START": 1, "SINKS": True, "QK_NORM": True},
+        "decode split, window, sinks, QK L2 norm",
+        {"KEY_START": 1, "SINKS": True, "QK_L2_NORM": True},
     ),
+    ("decode split", "decode split, QK RMSNorm", {"QK_RMS_NORM": True}),
     ("decode", "decode, chunks, NoPE", {"KEY_START": 2, "ROTATE": False}),
     ("mixed chunks", "mixed chunks, window, sinks", {"KEY_START": 1, "SINKS": True}),
 )
-_PLAIN_LAYER = {"KEY_START": 0, "SINKS": False, "ROTATE": True, "QK_NORM": False}
+_PLAIN_LAYER = {
+    "KEY_START": 0,
+    "SINKS": False,
+    "ROTATE": True,
+    "QK_RMS_NORM": False,
+    "QK_L2_NORM": False,
+}
 
 
 def attention_configs() -> list[CompiledConfig]:
@@ -215,7 +222,10 @@ def _attention_configs(kv_fp8: bool) -> list[CompiledConfig]:
         **{p: "*i32" for p in int_pointers},
         **{p: "*fp32" for p in fp32_pointers},
         "sinks_ptr": "*bf16",
+        "q_norm_ptr": "*bf16",
+        "k_norm_ptr": "*bf16",
         "eps": "fp32",
+        "rms_eps": "fp32",
         "l2_eps": "fp32",
         "qk_scale": "fp32",
     }

@@ -1,4 +1,5 @@
-"""One layer's attention for a step: RoPE, the KV-cache write and paged attention.
+"""One layer's attention for a step: RoPE (with Qwen3's q/k norm before it or Llama 4's after
+it), the KV-cache write and paged attention.
 
 Decode-only steps do all three in the attention kernel (a launch less per layer); steps with
 prefill chunks rotate and write with `rope_and_cache_write` first, since their queries span
@@ -14,6 +15,7 @@ import torch
 from ember.kernels.attention_plan import AttentionLaunch, ChunkTiles
 from ember.kernels.paged_attention import DecodeRope, paged_attention
 from ember.kernels.rope_cache_write import rope_and_cache_write
+from ember.layers.qk_norm import QkNorm
 from ember.layers.row_norm import RowNorm
 
 if TYPE_CHECKING:
@@ -42,6 +44,7 @@ def rope_and_attention(
     chunk_size: int | None = None,
     sinks: torch.Tensor | None = None,
     use_rope: bool = True,
+    qk_norm: QkNorm | None = None,
     qk_l2_norm_eps: float | None = None,
 ) -> torch.Tensor:
     """`rope_and_cache_write` then `paged_attention` (its ``launches``) over the step's metadata
@@ -50,8 +53,9 @@ def rope_and_attention(
     ``out`` change). ``row_norm``: q, k and v are products of the un-normalised rows, to scale
     by each token's ``1/rms`` first (`ember.layers.row_norm`). ``kv_scales``: an FP8 cache's
     (k_scale, v_scale), for its writes and its reads (`ember.kernels.kv_fp8`). ``use_rope``
-    False (a NoPE layer) skips the rotation, ``qk_l2_norm_eps`` normalises q and k after it;
-    ``window``, ``chunk_size`` and ``sinks`` shape the attention (`paged_attention`)."""
+    False (a NoPE layer) skips the rotation; ``qk_norm`` RMS-normalises each head of q and k
+    before it (Qwen3's), ``qk_l2_norm_eps`` after it (Llama 4's); ``window``, ``chunk_size`` and
+    ``sinks`` shape the attention (`paged_attention`)."""
     rope = None
     if fuse_decode and ctx.max_query_len == 1:
         rope = DecodeRope(
@@ -63,6 +67,7 @@ def rope_and_attention(
             row_norm,
             rotate=use_rope,
             qk_l2_norm_eps=qk_l2_norm_eps,
+            qk_norm=qk_norm,
         )
     else:
         rope_and_cache_write(
@@ -78,6 +83,7 @@ def rope_and_attention(
             kv_scales=kv_scales,
             pdl=pdl,
             use_rope=use_rope,
+            qk_norm=qk_norm,
             qk_l2_norm_eps=qk_l2_norm_eps,
         )
     return paged_attention(

@@ -49,6 +49,7 @@ from ember.kernels.attention_plan import (
     next_power_of_2,
 )
 from ember.kernels.compile_ahead import launch
+from ember.kernels.head_norm import head_inv_rms, qk_norm_args, rms_norm_heads
 from ember.kernels.kv_fp8 import is_fp8_cache, kv_scale_args, to_cache
 from ember.kernels.pdl import wait_for_producer
 from ember.kernels.row_norm import (
@@ -58,6 +59,7 @@ from ember.kernels.row_norm import (
     row_norm_args,
     scale_and_round,
 )
+from ember.layers.qk_norm import QkNorm, check_qk_norms
 from ember.layers.row_norm import RowNorm
 
 _LOG2E = 1.4426950408889634
@@ -262,23 +264,33 @@ def _rotate_query(
     signed_sin,
     partner,
     scale,
+    q_norm_ptr,
+    rms_eps,
     l2_eps,
     SCALED: tl.constexpr,
     ROTATE: tl.constexpr,
-    QK_NORM: tl.constexpr,
+    QK_RMS_NORM: tl.constexpr,
+    QK_L2_NORM: tl.constexpr,
 ):
     """Rotate one token's query rows (fp32, cast back like the RoPE kernel; scaled by ``scale``
-    first when ``SCALED``, as `rope_and_cache_write` does; a NoPE layer's not ``ROTATE``; each
-    head normalised after when ``QK_NORM``)."""
+    first when ``SCALED``, as `rope_and_cache_write` does; RMS-normalised with ``q_norm_ptr``'s
+    weight before the rotation when ``QK_RMS_NORM``; a NoPE layer's not ``ROTATE``; each head
+    normalised after when ``QK_L2_NORM``)."""
+    head_dim: tl.constexpr = q.shape[1]
     q_own = scale_and_round(q, scale, q.dtype, SCALED)
+    if QK_RMS_NORM:  # each row is a whole head: its partners share its 1/rms
+        inv_rms = head_inv_rms(tl.sum(q_own * q_own, 1, keep_dims=True), rms_eps, head_dim)
+        q_own = rms_norm_heads(q_own, inv_rms, q_norm_ptr, tl.arange(0, head_dim), q.dtype)
     if ROTATE:
         q_partner = tl.load(q_rows + partner[None, :], mask=row_valid[:, None], other=0.0)
         q_partner = scale_and_round(q_partner, scale, q.dtype, SCALED)
+        if QK_RMS_NORM:
+            q_partner = rms_norm_heads(q_partner, inv_rms, q_norm_ptr, partner, q.dtype)
         rotated = q_own * cos[None, :] + q_partner * signed_sin[None, :]
     else:
         rotated = q_own
-    if QK_NORM:
-        rotated = _rms_normalize_heads(rotated, l2_eps, q.dtype, q.shape[1])
+    if QK_L2_NORM:
+        rotated = _rms_normalize_heads(rotated, l2_eps, q.dtype, head_dim)
     return rotated.to(q.dtype)
 
 
@@ -294,6 +306,8 @@ def _write_new_key_value(
     signed_sin,
     partner,
     scale,
+    k_norm_ptr,
+    rms_eps,
     l2_eps,
     k_scale,
     v_scale,
@@ -304,7 +318,8 @@ def _write_new_key_value(
     SCALED: tl.constexpr,
     KV_FP8: tl.constexpr,
     ROTATE: tl.constexpr,
-    QK_NORM: tl.constexpr,
+    QK_RMS_NORM: tl.constexpr,
+    QK_L2_NORM: tl.constexpr,
 ):
     """Rotate one KV head of the new token's key and store it and its value at ``slot`` (-1:
     padding, nothing stored); both scaled by ``scale`` first when ``SCALED``, and quantized by
@@ -312,16 +327,22 @@ def _write_new_key_value(
     program before it reads the tile that holds them. Returns the stored key and value, as the
     cache holds them (a tile loaded before the store takes them from here, and reads them as it
     reads every stored entry). A NoPE layer's key (not ``ROTATE``) is stored unrotated;
-    ``QK_NORM`` normalises it after the rotation."""
+    ``QK_RMS_NORM`` normalises it with ``k_norm_ptr``'s weight before the rotation,
+    ``QK_L2_NORM`` after it."""
     dims = tl.arange(0, HEAD_DIM)
     dtype = k_ptr.dtype.element_ty
     k = scale_and_round(tl.load(k_ptr + dims), scale, dtype, SCALED)
+    if QK_RMS_NORM:
+        inv_rms = head_inv_rms(tl.sum(k * k, 0), rms_eps, HEAD_DIM)
+        k = rms_norm_heads(k, inv_rms, k_norm_ptr, dims, dtype)
     if ROTATE:
         k_partner = scale_and_round(tl.load(k_ptr + partner), scale, dtype, SCALED)
+        if QK_RMS_NORM:
+            k_partner = rms_norm_heads(k_partner, inv_rms, k_norm_ptr, partner, dtype)
         rotated = k * cos + k_partner * signed_sin
     else:
         rotated = k
-    if QK_NORM:
+    if QK_L2_NORM:
         rotated = _rms_normalize_heads(rotated, l2_eps, dtype, HEAD_DIM)
     cache = (slot // PAGE) * stride_cache_block + (slot % PAGE) * stride_cache_slot + head_offset
     keep = (dims < HEAD_DIM) & (slot >= 0)
@@ -354,10 +375,13 @@ def _paged_attention_kernel(
     slot_mapping_ptr,
     chunk_tiles_ptr,
     sinks_ptr,
+    q_norm_ptr,
+    k_norm_ptr,
     parts_ptr,
     num_parts,
     hidden,
     eps,
+    rms_eps,
     l2_eps,
     key_span,
     qk_scale,
@@ -402,7 +426,8 @@ def _paged_attention_kernel(
     KEY_START: tl.constexpr,
     SINKS: tl.constexpr,
     ROTATE: tl.constexpr,
-    QK_NORM: tl.constexpr,
+    QK_RMS_NORM: tl.constexpr,
+    QK_L2_NORM: tl.constexpr,
 ):
     # Until the wait, a program reads only what no kernel of this step writes: the step's
     # metadata and the cache's keys of earlier steps. Under PDL that runs under the previous
@@ -545,10 +570,13 @@ def _paged_attention_kernel(
             signed_sin,
             partner,
             scale,
+            q_norm_ptr,
+            rms_eps,
             l2_eps,
             ROW_NORM,
             ROTATE,
-            QK_NORM,
+            QK_RMS_NORM,
+            QK_L2_NORM,
         )
         if (num_kv_tiles - 1 >= tile_lo) & (num_kv_tiles - 1 < tile_hi):
             new_k, new_v = _write_new_key_value(
@@ -562,6 +590,8 @@ def _paged_attention_kernel(
                 signed_sin,
                 partner,
                 scale,
+                k_norm_ptr,
+                rms_eps,
                 l2_eps,
                 k_scale,
                 v_scale,
@@ -572,7 +602,8 @@ def _paged_attention_kernel(
                 ROW_NORM,
                 KV_FP8,
                 ROTATE,
-                QK_NORM,
+                QK_RMS_NORM,
+                QK_L2_NORM,
             )
             if PRELOAD_KV:
                 # A padding token (slot -1) stores nothing: its tile keeps what the cache holds.
@@ -861,8 +892,10 @@ class DecodeRope(NamedTuple):
     rotated), the rest as `rope_and_cache_write` takes them. ``q`` is rotated in registers only:
     the q passed to attention is left as it was. ``row_norm``: a deferred RMSNorm whose ``1/rms``
     scales each token's q, k and v first (`ember.layers.row_norm`). ``rotate`` False: a NoPE
-    layer (q and k are not rotated, the key is stored as it is); ``qk_l2_norm_eps``: each head of
-    q and k normalised after the rotation (Llama 4's QK norm)."""
+    layer (q and k are not rotated, the key is stored as it is); ``qk_norm``: each head of q and
+    k RMS-normalised with its weights before the rotation (Qwen3's; in registers too, the q and
+    k passed stay unnormalised); ``qk_l2_norm_eps``: each head of q and k normalised after the
+    rotation (Llama 4's QK norm); not both."""
 
     k: torch.Tensor
     v: torch.Tensor
@@ -872,6 +905,7 @@ class DecodeRope(NamedTuple):
     row_norm: RowNorm | None = None
     rotate: bool = True
     qk_l2_norm_eps: float | None = None
+    qk_norm: QkNorm | None = None
 
 
 def _check_decode_rope(rope: DecodeRope, q: torch.Tensor, k_cache: torch.Tensor, decode: bool):
@@ -888,6 +922,7 @@ def _check_decode_rope(rope: DecodeRope, q: torch.Tensor, k_cache: torch.Tensor,
     if rope.cos_sin_cache.dtype != torch.float32 or not rope.cos_sin_cache.is_contiguous():
         raise ValueError("cos_sin_cache must be contiguous float32")
     check_row_norm(rope.row_norm, num_tokens)
+    check_qk_norms(rope.qk_norm, rope.qk_l2_norm_eps)
 
 
 def paged_attention(
@@ -1035,6 +1070,9 @@ def _launch_kernel(
     # RoPE in the kernel serves the launch of every sequence of a decode-only step.
     rope = rope if plan.decode_only and plan.sequences == Sequences.ALL else None
     row_args, block_p = row_norm_args(rope.row_norm if rope is not None else None, q)
+    qk_norm = rope.qk_norm if rope is not None else None
+    q_norm, k_norm, rms_eps = qk_norm_args(qk_norm, head_dim, q)
+    qk_l2_norm_eps = rope.qk_l2_norm_eps if rope is not None else None
     if plan.decode_only:
         num_tiles = num_seqs
     elif chunk_tiles is not None:
@@ -1065,8 +1103,11 @@ def _launch_kernel(
         ),
         chunk_tiles.tiles if chunk_tiles is not None else seq_lens,
         sinks if sinks is not None else q,
+        q_norm,
+        k_norm,
         *row_args,
-        (rope.qk_l2_norm_eps if rope is not None else None) or 0.0,
+        rms_eps,
+        qk_l2_norm_eps or 0.0,
         key_range[1],
         qk_scale,
         k_scale,
@@ -1108,7 +1149,8 @@ def _launch_kernel(
         KEY_START=int(key_range[0]),
         SINKS=sinks is not None,
         ROTATE=rope is None or rope.rotate,
-        QK_NORM=rope is not None and rope.qk_l2_norm_eps is not None,
+        QK_RMS_NORM=qk_norm is not None,
+        QK_L2_NORM=qk_l2_norm_eps is not None,
         launch_pdl=pdl,
         **config,
     )

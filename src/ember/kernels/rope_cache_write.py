@@ -6,6 +6,8 @@ token's cache slot. Fusing saves a second read of k and a launch per layer. Sema
 docs/CONTRACTS.md ("RoPE", "Paged KV cache layout"); ``slot_mapping[t] == -1`` writes nothing.
 With a deferred RMSNorm (``row_norm``, `ember.layers.row_norm`) q, k and v are first scaled by
 their token's ``1/rms`` and rounded, as the normalised row's q/k/v projection would give them.
+Qwen3's q/k norm (``qk_norm``) RMS-normalises each head before the rotation, Llama 4's L2 norm
+(``qk_l2_norm_eps``) after it.
 An FP8 cache stores k and v quantized by the layer's scales (`ember.kernels.kv_fp8`).
 """
 
@@ -16,6 +18,7 @@ import triton
 import triton.language as tl
 
 from ember.kernels.compile_ahead import launch
+from ember.kernels.head_norm import head_inv_rms, qk_norm_args, rms_norm_heads
 from ember.kernels.kv_fp8 import is_fp8_cache, kv_scale_args, to_cache
 from ember.kernels.pdl import wait_for_producer
 from ember.kernels.row_norm import (
@@ -24,6 +27,7 @@ from ember.kernels.row_norm import (
     row_norm_args,
     scale_and_round,
 )
+from ember.layers.qk_norm import QkNorm, check_qk_norms
 from ember.layers.row_norm import RowNorm
 
 
@@ -34,16 +38,20 @@ def _rotate_heads_in_place(
     cos,
     sin,
     scale,
+    norm_weight_ptr,
+    rms_eps,
     l2_eps,
     NUM_HEADS: tl.constexpr,
     BLOCK_H: tl.constexpr,
     HALF: tl.constexpr,
     SCALED: tl.constexpr,
     ROTATE: tl.constexpr,
+    RMS_NORM: tl.constexpr,
     L2_NORM: tl.constexpr,
 ):
     """Rotate one token's ``[NUM_HEADS, 2 * HALF]`` heads in place (scaled by ``scale`` first
-    when ``SCALED``; not rotated unless ``ROTATE``; each head normalised by its RMS after, no
+    when ``SCALED``; RMS-normalised with ``norm_weight_ptr``'s weight before the rotation when
+    ``RMS_NORM``; not rotated unless ``ROTATE``; each head normalised by its RMS after, no
     weight, when ``L2_NORM``); returns the halves as stored."""
     heads = tl.arange(0, BLOCK_H)
     dims = tl.arange(0, HALF)
@@ -54,6 +62,13 @@ def _rotate_heads_in_place(
     x2 = scale_and_round(
         tl.load(x_ptr + offsets + HALF, mask=mask, other=0.0), scale, dtype, SCALED
     )
+    if RMS_NORM:  # Qwen3's q/k norm, on the heads as loaded (and scaled)
+        # The sums of squares over whole heads (reread), as the RMSNorm kernel sums its rows.
+        whole = heads[:, None] * stride_head + tl.arange(0, 2 * HALF)[None, :]
+        x = scale_and_round(tl.load(x_ptr + whole, mask=mask, other=0.0), scale, dtype, SCALED)
+        inv_rms = head_inv_rms(tl.sum(x * x, 1, keep_dims=True), rms_eps, 2 * HALF)
+        x1 = rms_norm_heads(x1, inv_rms, norm_weight_ptr, dims, dtype)
+        x2 = rms_norm_heads(x2, inv_rms, norm_weight_ptr, dims + HALF, dtype)
     if ROTATE:
         out1 = x1 * cos[None, :] - x2 * sin[None, :]
         out2 = x2 * cos[None, :] + x1 * sin[None, :]
@@ -82,10 +97,13 @@ def _rope_cache_write_kernel(
     slot_mapping_ptr,
     k_cache_ptr,
     v_cache_ptr,
+    q_norm_ptr,
+    k_norm_ptr,
     parts_ptr,
     num_parts,
     hidden,
     eps,
+    rms_eps,
     l2_eps,
     k_scale,
     v_scale,
@@ -109,6 +127,7 @@ def _rope_cache_write_kernel(
     PDL: tl.constexpr,
     KV_FP8: tl.constexpr,
     ROTATE: tl.constexpr,
+    RMS_NORM: tl.constexpr,
     L2_NORM: tl.constexpr,
 ):
     wait_for_producer(PDL)
@@ -132,12 +151,15 @@ def _rope_cache_write_kernel(
         cos,
         sin,
         scale,
+        q_norm_ptr,
+        rms_eps,
         l2_eps,
         NUM_Q_HEADS,
         BLOCK_HQ,
         half,
         ROW_NORM,
         ROTATE,
+        RMS_NORM,
         L2_NORM,
     )
     k1, k2 = _rotate_heads_in_place(
@@ -146,12 +168,15 @@ def _rope_cache_write_kernel(
         cos,
         sin,
         scale,
+        k_norm_ptr,
+        rms_eps,
         l2_eps,
         NUM_KV_HEADS,
         BLOCK_HKV,
         half,
         ROW_NORM,
         ROTATE,
+        RMS_NORM,
         L2_NORM,
     )
 
@@ -194,14 +219,16 @@ def rope_and_cache_write(
     kv_scales: tuple[float, float] = (1.0, 1.0),
     pdl: bool = False,
     use_rope: bool = True,
+    qk_norm: QkNorm | None = None,
     qk_l2_norm_eps: float | None = None,
 ) -> None:
     """Rotate ``q [T, Hq, D]`` and ``k [T, Hkv, D]`` in place and write k, v to the cache
     (``row_norm``: each token's q, k and v scaled by its ``1/rms`` first; ``v`` itself is left
     unscaled, only its cache copy is). An FP8 cache (float8 e4m3) stores them quantized by
     ``kv_scales`` (k_scale, v_scale), which a cache of any other dtype ignores. ``use_rope``
-    False (a NoPE layer) leaves them unrotated; ``qk_l2_norm_eps`` normalises each head of q and
-    k after the rotation (Llama 4's QK norm, `reference_ops.l2_normalize_heads_reference`).
+    False (a NoPE layer) leaves them unrotated; ``qk_norm`` RMS-normalises each head of q and k
+    with its weights before the rotation (Qwen3's, rounded as `rms_norm`), ``qk_l2_norm_eps``
+    after it (Llama 4's QK norm, `reference_ops.l2_normalize_heads_reference`); not both.
 
     ``q``, ``k``, ``v`` may be strided views (e.g. of a fused qkv output) with a contiguous last
     dim; ``positions`` and ``slot_mapping`` are int64 ``[T]``; ``cos_sin_cache`` is float32
@@ -220,6 +247,8 @@ def rope_and_cache_write(
     if cos_sin_cache.dtype != torch.float32 or not cos_sin_cache.is_contiguous():
         raise ValueError("cos_sin_cache must be contiguous float32")
     check_row_norm(row_norm, num_tokens)
+    check_qk_norms(qk_norm, qk_l2_norm_eps)
+    q_norm, k_norm, rms_eps = qk_norm_args(qk_norm, head_dim, q)
     if num_tokens == 0:
         return
     row_args, block_p = row_norm_args(row_norm, q)
@@ -234,7 +263,10 @@ def rope_and_cache_write(
         slot_mapping,
         k_cache,
         v_cache,
+        q_norm,
+        k_norm,
         *row_args,
+        rms_eps,
         qk_l2_norm_eps or 0.0,
         *kv_scale_args(k_cache, kv_scales),
         q.stride(0),
@@ -257,6 +289,7 @@ def rope_and_cache_write(
         PDL=pdl,
         KV_FP8=is_fp8_cache(k_cache),
         ROTATE=use_rope,
+        RMS_NORM=qk_norm is not None,
         L2_NORM=qk_l2_norm_eps is not None,
         num_warps=4,
         launch_pdl=pdl,

@@ -56,6 +56,10 @@ class AttentionBackend:
     """The interface, and the behaviour of a backend that needs nothing staged. A backend
     serves the steps one instance's `StepLimits` allow."""
 
+    # Whether `forward` takes the ``qk_norm`` option; a layer whose backend does not runs
+    # Qwen3's q/k norms itself first.
+    takes_qk_norm = False
+
     def __init__(self, limits: StepLimits | None = None) -> None:
         self.limits = limits or StepLimits()
 
@@ -116,12 +120,17 @@ class AttentionBackend:
         ``x / scale`` and reads ``stored * scale`` (docs/CONTRACTS.md, "FP8 KV cache"); ignored
         by a cache of any other dtype. The layer's kind, where it is not plain (docs/CONTRACTS.md,
         "Windows, sinks, chunks"): ``window`` or ``chunk_size`` (int), ``sinks`` (a tensor
-        ``[num_q_heads]``), ``use_rope`` (False: a NoPE layer), ``qk_l2_norm_eps`` (float)."""
+        ``[num_q_heads]``), ``use_rope`` (False: a NoPE layer), ``qk_norm`` (a
+        `ember.layers.qk_norm.QkNorm`: Qwen3's RMSNorm of each head of q and k before RoPE, where
+        `takes_qk_norm`), ``qk_l2_norm_eps`` (float: Llama 4's L2 norm after RoPE; not with
+        ``qk_norm``)."""
         raise NotImplementedError
 
 
 class ReferenceAttention(AttentionBackend):
     """Plain PyTorch, one sequence at a time in float32."""
+
+    takes_qk_norm = True
 
     def forward(self, q, k, v, ctx, cos_sin_cache, k_cache, v_cache, scale, out, **options):
         return rope_and_attention_reference(
@@ -147,6 +156,8 @@ class TritonAttention(AttentionBackend):
     tokens (a step's new prompts, a burst of arrivals included); a step with more chunks takes a
     larger graph, or runs eagerly.
     """
+
+    takes_qk_norm = True
 
     def __init__(
         self,

@@ -17,6 +17,7 @@ from ember.kernels.attention_plan import KeyStart, key_start
 from ember.layers.forward_context import ForwardContext
 from ember.layers.fp8 import FP8_DTYPE, FP8_E4M3_MAX, Fp8Weight, dense_weight
 from ember.layers.mxfp4 import Mxfp4Weight
+from ember.layers.qk_norm import QkNorm, check_qk_norms
 from ember.layers.row_norm import RowNorm
 from ember.layers.yarn_rope import yarn_inv_freq
 
@@ -124,17 +125,23 @@ def rope_and_cache_write_reference(
     kv_scales: tuple[float, float] = (1.0, 1.0),
     use_rope: bool = True,
     qk_l2_norm_eps: float | None = None,
+    qk_norm: QkNorm | None = None,
 ) -> None:
     """Rotate ``q`` and ``k`` in place, then store ``k`` and ``v`` at their slots (-1: skip).
     ``row_norm``: scale each token's q, k and v by its ``1/rms`` first (``v`` itself is left
     unscaled, only its cache copy is). An FP8 cache stores k and v (as rounded to their dtype)
     quantized by ``kv_scales`` (k_scale, v_scale); other caches ignore them. ``use_rope`` False
-    (a NoPE layer) skips the rotation; ``qk_l2_norm_eps`` normalises each head of q and k after
-    it (`l2_normalize_heads_reference`)."""
+    (a NoPE layer) skips the rotation; ``qk_norm`` RMS-normalises each head of q and k before
+    it (Qwen3's, `rms_norm_reference`), ``qk_l2_norm_eps`` after it
+    (`l2_normalize_heads_reference`); not both."""
+    check_qk_norms(qk_norm, qk_l2_norm_eps)
     if row_norm is not None:
         q.copy_(row_norm.apply(q))
         k.copy_(row_norm.apply(k))
         v = row_norm.apply(v)
+    if qk_norm is not None:  # exactly the separate `rms_norm` of each head a layer would run
+        q.copy_(rms_norm_reference(q, qk_norm.q_weight, qk_norm.eps))
+        k.copy_(rms_norm_reference(k, qk_norm.k_weight, qk_norm.eps))
     if use_rope:
         half = q.shape[-1] // 2
         cos_sin = cos_sin_cache[positions]
@@ -267,12 +274,13 @@ def rope_and_attention_reference(
     sinks: torch.Tensor | None = None,
     use_rope: bool = True,
     qk_l2_norm_eps: float | None = None,
+    qk_norm: QkNorm | None = None,
 ) -> torch.Tensor:
     """One layer's attention step over the metadata ``ctx``: RoPE and the cache write, then
     paged attention (``row_norm``: q, k, v scaled by each token's ``1/rms`` first;
-    ``kv_scales``: an FP8 cache's k_scale and v_scale; ``use_rope``, ``qk_l2_norm_eps`` as
-    `rope_and_cache_write_reference` takes them, ``window``, ``chunk_size`` and ``sinks`` as
-    `paged_attention_reference` does)."""
+    ``kv_scales``: an FP8 cache's k_scale and v_scale; ``use_rope``, ``qk_norm``,
+    ``qk_l2_norm_eps`` as `rope_and_cache_write_reference` takes them, ``window``,
+    ``chunk_size`` and ``sinks`` as `paged_attention_reference` does)."""
     rope_and_cache_write_reference(
         q,
         k,
@@ -286,6 +294,7 @@ def rope_and_attention_reference(
         kv_scales=kv_scales,
         use_rope=use_rope,
         qk_l2_norm_eps=qk_l2_norm_eps,
+        qk_norm=qk_norm,
     )
     return paged_attention_reference(
         q,

@@ -1,12 +1,13 @@
 """The Llama family in one implementation, with switches per architecture.
 
 Llama 3.x and SmolLM2 (LlamaForCausalLM), Mistral (same graph), Qwen2 (q/k/v bias) and Qwen3
-(per-head q/k RMSNorm, explicit head_dim). q/k/v and gate/up are fused into single GEMMs at load
-time; the linear products, norms and activation go through the instance's `Ops`, attention
-through its `AttentionBackend`. A subclass may give a layer another MLP (`mlp_for_layer`): the
-mixture-of-experts models of `ember.models.llama_moe` reuse everything else. Each layer's
-`Attention` takes its sliding window, chunks, sinks, NoPE, QK L2 norm and temperature tuning
-from `ModelConfig.layer_attention` (Mistral's and Qwen2's windows today).
+(per-head q/k RMSNorm, which the attention backend applies as it rotates q and k; explicit
+head_dim). q/k/v and gate/up are fused into single GEMMs at load time; the linear products,
+norms and activation go through the instance's `Ops`, attention through its `AttentionBackend`.
+A subclass may give a layer another MLP (`mlp_for_layer`): the mixture-of-experts models of
+`ember.models.llama_moe` reuse everything else. Each layer's `Attention` takes its sliding
+window, chunks, sinks, NoPE, QK L2 norm and temperature tuning from
+`ModelConfig.layer_attention` (Mistral's and Qwen2's windows today).
 
 Where the ops defer the RMSNorm (`Ops.defer_norms`; not with a q/k/v bias or a q/k norm, which
 sit between the projection and its reader, nor in a mixture of experts: `can_defer_norms`),
@@ -39,6 +40,7 @@ from ember.layers.attention import AttentionBackend
 from ember.layers.forward_context import ForwardContext
 from ember.layers.fp8 import FP8_DTYPE, Fp8Weight, held_fp8_weights
 from ember.layers.ops import Ops
+from ember.layers.qk_norm import QkNorm
 from ember.layers.residual import (
     ResidualStream,
     add_sub_block_output,
@@ -211,7 +213,8 @@ class Attention(nn.Module):
     """A decoder layer's self-attention. ``layer`` says how it attends (a sliding window or
     chunks, sinks, NoPE, QK L2 norm, temperature tuning: docs/CONTRACTS.md, "Windows, sinks,
     chunks"); its attributes ``window``, ``chunk_size``, ``sinks`` (a parameter, or None),
-    ``use_rope``, ``qk_l2_norm_eps`` and ``temperature`` reach the backend as its options."""
+    ``use_rope``, ``qk_l2_norm_eps`` and ``temperature`` reach the backend as its options, and
+    Qwen3's q/k norm (``q_norm``, ``k_norm``) as ``qk_norm`` where ``fuses_qk_norm``."""
 
     def __init__(
         self,
@@ -249,6 +252,14 @@ class Attention(nn.Module):
         self.window, self.chunk_size = layer.window, layer.chunk_size
         self.use_rope, self.qk_l2_norm_eps = layer.use_rope, layer.qk_l2_norm_eps
         self.temperature = layer.temperature
+        # Qwen3's q/k norms ride in the kernels that rotate q and k, where the backend takes
+        # them; temperature tuning scales normalised queries, so with it they run first.
+        self.fuses_qk_norm = (
+            cfg.qk_norm
+            and backend is not None
+            and backend.takes_qk_norm
+            and self.temperature is None
+        )
         # gpt-oss: one learned logit per query head, in the model's dtype as transformers keeps
         # it (the kernels read it as float32).
         self.register_parameter(
@@ -269,6 +280,8 @@ class Attention(nn.Module):
             options["use_rope"] = False
         if self.qk_l2_norm_eps is not None:
             options["qk_l2_norm_eps"] = self.qk_l2_norm_eps
+        if self.fuses_qk_norm:
+            options["qk_norm"] = QkNorm(self.q_norm, self.k_norm, self.cfg.rms_norm_eps)
         return options
 
     def forward(
@@ -288,7 +301,7 @@ class Attention(nn.Module):
         q = q.reshape(n, cfg.num_heads, cfg.head_dim)
         k = k.reshape(n, cfg.num_kv_heads, cfg.head_dim)
         v = v.reshape(n, cfg.num_kv_heads, cfg.head_dim)
-        if cfg.qk_norm:
+        if cfg.qk_norm and not self.fuses_qk_norm:
             eps = cfg.rms_norm_eps
             q = self.ops.rms_norm(q.reshape(-1, cfg.head_dim), self.q_norm, eps).view_as(q)
             k = self.ops.rms_norm(k.reshape(-1, cfg.head_dim), self.k_norm, eps).view_as(k)
