@@ -210,6 +210,8 @@ class KVCacheManager:
         missing = needed - len(owned)
         local = self.local_pool
         if missing <= 0:
+            if local is not None and not owned:  # a request with no token yet: both tables
+                self._local_blocks.setdefault(request_id, [])
             return _NO_NEW_BLOCKS
         new = self.pool.allocate(missing)
         if new is None:
@@ -338,7 +340,7 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         """Let go of the request's blocks, registering its full ones first."""
         blocks = self._blocks.get(request.request_id)
-        if blocks:
+        if blocks is not None:
             self.cache_full_blocks(request)
             del self._blocks[request.request_id]
             local = self._local_blocks.pop(request.request_id, None)
