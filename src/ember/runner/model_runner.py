@@ -600,15 +600,21 @@ class ModelRunner:
         request's local table (its released head points at the scratch block)."""
         bs = self.block_size
         slots, tables = st.numpy("local_slot_mapping"), st.numpy("local_block_tables")
+        decode_rows, decode_slots = [], []  # per decode token, written at once (`_scatter`)
         t = 0
         for s, (request_id, n) in enumerate(scheduled.num_scheduled_tokens.items()):
             state = self.states[request_id]
             end = state.request.num_computed_tokens
-            p = np.arange(end - n, end)
             local = state.local_block_array
-            slots[t : t + n] = local[p // bs].astype(np.int64) * bs + p % bs
+            if n == 1:
+                decode_rows.append(t)
+                decode_slots.append(state.local_block_ids[(end - 1) // bs] * bs + (end - 1) % bs)
+            else:
+                p = np.arange(end - n, end)
+                slots[t : t + n] = local[p // bs].astype(np.int64) * bs + p % bs
             tables[s, : len(local)] = local
             t += n
+        _scatter(slots, decode_rows, decode_slots, t)
 
     def _graph_bucket(self, plan: _StepPlan, buf: InputBlock) -> GraphKey | None:
         """The graph that runs the step, or None (eager); a graph reads the block its kind
