@@ -16,7 +16,8 @@ import triton.language as tl
 from helpers.moe_reference import BY_PAIR_GEMV, moe_reference, moe_weights, routing
 
 from ember.kernels.fused_moe import fused_moe
-from ember.kernels.moe_gemv import W_MXFP4_GEMV, _gemv_tile
+from ember.kernels.moe_gemm import W_MXFP4
+from ember.kernels.moe_gemv import _gemv_tile
 from ember.kernels.moe_tiles import GemmTiles, MoeTiles
 from ember.kernels.mxfp4 import mxfp4_tile
 from ember.layers.mxfp4 import Mxfp4Weight
@@ -216,7 +217,7 @@ def _gemv_group_sums_kernel(
     acc = tl.zeros([ROWS, K // 32], dtype=tl.float32)
     acc = _gemv_tile(
         acc, x_ptr, blocks_ptr + rows * (K // 2), scales_ptr + rows * (K // 32), 0, K,
-        W_MXFP4_GEMV, True, K,
+        W_MXFP4, True, K,
     )  # fmt: skip
     tl.store(out_ptr + rows * (K // 32) + tl.arange(0, K // 32)[None, :], acc)
 

@@ -235,10 +235,11 @@ class KVCacheManager:
 
     def claim_cached_prefix(self, request: Request) -> int:
         """Give a request about to start (nothing computed, nothing held) the cached blocks of
-                its longest cached prefix, and count them as computed; returns the tokens claimed (given back
-        with `free` if the request cannot start after all). At
-                least one token is left to compute: its step samples the next one. A request that asks
-                for its prompt's logprobs computes every position."""
+        its longest cached prefix (with a local pool, as far as `_local_prefix` allows), and
+        count them as computed; returns the tokens claimed (given back with `free` if the
+        request cannot start after all). At least one token is left to compute: its step
+        samples the next one. A request that asks for its prompt's logprobs computes every
+        position."""
         if (
             not self.prefix_caching
             or request.num_computed_tokens
@@ -256,8 +257,8 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        local_hits, first_local = self._local_prefix(keys, len(hits))
-        del hits[len(local_hits) + first_local if self.local_pool is not None else len(hits) :]
+        count, first_local, local_hits = self._local_prefix(keys, len(hits))
+        del hits[count:]
         if not hits:
             return 0
         self.pool.share(hits)
@@ -270,13 +271,15 @@ class KVCacheManager:
         request.num_computed_tokens = len(hits) * self.block_size
         return request.num_computed_tokens
 
-    def _local_prefix(self, keys: list[bytes], count: int) -> tuple[list[int], int]:
-        """The local pool's cached blocks for a prefix of at most ``count`` cached blocks: the
-        longest prefix whose blocks within the next query's window the local pool still holds,
-        as ``(blocks, index of the first)`` (the blocks before it are out of that window)."""
+    def _local_prefix(self, keys: list[bytes], count: int) -> tuple[int, int, list[int]]:
+        """How much of a prefix of ``count`` cached blocks the local pool lets a request take
+        back: the longest whose blocks within the next query's window it still holds, as
+        ``(blocks of the prefix, index of the first local block, the local blocks from there)``
+        (the blocks before that index are out of the window). Without a local pool, all of
+        it."""
         local = self.local_pool
         if local is None:
-            return [], 0
+            return count, 0, []
         block_of, window, size = local.block_of, self.local_window, self.block_size
         while count > 0:
             first = max(0, count * size - window + 1) // size
@@ -284,9 +287,9 @@ class KVCacheManager:
                 (i for i in range(count - 1, first - 1, -1) if keys[i] not in block_of), None
             )
             if missing is None:
-                return [block_of[keys[i]] for i in range(first, count)], first
+                return count, first, [block_of[keys[i]] for i in range(first, count)]
             count = missing
-        return [], 0
+        return 0, 0, []
 
     def cache_full_blocks(self, request: Request) -> None:
         """Register the request's full blocks whose tokens are known on the host and whose K/V

@@ -111,7 +111,7 @@ def _dot_scaled_mxfp4_tile(
 
 
 @triton.jit
-def _activate(gate, up, ACTIVATION: tl.constexpr, dtype: tl.constexpr):
+def activate(gate, up, ACTIVATION: tl.constexpr, dtype: tl.constexpr):
     """``act(gate, up)`` in ``dtype`` from fp32 operands already rounded to it."""
     if ACTIVATION == 0:
         return silu_mul_rounded(gate, up, dtype)
@@ -228,7 +228,7 @@ def _gate_up_kernel(
     dtype = out_ptr.dtype.element_ty
     gate = acc_gate.to(dtype).to(tl.float32)
     up = acc_up.to(dtype).to(tl.float32)
-    result = _activate(gate, up, ACTIVATION, dtype)
+    result = activate(gate, up, ACTIVATION, dtype)
     mask = row_valid[:, None] & (cols < inter)[None, :]
     tl.store(out_ptr + out_rows.to(tl.int64)[:, None] * stride_om + cols[None, :], result, mask)
 
@@ -440,12 +440,20 @@ def weight_format(
     return W_MXFP4_SCALED if scaled else W_MXFP4
 
 
-def _scale_strides(scale: torch.Tensor | None) -> tuple[int, int]:
-    """(per expert, per row) strides of the scales (0, 0 without)."""
-    return (scale.stride(0), scale.stride(1)) if scale is not None else (0, 0)
+def expert_operands(w: torch.Tensor, scale, bias) -> tuple[torch.Tensor, ...]:
+    """The kernels' weight, scale and bias pointers of stacked experts (the weights stand in
+    for an absent scale or bias: the kernel reads neither)."""
+    return w, scale if scale is not None else w, bias if bias is not None else w
 
 
-def _tile_args(tiles: GemmTiles, k: int) -> dict:
+def expert_strides(w: torch.Tensor, scale, bias) -> tuple[int, ...]:
+    """The kernels' per-expert and per-row strides of the weights and the scales, and the
+    per-expert stride of the bias (0 for an absent one)."""
+    scale_strides = (scale.stride(0), scale.stride(1)) if scale is not None else (0, 0)
+    return w.stride(0), w.stride(1), *scale_strides, bias.stride(0) if bias is not None else 0
+
+
+def tile_args(tiles: GemmTiles, k: int) -> dict:
     return {
         "EVEN_K": k % tiles.block_k == 0,
         "BLOCK_N": tiles.block_n,
@@ -478,9 +486,7 @@ def _launch_gate_up(
         _gate_up_kernel,
         (grid,),
         x,
-        w13,
-        scale if scale is not None else w13,
-        b13 if b13 is not None else w13,
+        *expert_operands(w13, scale, b13),
         out,
         sorted_ids,
         experts,
@@ -489,10 +495,7 @@ def _launch_gate_up(
         x.shape[1],
         num_blocks,
         x.stride(0),
-        w13.stride(0),
-        w13.stride(1),
-        *_scale_strides(scale),
-        b13.stride(0) if b13 is not None else 0,
+        *expert_strides(w13, scale, b13),
         out.stride(0),
         TOP_K=top_k,
         BY_PAIR=by_pair,
@@ -502,7 +505,7 @@ def _launch_gate_up(
         BLOCK_M=block_m,
         GROUP_M=tiles.group_m,
         DOT_PRECISION=_dot_precision(x.dtype),
-        **_tile_args(tiles, x.shape[1]),
+        **tile_args(tiles, x.shape[1]),
     )
 
 
@@ -586,9 +589,7 @@ def _launch_down(
         _down_kernel,
         (grid,),
         a,
-        w2,
-        scale if scale is not None else w2,
-        b2 if b2 is not None else w2,
+        *expert_operands(w2, scale, b2),
         weights,
         out,
         sorted_ids,
@@ -598,10 +599,7 @@ def _launch_down(
         a.shape[1],
         num_blocks,
         a.stride(0),
-        w2.stride(0),
-        w2.stride(1),
-        *_scale_strides(scale),
-        b2.stride(0) if b2 is not None else 0,
+        *expert_strides(w2, scale, b2),
         out.stride(0),
         BY_PAIR=by_pair,
         W_FORMAT=weight_format(w2, scale, a.dtype, tiles.mxfp4_in_registers),
@@ -609,7 +607,7 @@ def _launch_down(
         BLOCK_M=block_m,
         GROUP_M=tiles.group_m,
         DOT_PRECISION=_dot_precision(a.dtype),
-        **_tile_args(tiles, a.shape[1]),
+        **tile_args(tiles, a.shape[1]),
     )
 
 
@@ -623,9 +621,7 @@ def down_by_token(
         _down_by_token_kernel,
         (tokens * triton.cdiv(hidden, tiles.block_n),),
         a,
-        w2,
-        scale if scale is not None else w2,
-        b2 if b2 is not None else w2,
+        *expert_operands(w2, scale, b2),
         ids,
         weights,
         out,
@@ -633,10 +629,7 @@ def down_by_token(
         hidden,
         a.shape[1],
         a.stride(0),
-        w2.stride(0),
-        w2.stride(1),
-        *_scale_strides(scale),
-        b2.stride(0) if b2 is not None else 0,
+        *expert_strides(w2, scale, b2),
         out.stride(0),
         TOP_K=top_k,
         SLOTS=triton.next_power_of_2(top_k),
@@ -644,7 +637,7 @@ def down_by_token(
         HAS_BIAS=b2 is not None,
         BLOCK_M=MIN_DOT_ROWS,
         DOT_PRECISION=_dot_precision(a.dtype),
-        **_tile_args(tiles, a.shape[1]),
+        **tile_args(tiles, a.shape[1]),
     )
     return out
 

@@ -25,12 +25,17 @@ import triton
 import triton.language as tl
 
 from ember.kernels.compile_ahead import launch
-from ember.kernels.moe_gemm import ACTIVATIONS, W_FP8, W_PLAIN, _activate, _scale_strides
+from ember.kernels.moe_gemm import (
+    ACTIVATIONS,
+    activate,
+    expert_operands,
+    expert_strides,
+    tile_args,
+    weight_format,
+)
 from ember.kernels.moe_tiles import GemmTiles
 from ember.kernels.mxfp4 import e2m1_pairs_times_2_neg126
 
-# The kernels' weight forms (FP8 and plain as in `ember.kernels.moe_gemm`).
-W_MXFP4_GEMV = 2
 # Values of an MXFP4 scale group, and its packed bytes.
 _GROUP = tl.constexpr(32)
 _GROUP_BYTES = tl.constexpr(16)
@@ -67,7 +72,7 @@ def _gemv_tile(
     summed once, after the last step). Plain and FP8 rows: ``acc [BLOCK_N, BLOCK_K]``, element by element.
     MXFP4 rows (packed bytes, ``scale_row_ptrs`` at their group scales): ``acc [BLOCK_N, G]``,
     each scale group's sum."""
-    if W_FORMAT == 2:
+    if W_FORMAT == 2:  # W_MXFP4
         groups: tl.constexpr = BLOCK_K // _GROUP
         g = tl.arange(0, groups)
         byte = tl.arange(0, _GROUP_BYTES)
@@ -109,7 +114,7 @@ def _gemv_tile(
 @triton.jit
 def _gemv_acc(BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, W_FORMAT: tl.constexpr):
     """`_gemv_tile`'s accumulator."""
-    if W_FORMAT == 2:
+    if W_FORMAT == 2:  # W_MXFP4
         acc = tl.zeros([BLOCK_N, BLOCK_K // _GROUP], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
@@ -170,7 +175,7 @@ def _gate_up_gemv_kernel(
         )
     gate = tl.sum(acc_gate, axis=1)
     up = tl.sum(acc_up, axis=1)
-    if W_FORMAT == 1:  # FP8: each row's scale
+    if W_FORMAT == 1:  # FP8 (W_FP8): each row's scale
         gate *= tl.load(s_expert + w_rows)
         up *= tl.load(s_expert + inter + w_rows)
     if HAS_BIAS:
@@ -178,9 +183,7 @@ def _gate_up_gemv_kernel(
         gate += tl.load(bias + w_rows).to(tl.float32)
         up += tl.load(bias + inter + w_rows).to(tl.float32)
     dtype = out_ptr.dtype.element_ty
-    result = _activate(
-        gate.to(dtype).to(tl.float32), up.to(dtype).to(tl.float32), ACTIVATION, dtype
-    )
+    result = activate(gate.to(dtype).to(tl.float32), up.to(dtype).to(tl.float32), ACTIVATION, dtype)
     tl.store(out_ptr + pair.to(tl.int64) * stride_om + cols, result, mask=cols < inter)
 
 
@@ -232,7 +235,7 @@ def _down_gemv_kernel(
         for k0 in tl.range(0, inter, BLOCK_K, num_stages=STAGES):
             acc = _gemv_tile(acc, a_row, w_ptrs, s_ptrs, k0, inter, W_FORMAT, EVEN_K, BLOCK_K)
         expert_out = tl.sum(acc, axis=1)
-        if W_FORMAT == 1:  # FP8: each row's scale
+        if W_FORMAT == 1:  # FP8 (W_FP8): each row's scale
             expert_out *= tl.load(w_scale_ptr + expert * stride_se + w_rows)
         if HAS_BIAS:
             expert_out += tl.load(bias_ptr + expert * stride_be + w_rows).to(tl.float32)
@@ -240,23 +243,6 @@ def _down_gemv_kernel(
         total += (expert_out.to(dtype).to(tl.float32) * weight).to(dtype).to(tl.float32)
     out = out_ptr + token.to(tl.int64) * stride_ot + cols
     tl.store(out, total.to(dtype), mask=cols < hidden)
-
-
-def gemv_weight_format(weight: torch.Tensor, scale: torch.Tensor | None) -> int:
-    """The GEMV kernels' ``W_FORMAT``: plain, FP8 or MXFP4 (uint8 packed weights)."""
-    if scale is None:
-        return W_PLAIN
-    return W_MXFP4_GEMV if weight.dtype == torch.uint8 else W_FP8
-
-
-def _tile_args(tiles: GemmTiles, k: int) -> dict:
-    return {
-        "EVEN_K": k % tiles.block_k == 0,
-        "BLOCK_N": tiles.block_n,
-        "BLOCK_K": tiles.block_k,
-        "STAGES": tiles.stages,
-        "num_warps": tiles.num_warps,
-    }
 
 
 def gate_up_gemv(x, w13, b13, ids, top_k, activation, tiles: GemmTiles, scale=None) -> torch.Tensor:
@@ -268,25 +254,20 @@ def gate_up_gemv(x, w13, b13, ids, top_k, activation, tiles: GemmTiles, scale=No
         _gate_up_gemv_kernel,
         (pairs * triton.cdiv(inter, tiles.block_n),),
         x,
-        w13,
-        scale if scale is not None else w13,
-        b13 if b13 is not None else w13,
+        *expert_operands(w13, scale, b13),
         out,
         ids,
         pairs,
         inter,
         x.shape[1],
         x.stride(0),
-        w13.stride(0),
-        w13.stride(1),
-        *_scale_strides(scale),
-        b13.stride(0) if b13 is not None else 0,
+        *expert_strides(w13, scale, b13),
         out.stride(0),
         TOP_K=top_k,
         ACTIVATION=ACTIVATIONS[activation],
-        W_FORMAT=gemv_weight_format(w13, scale),
+        W_FORMAT=weight_format(w13, scale, x.dtype, mxfp4_in_registers=True),
         HAS_BIAS=b13 is not None,
-        **_tile_args(tiles, x.shape[1]),
+        **tile_args(tiles, x.shape[1]),
     )
     return out
 
@@ -300,9 +281,7 @@ def down_gemv_by_token(
         _down_gemv_kernel,
         (tokens * triton.cdiv(hidden, tiles.block_n),),
         a,
-        w2,
-        scale if scale is not None else w2,
-        b2 if b2 is not None else w2,
+        *expert_operands(w2, scale, b2),
         ids,
         weights,
         out,
@@ -310,14 +289,11 @@ def down_gemv_by_token(
         hidden,
         a.shape[1],
         a.stride(0),
-        w2.stride(0),
-        w2.stride(1),
-        *_scale_strides(scale),
-        b2.stride(0) if b2 is not None else 0,
+        *expert_strides(w2, scale, b2),
         out.stride(0),
         TOP_K=top_k,
-        W_FORMAT=gemv_weight_format(w2, scale),
+        W_FORMAT=weight_format(w2, scale, a.dtype, mxfp4_in_registers=True),
         HAS_BIAS=b2 is not None,
-        **_tile_args(tiles, a.shape[1]),
+        **tile_args(tiles, a.shape[1]),
     )
     return out
