@@ -32,7 +32,8 @@ def _cycle() -> _Node:
 def test_freeze_moves_the_live_heap_out_of_the_passes(unfrozen):
     survivor = _cycle()
     frozen = freeze_startup_heap()
-    assert frozen == gc.get_freeze_count() > 0
+    # Frozen objects can still die (their count drops), but nothing joins them after the freeze.
+    assert 0 < gc.get_freeze_count() <= frozen
     # A frozen object is no longer one a pass walks.
     assert not any(obj is survivor for obj in gc.get_objects())
     # Garbage made after the freeze is still collected: the collector stays on.
@@ -84,7 +85,7 @@ def test_a_slow_pass_is_logged_with_its_garbage_and_the_oldest_generation_by_typ
     [record] = [r for r in pauses.slow_passes if r["generation"] == 2]
     assert record["collected"] >= 2  # the cycle
     assert record["oldest_generation_objects"] >= len(survivors)
-    assert record["frozen_objects"] == gc.get_freeze_count()
+    assert 0 < gc.get_freeze_count() <= record["frozen_objects"]
     assert record["oldest_generation_top_types"][0] == ("_Survivor", len(survivors))
     assert pauses.summary(steps=1)["slow_passes"][-1] == record
     assert "slow garbage-collector pass" in caplog.text
