@@ -82,6 +82,13 @@ BENCH_COMMANDS: dict[str, BenchCommand] = {
         "the sweeps behind the GPU tables of ember.kernels.tuning: skinny GEMM vs cuBLAS, decode "
         "attention tiles x splits, split-K, stream-K (--sections)",
     ),
+    "isa": BenchCommand(
+        "ember.bench.isa",
+        "add_arguments",
+        "run",
+        "the fused MoE's kernels compiled for an NVIDIA GPU on a machine without one: registers, "
+        "and the instructions their K loops issue per weight value",
+    ),
     "make-model": BenchCommand(
         "ember.bench.make_model",
         "add_arguments",
@@ -343,6 +350,13 @@ def add_fast_path_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="run each decoder RMSNorm as its own kernel instead of folding its weight into the "
         "next projection and deferring 1/rms to the kernel that reads it",
+    )
+    parser.add_argument(
+        "--fp8-widen-in-registers",
+        action="store_true",
+        default=None,
+        help="the skinny GEMM widens FP8 weight tiles to bf16 with integer and bf16 operations "
+        "instead of Triton's conversions",
     )
     parser.add_argument(
         "--compile-workers",

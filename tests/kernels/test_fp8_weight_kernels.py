@@ -97,6 +97,45 @@ def test_skinny_gemm_add_with_an_fp8_weight_updates_the_stream(gen, device, dtyp
     torch.testing.assert_close(parts.cpu().sum(-1), expected_sums[:, 0], atol=tol * k, rtol=tol)
 
 
+@pytest.mark.parametrize("in_registers", [False, True], ids=["converted", "in-registers"])
+def test_every_finite_fp8_code_widens_to_its_value(device, in_registers):
+    """The 254 finite e4m3 codes as a weight with unit scales, each column read out by a
+    one-hot row: the product is the widened code itself, exact in bf16. ``in_registers``: the
+    bit form of `ember.kernels.fp8_widen` (compiled only; the interpreter converts)."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    codes[codes == 0x7F] = 0  # the two NaN codes
+    codes[codes == 0xFF] = 0x80
+    weight = codes.view(FP8_DTYPE).reshape(16, 16)  # [N, K]
+    scale = torch.ones(16, dtype=torch.float32)
+    x = torch.eye(16, dtype=torch.bfloat16)  # row m reads column m of every weight row
+    out = skinny_gemm(
+        x.to(device),
+        Fp8Weight(weight.to(device), scale.to(device)),
+        fp8_widen_in_registers=in_registers,
+    )
+    expected = weight.to(torch.bfloat16).t()
+    assert torch.equal(out.cpu(), expected)  # -0 codes sum to +0 with the other rows' zeros
+
+
+@pytest.mark.parametrize("in_registers", [False, True], ids=["converted", "in-registers"])
+def test_the_router_widens_fp8_as_its_routes_say(gen, device, in_registers):
+    """`LinearRoutes.fp8_widen_in_registers` reaches the skinny kernels of all three products
+    (the same values either way: the widening is exact)."""
+    router = LinearRouter(LinearRoutes(fp8_widen_in_registers=in_registers))
+    m, n, k = 2, 64, 256
+    x = torch.randn(m, k, generator=gen).to(torch.bfloat16).to(device)
+    weight = fp8_weight(gen, n, k, device)
+    gate_up = fp8_weight(gen, 2 * n, k, device)
+    residual = torch.zeros(m, n, dtype=torch.bfloat16, device=device)
+    if device.type == "cuda":
+        got = (router.linear(x, weight), router.gate_up_silu(x, gate_up))
+        router.linear_add(x, weight, residual)
+        expected = (skinny_gemm(x, weight), skinny_gemm_silu(x, gate_up))
+        assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+        assert torch.equal(residual, expected[0])
+    assert router._fp8_widening == {"fp8_widen_in_registers": in_registers}
+
+
 def test_an_fp8_weight_without_its_scale_is_refused(device):
     weight = torch.zeros(8, 32, dtype=FP8_DTYPE, device=device)
     with pytest.raises(ValueError, match="needs its scale"):

@@ -51,6 +51,17 @@ def test_decode_streams_fill_the_gpu_twice_over_where_16_columns_allow():
     assert default_moe_tiles(QWEN3, 1, MoeTuning(num_sms=8)).gate_up.block_n == 64
 
 
+def test_mxfp4_streams_keep_64_columns_however_few_programs_that_makes():
+    """MXFP4 products are bound by decoding the weights, which narrower tiles repeat across a
+    program's threads; bf16 streams narrow to fill the GPU."""
+    mxfp4 = GPT_OSS._replace(mxfp4=True)
+    for tokens in (1, 4, 16):
+        tiles = default_moe_tiles(mxfp4, tokens, MoeTuning(num_sms=132))
+        assert (tiles.gate_up.block_n, tiles.down.block_n) == (64, 64), tokens
+        assert (tiles.gate_up.block_k, tiles.down.block_k) == (128, 128), tokens
+    assert default_moe_tiles(GPT_OSS, 1, MoeTuning(num_sms=132)).gate_up.block_n < 64
+
+
 def test_heuristic_tiles_fit_shared_memory():
     for shape in (GPT_OSS, QWEN3, GPT_OSS._replace(elem_bytes=4)):
         for tokens in (1, 4, 16, 64, 256, 1024, 8192):
@@ -100,6 +111,15 @@ def test_gemv_tiles_fill_the_gpu_four_times_below_16_columns():
             assert programs >= 4 * 132 or gemm.block_n == 2
             assert programs < 8 * 132 or gemm.block_n == 32  # the widest that fills them
     assert gemv_moe_tiles(GPT_OSS, 1).down.block_n < 16  # past tl.dot's floor
+
+
+def test_gemv_threads_take_at_least_32_values_a_step_where_the_tile_has_them():
+    for shape, tokens in ((GPT_OSS, 1), (QWEN3, 1), (GPT_OSS, 4), (GPT_OSS, 16)):
+        tiles = gemv_moe_tiles(shape, tokens, MoeTuning(num_sms=132))
+        for gemm in (tiles.gate_up, tiles.down):
+            per_thread = gemm.block_n * gemm.block_k / (gemm.num_warps * 32)
+            assert per_thread >= 32 or gemm.num_warps == 1, (shape, tokens, gemm)
+            assert gemm.num_warps == 4 or per_thread < 64, (shape, tokens, gemm)
 
 
 def test_the_gemv_path_runs_by_pair_with_down_by_token():

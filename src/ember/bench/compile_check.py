@@ -5,7 +5,8 @@ Triton's CPU interpreter has no shared-memory limit, so a tile configuration tha
 SM passes every CPU test and fails only when the GPU launches it. Triton's compiler itself runs
 without a device: this compiles each kernel as the engine launches it (its default tiles and
 planned launches for the Llama-3.1-8B shapes; pointers and sizes divisible by 16, as Triton
-specializes them at launch) for sm_90 and reads the shared memory the compiled kernel asks for.
+specializes them at launch; the fused MoE through its own launches, `ember.bench.offline_compile`)
+for sm_90 and reads the shared memory the compiled kernel asks for.
 
     TRITON_INTERPRET=0 python -m ember.bench.compile_check [--json]
 
@@ -303,102 +304,41 @@ _FP8_MOE_TOKENS = (1, 4096)
 def moe_configs() -> list[CompiledConfig]:
     """The fused MoE's kernels as its default table launches them (bf16, no biases: the
     biases' loads come after the main loop) for each shape of `ember.bench.tune_moe` (its
-    MXFP4 ones over packed experts), over FP8 experts too at `_FP8_MOE_TOKENS`, and the
-    alignment where the path runs it (the sum over k stages nothing in shared memory)."""
-    from ember.bench.tune_moe import MOE_SHAPES
+    MXFP4 ones over packed experts), over FP8 experts too at `_FP8_MOE_TOKENS`: `fused_moe`
+    itself run on CPU tensors under `ember.bench.offline_compile`, so each kernel is compiled
+    from the launch the engine makes, alignment and sum over k included."""
+    from ember.bench.offline_compile import compile_offline
+    from ember.bench.tune_moe import MOE_SHAPES, empty_expert_weights, token_inputs
+    from ember.kernels.fused_moe import fused_moe
+    from ember.kernels.moe_tiles import MoeTuning
 
-    bf16_types = {
-        **{p: "*bf16" for p in ("x_ptr", "w_ptr", "bias_ptr", "out_ptr", "a_ptr")},
-        **{p: "*i32" for p in ("sorted_ids_ptr", "experts_ptr", "expert_of_block_ptr")},
-        **{p: "*i32" for p in ("ids_ptr", "used_blocks_ptr")},
-        **{p: "*fp32" for p in ("weights_ptr", "w_scale_ptr")},
-    }
-    divisible = {*bf16_types, "inter", "hidden"} | {
-        f"stride_{s}" for s in ("xt", "we", "wn", "se", "be", "om", "am", "ot")
-    }
-    weight_types = {
-        "bf16": {},
-        "fp8": {"w_ptr": "*fp8e4nv"},
-        "mxfp4": {"w_ptr": "*u8", "w_scale_ptr": "*u8"},
-    }
     results = []
     for name, shape in MOE_SHAPES.items():
         for tokens in _MOE_TOKENS:
-            for form in _moe_forms(shape, tokens):
-                types = {**bf16_types, **weight_types[form]}
-                case = f"{name} T={tokens}" + (", fp8 experts" if form == "fp8" else "")
-                for kernel, constexprs, warps in _moe_launches(shape, tokens, form):
-                    shared = compile_for_sm90(kernel, types, divisible, constexprs, warps)
-                    kernel_name = kernel.fn.__name__.strip("_")
-                    results.append(CompiledConfig(kernel_name, case, constexprs, warps, shared))
+            for fp8 in _moe_fp8_forms(shape, tokens):
+                weights = empty_expert_weights(shape, fp8=fp8)
+                inputs = {**weights, **token_inputs(shape, tokens, device="cpu")}
+                case = f"{name} T={tokens}" + (", fp8 experts" if fp8 else "")
+                with compile_offline(90) as compiled:
+                    fused_moe(**inputs, tiles=MoeTuning().tiles_for(shape, tokens))
+                for kernel in compiled:
+                    config = CompiledConfig(
+                        kernel.name.strip("_"),
+                        case,
+                        kernel.constants,
+                        kernel.num_warps,
+                        kernel.shared_bytes,
+                    )
+                    results.append(config)
     return results
 
 
-def _moe_forms(shape, tokens: int) -> tuple[str, ...]:
-    """The expert weights' forms compiled for ``shape`` at ``tokens``: an MXFP4 shape's own;
-    bf16, and FP8 at `_FP8_MOE_TOKENS`, for the others."""
+def _moe_fp8_forms(shape, tokens: int) -> tuple[bool, ...]:
+    """Whether ``shape``'s experts are compiled as FP8 at ``tokens``: an MXFP4 shape in its own
+    form only; the others in bf16, and in FP8 too at `_FP8_MOE_TOKENS`."""
     if shape.mxfp4:
-        return ("mxfp4",)
-    return ("bf16", "fp8") if tokens in _FP8_MOE_TOKENS else ("bf16",)
-
-
-def _moe_launches(shape, tokens: int, form: str) -> list[tuple[object, dict, int]]:
-    """``(kernel, constexprs, num_warps)`` of each launch of a fused MoE of ``shape`` at
-    ``tokens`` on the default table; ``form``: the experts' "bf16", "fp8" or "mxfp4" (the
-    alignment compiled with bf16 only: it reads no weight)."""
-    from ember.kernels.moe_align import _FILL_ROWS, _ONE_HOT_ELEMS, _align_kernel
-    from ember.kernels.moe_gemm import (
-        W_FP8,
-        W_MXFP4_SCALED,
-        W_PLAIN,
-        _down_by_token_kernel,
-        _down_kernel,
-        _gate_up_kernel,
-    )
-    from ember.kernels.moe_tiles import MoeTuning, next_power_of_2
-
-    tiles = MoeTuning().tiles_for(shape, tokens)
-    w_format = {"bf16": W_PLAIN, "fp8": W_FP8, "mxfp4": W_MXFP4_SCALED}[form]
-    base = {"HAS_BIAS": False, "W_FORMAT": w_format, "DOT_PRECISION": "tf32"}
-    launches = []
-    for product, k in (("gate_up", shape.hidden), ("down", shape.intermediate)):
-        gemm = getattr(tiles, product)
-        down_by_token = product == "down" and tiles.by_pair and tiles.down_by_token
-        common = {
-            **base,
-            "EVEN_K": k % gemm.block_k == 0,
-            "BLOCK_M": tiles.block_m,
-            "BLOCK_N": gemm.block_n,
-            "BLOCK_K": gemm.block_k,
-            "STAGES": gemm.stages,
-        }
-        if product == "gate_up":
-            kernel = _gate_up_kernel
-            constexprs = {
-                **common,
-                "TOP_K": shape.top_k,
-                "BY_PAIR": tiles.by_pair,
-                "ACTIVATION": 0,
-                "GROUP_M": gemm.group_m,
-            }
-        elif down_by_token:
-            kernel = _down_by_token_kernel
-            slots = next_power_of_2(shape.top_k)
-            constexprs = {**common, "TOP_K": shape.top_k, "SLOTS": slots}
-        else:
-            kernel = _down_kernel
-            constexprs = {**common, "BY_PAIR": tiles.by_pair, "GROUP_M": gemm.group_m}
-        launches.append((kernel, constexprs, gemm.num_warps))
-    if not tiles.by_pair and form == "bf16":
-        experts = next_power_of_2(shape.num_experts)
-        align = {
-            "BLOCK_M": tiles.block_m,
-            "EXPERTS": experts,
-            "CHUNK": max(16, min(1024, _ONE_HOT_ELEMS // experts)),
-            "FILL": _FILL_ROWS,
-        }
-        launches.append((_align_kernel, align, 8 if experts >= 64 else 4))
-    return launches
+        return (False,)
+    return (False, True) if tokens in _FP8_MOE_TOKENS else (False,)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -37,8 +37,9 @@ from ember.kernels.moe_tiles import (
     gemv_moe_tiles,
 )
 from ember.kernels.tuning_files import measured_as_dict
-from ember.layers.mxfp4 import Mxfp4Weight
-from ember.weights.mxfp4 import quantize_mxfp4
+from ember.layers.fp8 import FP8_DTYPE, Fp8Weight
+from ember.layers.mxfp4 import BLOCK_BYTES, Mxfp4Weight
+from ember.weights.mxfp4 import BLOCK_COLUMNS, quantize_mxfp4
 
 # Expert shapes of the MoE models ember serves: (E, H, I, k), bf16 activations; the -mxfp4
 # ones with their weights packed, as gpt-oss's checkpoints hold them.
@@ -158,6 +159,25 @@ def expert_weights(shape: MoeShape, seed: int = 0, device: str = "cuda") -> dict
         return Mxfp4Weight(*(torch.stack(parts) for parts in zip(*experts, strict=True)))
 
     return {"w13": draw(2 * i, h), "w2": draw(h, i)}
+
+
+def empty_expert_weights(shape: MoeShape, fp8: bool = False) -> dict:
+    """Unfilled ``w13`` and ``w2`` of ``shape`` on the CPU, for compiling the kernels that take
+    them (a compile reads only their dtypes and strides): bf16, packed MXFP4 for an ``mxfp4``
+    shape, or ``fp8`` experts (`Fp8Weight`, float32 row scales)."""
+    e, h, i = shape.num_experts, shape.hidden, shape.intermediate
+
+    def weight(rows: int, cols: int) -> torch.Tensor | Mxfp4Weight | Fp8Weight:
+        if shape.mxfp4:
+            groups = cols // BLOCK_COLUMNS
+            blocks = torch.empty(e, rows, groups, BLOCK_BYTES, dtype=torch.uint8)
+            return Mxfp4Weight(blocks, torch.empty(e, rows, groups, dtype=torch.uint8))
+        if fp8:
+            scale = torch.empty(e, rows, dtype=torch.float32)
+            return Fp8Weight(torch.empty(e, rows, cols, dtype=FP8_DTYPE), scale)
+        return torch.empty(e, rows, cols, dtype=torch.bfloat16)
+
+    return {"w13": weight(2 * i, h), "w2": weight(h, i)}
 
 
 def token_inputs(shape: MoeShape, tokens: int, seed: int = 0, device: str = "cuda") -> dict:

@@ -130,7 +130,9 @@ class ModelInstance:
             # beside the weights, are found there (`ember.kernels.kernel_cache`).
             kernel_cache.prepare(self.device, self.plan.checkpoint, config.kernel_cache_dir)
         # This instance's routing and tile tables, for its GPU (`ember.kernels.tuning`).
-        self.tuning = KernelTuning.for_device(self.device, config.kernel_tuning)
+        self.tuning = KernelTuning.for_device(
+            self.device, config.kernel_tuning, config.fp8_widen_in_registers
+        )
         self.ops = select_ops(
             self.device,
             config.backend,

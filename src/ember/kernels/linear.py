@@ -44,6 +44,8 @@ class LinearRouter:
 
     def __init__(self, routes: LinearRoutes) -> None:
         self.routes = routes
+        # How the skinny kernel widens FP8 weights (`LinearRoutes.fp8_widen_in_registers`).
+        self._fp8_widening = {"fp8_widen_in_registers": routes.fp8_widen_in_registers}
 
     # -- routing ---------------------------------------------------------------------------------
 
@@ -112,7 +114,7 @@ class LinearRouter:
         m, k = x.shape
         if isinstance(weight, Fp8Weight):
             if x.stride(1) == 1 and self.takes_fp8_skinny(m, x.dtype, x.device):
-                return skinny_gemm(x, weight, bias, pdl=pdl)
+                return skinny_gemm(x, weight, bias, pdl=pdl, **self._fp8_widening)
             return fp8_linear(x, weight, bias, pdl=pdl)
         if x.stride(1) == 1 and self.takes_skinny(
             m, weight.shape[0], k, weight.dtype, x.device, pdl
@@ -133,7 +135,7 @@ class LinearRouter:
         m, k = x.shape
         if isinstance(weight, Fp8Weight):
             if x.stride(1) == 1 and self.takes_fp8_skinny(m, x.dtype, x.device):
-                return skinny_gemm_add(x, weight, residual, pdl=pdl)
+                return skinny_gemm_add(x, weight, residual, pdl=pdl, **self._fp8_widening)
             return add_and_sum_squares(residual, fp8_linear(x, weight, pdl=pdl), pdl=pdl)
         if x.stride(1) == 1 and self.takes_skinny(
             m, weight.shape[0], k, weight.dtype, x.device, pdl
@@ -154,7 +156,9 @@ class LinearRouter:
         m, k = x.shape
         if isinstance(gate_up_weight, Fp8Weight):
             if x.stride(1) == 1 and self.takes_fp8_skinny(m, x.dtype, x.device):
-                return skinny_gemm_silu(x, gate_up_weight, row_norm=row_norm, pdl=pdl)
+                return skinny_gemm_silu(
+                    x, gate_up_weight, row_norm=row_norm, pdl=pdl, **self._fp8_widening
+                )
             product = fp8_linear(x, gate_up_weight, pdl=pdl)
             return silu_and_mul(product, row_norm=row_norm, pdl=pdl)
         n = gate_up_weight.shape[0]

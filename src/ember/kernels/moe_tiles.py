@@ -29,6 +29,8 @@ MIN_DOT_ROWS = 16
 # tile's BLOCK_K must hold whole.
 MXFP4_GROUP = 32
 MXFP4_BYTES_PER_ELEMENT = 0.5 + 1 / MXFP4_GROUP
+# Weight values a GEMV thread takes a K step, at the least, where a tile has enough.
+GEMV_MIN_VALUES_PER_THREAD = 32
 
 
 def cdiv(a: int, b: int) -> int:
@@ -205,7 +207,10 @@ def default_moe_tiles(shape: MoeShape, tokens: int, tuning: MoeTuning | None = N
 def gemv_moe_tiles(shape: MoeShape, tokens: int, tuning: MoeTuning | None = None) -> MoeTiles:
     """Heuristic tiles of the by-pair path on the CUDA cores (``MoeTiles.gemv``): column tiles
     narrow enough that the programs fill the GPU four times over (a GEMV program keeps fewer
-    loads in flight than a pipelined `tl.dot` one), K steps of 256 values."""
+    loads in flight than a pipelined `tl.dot` one), K steps of 256 values, and up to four warps
+    while each thread still takes `GEMV_MIN_VALUES_PER_THREAD` values a step (fewer spend more
+    instructions a value on the step's addressing and sums: `ember bench isa`, MXFP4 down at
+    4 columns 14.0 with four warps, 10.6 with one)."""
     tuning = tuning or MoeTuning()
     pairs = tokens * shape.top_k
 
@@ -214,7 +219,8 @@ def gemv_moe_tiles(shape: MoeShape, tokens: int, tuning: MoeTuning | None = None
         while block_n > 2 and row_programs * cdiv(cols, block_n) < 4 * tuning.num_sms:
             block_n //= 2
         block_k = min(256, max(MXFP4_GROUP, next_power_of_2(shape.hidden)))
-        return GemmTiles(block_n, block_k, stages=2, num_warps=4)
+        threads = block_n * block_k // GEMV_MIN_VALUES_PER_THREAD
+        return GemmTiles(block_n, block_k, stages=2, num_warps=max(1, min(4, threads // 32)))
 
     gate_up = stream(shape.intermediate, pairs)
     return MoeTiles(True, MIN_DOT_ROWS, gate_up, stream(shape.hidden, tokens), gemv=True)
@@ -223,10 +229,13 @@ def gemv_moe_tiles(shape: MoeShape, tokens: int, tuning: MoeTuning | None = None
 def _stream_tiles(cols: int, k: int, row_programs: int, num_sms: int, mxfp4: bool) -> GemmTiles:
     """Tiles of a weight stream over ``cols`` output columns by ``row_programs`` programs a
     column tile: the widest of 64, 32, 16 columns whose programs fill two waves. ``mxfp4``
-    weights take K steps of 128 (whole scale groups; `bench tune` found 256 slower on their
-    decode-bound products)."""
+    weights take 64 columns however few programs that makes, in K steps of 128 (whole scale
+    groups): their products are bound by decoding the weights, which narrower tiles repeat
+    across a program's threads (`ember bench isa`: 8.5 instructions a value at 64 columns,
+    13.8 at 32, 29 at 16), and `bench tune` found 64 columns and K steps of 128 fastest."""
     block_n = 64
-    while block_n > 16 and row_programs * cdiv(cols, block_n) < 2 * num_sms:
+    narrowest = 64 if mxfp4 else 16
+    while block_n > narrowest and row_programs * cdiv(cols, block_n) < 2 * num_sms:
         block_n //= 2
     longest = 128 if mxfp4 or k < 2048 else 256
     block_k = min(longest, max(16, next_power_of_2(k)))

@@ -29,6 +29,7 @@ import triton.language as tl
 
 from ember.kernels.activation import silu_mul_rounded
 from ember.kernels.compile_ahead import launch
+from ember.kernels.fp8_widen import fp8_in_registers, widen_e4m3
 from ember.kernels.pdl import wait_for_producer
 from ember.kernels.row_norm import check_row_norm, load_inv_rms_rows, row_norm_args, scale_and_round
 from ember.kernels.tiles import shrink_to_fit
@@ -70,6 +71,7 @@ def _skinny_gemm_kernel(
     STAGES: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     PDL: tl.constexpr,
+    FP8_IN_REGISTERS: tl.constexpr = False,
 ):
     """``out = x @ w.T (+ bias)``. ``ADD_TO_OUT``: ``out`` holds a residual stream and becomes
     ``out + x @ w.T`` (the product rounded to the dtype first, as HF adds), and the program
@@ -84,7 +86,8 @@ def _skinny_gemm_kernel(
 
     ``W_SCALED``: ``w`` is FP8 with a float32 scale per row at ``w_scale``; each weight tile is
     widened to ``x``'s dtype for the dot, and the accumulators are scaled per column after the
-    loop, before the bias and the other epilogues."""
+    loop, before the bias and the other epilogues. ``FP8_IN_REGISTERS``: widened by
+    `ember.kernels.fp8_widen`'s bit form, not Triton's conversions."""
     pid_n = tl.program_id(0)
     rows = tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -115,9 +118,9 @@ def _skinny_gemm_kernel(
             if GATED:
                 w_up = tl.load(w_ptr + up_row_offsets + ks[None, :], mask=k_valid, other=0.0)
         if W_SCALED:
-            w = w.to(x_ptr.dtype.element_ty)
+            w = widen_e4m3(w, x_ptr.dtype.element_ty, FP8_IN_REGISTERS)
             if GATED:
-                w_up = w_up.to(x_ptr.dtype.element_ty)
+                w_up = widen_e4m3(w_up, x_ptr.dtype.element_ty, FP8_IN_REGISTERS)
         acc += tl.dot(x, tl.trans(w), input_precision=DOT_PRECISION)
         if GATED:
             acc_up += tl.dot(x, tl.trans(w_up), input_precision=DOT_PRECISION)
@@ -281,10 +284,12 @@ def _launch(
     pdl,
     gated=False,
     row_norm=None,
+    fp8_widen_in_registers=False,
 ) -> None:
     """Launch on a `_resolved_config` (consumed: BLOCK_N is popped). ``scale``: an FP8 weight's
-    row scales (None: a weight of ``x``'s dtype). ``gated``: ``out`` is ``silu(gate) * up`` of
-    the weight's two halves, ``row_norm`` applied to both first."""
+    row scales (None: a weight of ``x``'s dtype), widened in registers where
+    ``fp8_widen_in_registers`` (`ember.kernels.fp8_widen`). ``gated``: ``out`` is
+    ``silu(gate) * up`` of the weight's two halves, ``row_norm`` applied to both first."""
     m, k = x.shape
     n = weight.shape[0] // 2 if gated else weight.shape[0]
     block_n = config.pop("BLOCK_N")
@@ -319,6 +324,7 @@ def _launch(
         # fp32 products must not silently drop to tf32 on the tensor cores.
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         PDL=pdl,
+        FP8_IN_REGISTERS=scale is not None and fp8_in_registers(fp8_widen_in_registers),
         launch_pdl=pdl,
         **config,
     )
@@ -332,11 +338,13 @@ def skinny_gemm(
     out: torch.Tensor | None = None,
     config: dict[str, int] | None = None,
     pdl: bool = False,
+    fp8_widen_in_registers: bool = False,
 ) -> torch.Tensor:
     """``x @ weight.T (+ bias)`` for ``x [M, K]`` with M <= ``MAX_M``.
 
     ``weight`` is ``[N, K]`` with K contiguous (``nn.Linear``'s layout), or an `Fp8Weight` of
-    one; ``x`` rows may be strided. Returns ``out [M, N]`` in ``x``'s dtype. ``pdl``: launch with
+    one (``fp8_widen_in_registers``: widened by `ember.kernels.fp8_widen`'s bit form); ``x``
+    rows may be strided. Returns ``out [M, N]`` in ``x``'s dtype. ``pdl``: launch with
     programmatic dependent launch (`ember.kernels.pdl`).
     """
     weight, scale = _unpacked(weight)
@@ -344,7 +352,18 @@ def skinny_gemm(
     if out is None:
         out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
     if x.shape[0]:
-        _launch(x, weight, scale, bias, out, None, _resolved_config(x, weight, config), pdl)
+        config = _resolved_config(x, weight, config)
+        _launch(
+            x,
+            weight,
+            scale,
+            bias,
+            out,
+            None,
+            config,
+            pdl,
+            fp8_widen_in_registers=fp8_widen_in_registers,
+        )
     return out
 
 
@@ -355,11 +374,12 @@ def skinny_gemm_add(
     *,
     config: dict[str, int] | None = None,
     pdl: bool = False,
+    fp8_widen_in_registers: bool = False,
 ) -> torch.Tensor:
     """``residual += x @ weight.T`` in place (``residual [M, N]`` contiguous in N; the product
     rounded to the dtype before the add), returning float32 ``[M, P]``: the sums of squares of
     the new rows, one column per program (`ember.layers.row_norm.RowNorm`'s ``parts``).
-    ``weight`` may be an `Fp8Weight`."""
+    ``weight`` may be an `Fp8Weight` (``fp8_widen_in_registers`` as `skinny_gemm`'s)."""
     weight, scale = _unpacked(weight)
     _check_operands(x, weight)
     m = x.shape[0]
@@ -369,7 +389,17 @@ def skinny_gemm_add(
     config = _resolved_config(x, weight, config)
     parts = torch.empty(m, triton.cdiv(n, config["BLOCK_N"]), dtype=torch.float32, device=x.device)
     if m:
-        _launch(x, weight, scale, None, residual, parts, config, pdl)
+        _launch(
+            x,
+            weight,
+            scale,
+            None,
+            residual,
+            parts,
+            config,
+            pdl,
+            fp8_widen_in_registers=fp8_widen_in_registers,
+        )
     return parts
 
 
@@ -381,12 +411,13 @@ def skinny_gemm_silu(
     out: torch.Tensor | None = None,
     config: dict[str, int] | None = None,
     pdl: bool = False,
+    fp8_widen_in_registers: bool = False,
 ) -> torch.Tensor:
     """``silu(x @ gate.T) * (x @ up.T)`` for ``gate_up_weight [2I, K]`` (gate rows first), as
     `ember.kernels.activation.silu_and_mul` of the [M, 2I] product gives, without storing that
     product. ``row_norm``: both products scaled by their row's ``1/rms`` first. Returns
     ``out [M, I]``; ``config``'s BLOCK_N counts the columns of one half. ``gate_up_weight`` may
-    be an `Fp8Weight`."""
+    be an `Fp8Weight` (``fp8_widen_in_registers`` as `skinny_gemm`'s)."""
     gate_up_weight, scale = _unpacked(gate_up_weight)
     _check_operands(x, gate_up_weight)
     m = x.shape[0]
@@ -398,6 +429,16 @@ def skinny_gemm_silu(
     if m:
         config = _resolved_config(x, gate_up_weight, config, gated=True)
         _launch(
-            x, gate_up_weight, scale, None, out, None, config, pdl, gated=True, row_norm=row_norm
+            x,
+            gate_up_weight,
+            scale,
+            None,
+            out,
+            None,
+            config,
+            pdl,
+            gated=True,
+            row_norm=row_norm,
+            fp8_widen_in_registers=fp8_widen_in_registers,
         )
     return out

@@ -56,6 +56,11 @@ class LinearRoutes:
     # the weight widened tile by tile); past it the activations are quantized for cuBLASLt's
     # FP8 GEMM. Not yet chosen by a measurement: every decode-sized product.
     fp8_skinny_max_rows: int = SKINNY_GEMM_MAX_ROWS
+    # The skinny kernel widens FP8 weight tiles to bf16 with integer and bf16 operations rather
+    # than Triton's two conversions (`ember.kernels.fp8_widen`), which leave an FP8 weight stream
+    # short of an H200's bandwidth on the SM's conversion units (`ember bench isa`). Off until a
+    # GPU measures it (`--fp8-widen-in-registers` turns it on for an A/B).
+    fp8_widen_in_registers: bool = False
 
 
 @dataclass(frozen=True)
@@ -76,14 +81,21 @@ class KernelTuning:
     defer_norms_max_rows: int = SKINNY_GEMM_MAX_ROWS
 
     @classmethod
-    def for_device(cls, device: torch.device, tuning_file: str | None = None) -> KernelTuning:
+    def for_device(
+        cls,
+        device: torch.device,
+        tuning_file: str | None = None,
+        fp8_widen_in_registers: bool = False,
+    ) -> KernelTuning:
         """The table for ``device``: the H200's, with the device's SM count, and the fused
         MoE's rows measured on this GPU model (shipped with ember), then those of
-        ``tuning_file`` (`ember bench tune`'s tune.json; `ember.kernels.tuning_files`)."""
+        ``tuning_file`` (`ember bench tune`'s tune.json; `ember.kernels.tuning_files`);
+        ``fp8_widen_in_registers`` sets `LinearRoutes.fp8_widen_in_registers`."""
         attention = AttentionTuning.for_device(device)
         gpu_name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
         rows = shipped_rows(gpu_name) if gpu_name else ()
         if tuning_file is not None:
             rows += file_rows(tuning_file, gpu_name)
         moe = MoeTuning(num_sms=attention.num_sms).with_measured(*rows)
-        return cls(attention=attention, moe=moe)
+        linear = LinearRoutes(fp8_widen_in_registers=fp8_widen_in_registers)
+        return cls(linear=linear, attention=attention, moe=moe)

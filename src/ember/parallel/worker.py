@@ -75,7 +75,9 @@ def _join_and_build(spec: WorkerSpec, conn):
     group = TorchParallelGroup(store, spec.rank, spec.size, plan.device)
     if plan.device.type == "cuda":
         kernel_cache.prepare(plan.device, plan.checkpoint, config.kernel_cache_dir)
-    tuning = KernelTuning.for_device(plan.device, config.kernel_tuning)
+    tuning = KernelTuning.for_device(
+        plan.device, config.kernel_tuning, config.fp8_widen_in_registers
+    )
     ops = select_ops(
         plan.device, config.backend, config.programmatic_launch, config.defer_norms, tuning
     )

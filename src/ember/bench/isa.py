@@ -1,0 +1,166 @@
+"""`ember bench isa`: the fused MoE's kernels compiled for an NVIDIA GPU without one, and what
+their K loops issue per weight value.
+
+For each expert shape of ``--moe-shapes`` and token count of ``--moe-tokens``, every path
+`ember bench tune --sections moe` would time (``--candidates``: with each of its tile candidates
+too) runs `fused_moe` on CPU tensors under `ember.bench.offline_compile`: the kernels a launch
+on ``sm_<arch>`` would compile, and nothing run. Each compiled kernel is read back
+(`ember.bench.sass`): its registers and spills, and each loop's instruction count and mix.
+A weight product's loop also gets ``per_value``: instructions one thread issues an iteration
+over the weight values it takes (``streams * BLOCK_N * BLOCK_K / threads``; two streams for
+gate/up). Where a product is bound by decoding its weights (MXFP4 on Hopper), this is the figure
+to lower; against the HBM bytes, an H100 SXM issues about 5 per MXFP4 value in the time it reads
+one (33.4e12 lane instructions a second at 1.98 GHz over 6.3e9 values, 0.53 bytes each, at
+3.35 TB/s), an H200 about 3.7.
+
+Static counts, not times: a loop's latency, its memory stalls and how many programs fill the GPU
+are `ember bench tune`'s to measure on the GPU itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import replace
+
+from ember.bench.offline_compile import CompiledKernel, compile_offline
+from ember.bench.sass import disassemble, loops, resources
+from ember.bench.tune_moe import (
+    MOE_SHAPES,
+    candidates,
+    empty_expert_weights,
+    fit,
+    paths_for,
+    token_inputs,
+)
+from ember.kernels.moe_tiles import MoeShape, MoeTiles
+
+DEFAULT_TOKENS = (1, 4, 16, 256)
+# The tiles' heuristics size launches for this many SMs (H100 SXM and H200).
+DEFAULT_NUM_SMS = 132
+
+
+def tile_variants(tiles: MoeTiles, shape: MoeShape) -> list[MoeTiles]:
+    """A path's heuristic tiles, then each product on each of the tune's candidates (the other
+    product on the heuristics'), and for MXFP4 on the tensor cores both products decoding in
+    registers."""
+    variants = [tiles]
+    for product in ("gate_up", "down"):
+        for gemm in candidates(tiles, shape.mxfp4):
+            variants.append(fit(replace(tiles, **{product: gemm}), shape))
+    if shape.mxfp4 and not tiles.gemv:
+        in_registers = {
+            p: replace(getattr(tiles, p), mxfp4_in_registers=True) for p in ("gate_up", "down")
+        }
+        variants.append(replace(tiles, **in_registers))
+    return list(dict.fromkeys(variants))
+
+
+def kernel_report(kernel: CompiledKernel) -> dict:
+    """A compiled kernel's constexprs, registers and loops (``per_value`` for a weight
+    product's)."""
+    used = resources(kernel.cubin)
+    constants = kernel.constants
+    weight_product = "BLOCK_N" in constants and "BLOCK_K" in constants and "W_FORMAT" in constants
+    streams = 2 if "ACTIVATION" in constants else 1  # gate/up reads two weight rows a column
+    values = None
+    if weight_product:
+        values = streams * constants["BLOCK_N"] * constants["BLOCK_K"] / (kernel.num_warps * 32)
+    loop_rows = []
+    for loop in loops(disassemble(kernel.cubin)):
+        row = {"instructions": len(loop.body), "mix": loop.mix(8)}
+        if values:
+            row["values_per_thread"] = values
+            row["per_value"] = round(len(loop.body) / values, 2)
+        loop_rows.append(row)
+    return {
+        "kernel": kernel.name,
+        "constants": {k: v for k, v in constants.items() if isinstance(v, int | str | float)},
+        "num_warps": kernel.num_warps,
+        "num_stages": kernel.num_stages,
+        "registers": used.registers,
+        "spill_bytes": used.local_bytes,
+        "loops": loop_rows,
+    }
+
+
+def compile_path(inputs: dict, tiles: MoeTiles, arch: int) -> list[dict]:
+    """The kernels `fused_moe` compiles for ``tiles`` on ``sm_<arch>``, reported."""
+    from ember.kernels.fused_moe import fused_moe
+
+    with compile_offline(arch) as compiled:
+        fused_moe(**inputs, tiles=tiles)
+    return [kernel_report(kernel) for kernel in compiled]
+
+
+def hottest_per_value(kernels: list[dict]) -> dict[str, float]:
+    """Each weight product's largest loop's ``per_value``, by kernel name."""
+    best = {}
+    for kernel in kernels:
+        timed = [loop for loop in kernel["loops"] if "per_value" in loop]
+        if timed:
+            best[kernel["kernel"]] = max(timed, key=lambda loop: loop["instructions"])["per_value"]
+    return best
+
+
+def bench_isa(
+    shapes: dict[str, MoeShape],
+    tokens: tuple[int, ...],
+    arch: int,
+    num_sms: int,
+    with_candidates: bool,
+    paths: tuple[str, ...] | None = None,
+) -> list[dict]:
+    """The rows of every (shape, tokens, path, tiles): ``paths`` (None: all) by the tune's
+    names (``by_pair``, ``by_pair_split``, ``by_pair_gemv``, ``grouped_m<rows>``)."""
+    rows = []
+    for name, shape in shapes.items():
+        weights = empty_expert_weights(shape)
+        for count in tokens:
+            inputs = {**weights, **token_inputs(shape, count, device="cpu")}
+            for path, tiles in paths_for(shape, count, num_sms).items():
+                if paths is not None and path not in paths:
+                    continue
+                variants = tile_variants(tiles, shape) if with_candidates else [tiles]
+                for variant in variants:
+                    kernels = compile_path(inputs, variant, arch)
+                    row = {
+                        "shape": name,
+                        "tokens": count,
+                        "path": path,
+                        "heuristic": variant is tiles,
+                        "tiles": variant.as_dict(),
+                        "per_value": hottest_per_value(kernels),
+                        "kernels": kernels,
+                    }
+                    print(json.dumps({k: v for k, v in row.items() if k != "kernels"}), flush=True)
+                    rows.append(row)
+    return rows
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90")
+    parser.add_argument(
+        "--moe-shapes", nargs="+", choices=sorted(MOE_SHAPES), default=["gpt-oss-20b-mxfp4"]
+    )
+    parser.add_argument("--moe-tokens", nargs="+", type=int, default=list(DEFAULT_TOKENS))
+    parser.add_argument("--num-sms", type=int, default=DEFAULT_NUM_SMS)
+    parser.add_argument(
+        "--paths", nargs="+", default=None, help="by_pair, by_pair_split, by_pair_gemv, grouped_m16"
+    )
+    parser.add_argument(
+        "--candidates", action="store_true", help="every tile candidate of the tune, too"
+    )
+    parser.add_argument("--output-json", default=None)
+
+
+def run(args: argparse.Namespace) -> int:
+    shapes = {name: MOE_SHAPES[name] for name in args.moe_shapes}
+    paths = tuple(args.paths) if args.paths else None
+    rows = bench_isa(
+        shapes, tuple(args.moe_tokens), args.arch, args.num_sms, args.candidates, paths
+    )
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump({"arch": args.arch, "num_sms": args.num_sms, "rows": rows}, f, indent=2)
+    return 0
