@@ -1,5 +1,6 @@
-"""`ember bench isa`: the fused MoE's kernels compiled for an NVIDIA GPU without one, and what
-their K loops issue per weight value.
+"""`ember bench isa`: the fused MoE's kernels (and, ``--sections linear``, the skinny GEMM over
+a dense model's layers in bf16 and FP8) compiled for an NVIDIA GPU without one, and what their K
+loops issue per weight value.
 
 For each expert shape of ``--moe-shapes`` and token count of ``--moe-tokens``, every path
 `ember bench tune --sections moe` would time (``--candidates``: with each of its tile candidates
@@ -23,6 +24,8 @@ import argparse
 import json
 from dataclasses import replace
 
+import torch
+
 from ember.bench.offline_compile import CompiledKernel, compile_offline
 from ember.bench.sass import disassemble, loops, resources
 from ember.bench.tune_moe import (
@@ -36,6 +39,9 @@ from ember.bench.tune_moe import (
 from ember.kernels.moe_tiles import MoeShape, MoeTiles
 
 DEFAULT_TOKENS = (1, 4, 16, 256)
+# Instructions of the SM's conversion units (16 results a clock per SM, against 64 for integer
+# logic and 128 for fp32 arithmetic: `ember.kernels.fp8_widen`).
+CONVERSIONS = frozenset({"F2F", "F2FP", "I2F", "F2I", "I2FP", "F2IP"})
 # The tiles' heuristics size launches for this many SMs (H100 SXM and H200).
 DEFAULT_NUM_SMS = 132
 
@@ -61,17 +67,21 @@ def kernel_report(kernel: CompiledKernel) -> dict:
     product's)."""
     used = resources(kernel.cubin)
     constants = kernel.constants
-    weight_product = "BLOCK_N" in constants and "BLOCK_K" in constants and "W_FORMAT" in constants
-    streams = 2 if "ACTIVATION" in constants else 1  # gate/up reads two weight rows a column
+    weight_form = "W_FORMAT" in constants or "W_SCALED" in constants
+    weight_product = "BLOCK_N" in constants and "BLOCK_K" in constants and weight_form
+    # Gate/up reads two weight rows a column.
+    streams = 2 if "ACTIVATION" in constants or constants.get("GATED") else 1
     values = None
     if weight_product:
         values = streams * constants["BLOCK_N"] * constants["BLOCK_K"] / (kernel.num_warps * 32)
     loop_rows = []
     for loop in loops(disassemble(kernel.cubin)):
-        row = {"instructions": len(loop.body), "mix": loop.mix(8)}
+        conversions = sum(i.mnemonic in CONVERSIONS for i in loop.body)
+        row = {"instructions": len(loop.body), "conversions": conversions, "mix": loop.mix(8)}
         if values:
             row["values_per_thread"] = values
             row["per_value"] = round(len(loop.body) / values, 2)
+            row["conversions_per_value"] = round(conversions / values, 2)
         loop_rows.append(row)
     return {
         "kernel": kernel.name,
@@ -138,8 +148,46 @@ def bench_isa(
     return rows
 
 
+def bench_linear_isa(preset: str, rows: tuple[int, ...], arch: int) -> list[dict]:
+    """The skinny GEMM over each linear layer of ``preset`` (the fused gate/up as the engine
+    runs it, with its SiLU) at each count of ``rows``: bf16 weights, FP8 weights widened by
+    Triton's conversions, and FP8 widened in registers (`ember.kernels.fp8_widen`)."""
+    from ember.bench.tune import linear_shapes
+    from ember.kernels.skinny_gemm import skinny_gemm, skinny_gemm_silu
+    from ember.layers.fp8 import FP8_DTYPE, Fp8Weight
+
+    forms = {"bf16": (False, False), "fp8": (True, False), "fp8_in_registers": (True, True)}
+    result = []
+    for name, n, k in linear_shapes(preset):
+        gemm = skinny_gemm_silu if name == "gate_up" else skinny_gemm
+        for count in rows:
+            x = torch.empty(count, k, dtype=torch.bfloat16)
+            for form, (fp8, in_registers) in forms.items():
+                weight = torch.empty(n, k, dtype=torch.bfloat16)
+                if fp8:
+                    weight = Fp8Weight(weight.to(FP8_DTYPE), torch.empty(n))
+                with compile_offline(arch) as compiled:
+                    gemm(x, weight, fp8_widen_in_registers=in_registers)
+                kernels = [kernel_report(kernel) for kernel in compiled]
+                row = {"layer": name, "n": n, "k": k, "rows": count, "weights": form}
+                row["per_value"] = hottest_per_value(kernels)
+                print(json.dumps(row), flush=True)
+                result.append({**row, "kernels": kernels})
+    return result
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90")
+    parser.add_argument(
+        "--sections",
+        nargs="+",
+        choices=("moe", "linear"),
+        default=["moe"],
+        help="moe: the fused MoE's paths; linear: the skinny GEMM over --preset's layers in "
+        "bf16 and FP8",
+    )
+    parser.add_argument("--preset", default="llama-3.1-8b", help="linear: the layers' shapes")
+    parser.add_argument("--rows", nargs="+", type=int, default=[1, 16], help="linear: rows")
     parser.add_argument(
         "--moe-shapes", nargs="+", choices=sorted(MOE_SHAPES), default=["gpt-oss-20b-mxfp4"]
     )
@@ -155,12 +203,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    shapes = {name: MOE_SHAPES[name] for name in args.moe_shapes}
-    paths = tuple(args.paths) if args.paths else None
-    rows = bench_isa(
-        shapes, tuple(args.moe_tokens), args.arch, args.num_sms, args.candidates, paths
-    )
+    report: dict = {"arch": args.arch, "num_sms": args.num_sms}
+    if "moe" in args.sections:
+        shapes = {name: MOE_SHAPES[name] for name in args.moe_shapes}
+        paths = tuple(args.paths) if args.paths else None
+        report["rows"] = bench_isa(
+            shapes, tuple(args.moe_tokens), args.arch, args.num_sms, args.candidates, paths
+        )
+    if "linear" in args.sections:
+        report["linear"] = bench_linear_isa(args.preset, tuple(args.rows), args.arch)
     if args.output_json:
         with open(args.output_json, "w") as f:
-            json.dump({"arch": args.arch, "num_sms": args.num_sms, "rows": rows}, f, indent=2)
+            json.dump(report, f, indent=2)
     return 0

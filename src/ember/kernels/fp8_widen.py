@@ -1,12 +1,16 @@
 """float8 e4m3 tiles widened to bf16 for `tl.dot`.
 
 Triton widens e4m3 to bf16 in two conversions: e4m3 pairs to fp16 (one instruction a pair),
-then each fp16 to bf16 (one instruction a value), both on the SM's conversion units, a quarter
-of its arithmetic rate: an FP8 weight stream of the skinny GEMM issues 1.5 conversions a weight
-value, more than an H200's bandwidth leaves room for (`ember bench isa`).
+then each fp16 to bf16 (one instruction a value), so the skinny GEMM's K loop over an FP8 weight
+issues 1.5 conversions a weight value (`ember bench isa --sections linear`). Conversions run at
+16 results a clock per SM (the CUDA programming guide's throughput table, "all other type
+conversions"), against 64 for integer logic and 128 for fp32 arithmetic: 1.5 a value caps an
+SM at about 11 weight values a clock, where an H200's bandwidth brings 18 (4.8 TB/s over 132
+SMs at 1.98 GHz). The measured FP8 decode step sits at 0.45 of its bytes floor.
 
-``IN_REGISTERS`` widens four codes in four instructions on the integer and bf16 units instead
-(`_E4M3X4_TO_BF16X4`): a byte permute spreads two codes over a register's 16-bit halves, each
+``IN_REGISTERS`` widens four codes in eight instructions on the integer and bf16 units instead
+(`_E4M3X4_TO_BF16X4`; about as many instructions a value as the conversions, so whether it pays
+depends on which limit binds, a question for the GPU): a byte permute spreads two codes over a register's 16-bit halves, each
 code's sign replicated into its high byte; shifted left by 4 and masked, each half holds the
 code's sign, exponent and mantissa in a bf16's sign, lowest exponent and top mantissa bits,
 which is its value times 2^-120 (e4m3's exponent bias is 7, bf16's 127; a subnormal for the

@@ -57,9 +57,9 @@ class LinearRoutes:
     # FP8 GEMM. Not yet chosen by a measurement: every decode-sized product.
     fp8_skinny_max_rows: int = SKINNY_GEMM_MAX_ROWS
     # The skinny kernel widens FP8 weight tiles to bf16 with integer and bf16 operations rather
-    # than Triton's two conversions (`ember.kernels.fp8_widen`), which leave an FP8 weight stream
-    # short of an H200's bandwidth on the SM's conversion units (`ember bench isa`). Off until a
-    # GPU measures it (`--fp8-widen-in-registers` turns it on for an A/B).
+    # than Triton's two conversions (`ember.kernels.fp8_widen`), whose rate on the SM's
+    # conversion units is below what an H200's bandwidth brings. Off until a GPU measures it
+    # (`--fp8-widen-in-registers` turns it on for an A/B).
     fp8_widen_in_registers: bool = False
 
 
