@@ -53,6 +53,10 @@ def test_every_default_configuration_fits_an_h200():
         assert ("gate_up_kernel", f"gpt-oss-120b-mxfp4 T={tokens}") in cases
     assert ("down_by_token_kernel", "gpt-oss-20b-mxfp4 T=4") in cases
     assert ("down_kernel", "gpt-oss-20b-mxfp4 T=4096") in cases
+    # MXFP4 decoded in PTX (the tiles' mxfp4_in_registers): the products compile for sm_90.
+    for tokens in (1, 4096):
+        assert ("gate_up_kernel", f"gpt-oss-120b-mxfp4 T={tokens}, ptx decode") in cases
+    assert ("down_kernel", "gpt-oss-20b-mxfp4 T=1, ptx decode") in cases
     # Compiled from fused_moe's own launches: the alignment where the grouped path runs it
     # (torch's sort past its pairs) and the sum over k where down runs per pair.
     assert ("align_kernel", "qwen3-30b-a3b T=16") in cases

@@ -15,11 +15,12 @@ import triton
 import triton.language as tl
 from helpers.moe_reference import BY_PAIR_GEMV, moe_reference, moe_weights, routing
 
+from ember.kernels.compile_ahead import kernels_interpreted
 from ember.kernels.fused_moe import fused_moe
 from ember.kernels.moe_gemm import W_MXFP4
 from ember.kernels.moe_gemv import _gemv_tile
 from ember.kernels.moe_tiles import GemmTiles, MoeTiles
-from ember.kernels.mxfp4 import mxfp4_tile
+from ember.kernels.mxfp4 import mxfp4_tile, mxfp4_tile_k_major
 from ember.layers.mxfp4 import Mxfp4Weight
 from ember.layers.reference_ops import moe_experts_reference
 from ember.weights.mxfp4 import dequantize_mxfp4, quantize_mxfp4
@@ -65,6 +66,33 @@ def test_a_packed_tile_decodes_to_the_dequantized_values(device, dtype):
     _decode_kernel[(1,)](blocks.to(device), group_scales.to(device), out, K=k, ROWS=rows)
     expected = dequantize_mxfp4(blocks, group_scales, dtype)
     assert torch.equal(out.cpu().view(torch.uint8), expected.view(torch.uint8))  # bit for bit
+
+
+@triton.jit
+def _decode_k_major_kernel(blocks_ptr, scales_ptr, out_ptr, K: tl.constexpr, ROWS: tl.constexpr):
+    """The [ROWS, K] tile of packed rows decoded by `mxfp4_tile_k_major` ([K / 2, ROWS] even
+    and odd columns), stored in row order."""
+    rows = tl.arange(0, ROWS)[None, :]
+    even, odd = mxfp4_tile_k_major(
+        blocks_ptr + rows * (K // 2), scales_ptr + rows * (K // 32), 0, K, True, K
+    )
+    cols = tl.arange(0, K // 2)[:, None]
+    tl.store(out_ptr + rows * K + 2 * cols, even)
+    tl.store(out_ptr + rows * K + 2 * cols + 1, odd)
+
+
+@pytest.mark.skipif(kernels_interpreted(), reason="PTX: compiled kernels only (a GPU)")
+def test_a_packed_tile_decodes_in_ptx_to_the_dequantized_values(device):
+    """The PTX decode (K-major, bf16), as `mxfp4_tile`'s test: every byte at every kind of
+    scale, bit for bit."""
+    scales = torch.tensor([0, 1, 100, 120, 127, 128, 140, 254], dtype=torch.uint8)
+    rows, k = len(scales), 512
+    blocks = torch.arange(256, dtype=torch.uint8).repeat(rows, 1).view(rows, k // 32, 16)
+    group_scales = scales[:, None].expand(rows, k // 32).contiguous()
+    out = torch.empty(rows, k, dtype=torch.bfloat16, device=device)
+    _decode_k_major_kernel[(1,)](blocks.to(device), group_scales.to(device), out, K=k, ROWS=rows)
+    expected = dequantize_mxfp4(blocks, group_scales, torch.bfloat16)
+    assert torch.equal(out.cpu().view(torch.uint8), expected.view(torch.uint8))
 
 
 def mxfp4_experts(stacked: torch.Tensor) -> Mxfp4Weight:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 # An sm_90 block's shared memory ceiling (opt-in), as Triton reports it on an H200.
 SM90_SHARED_MEMORY_LIMIT = 232448
@@ -91,6 +91,9 @@ def skinny_gemm_config(
         "EVEN_K": True,
         "DOT_PRECISION": "tf32",
         "PDL": True,
+        # FP8: widened in PTX (`--fp8-widen-in-registers`; its staged tiles, what this checks,
+        # are the conversions' too), so the inline assembly is compiled here as well.
+        "FP8_IN_REGISTERS": fp8,
         **config,
     }
     pointers = ("x_ptr", "w_ptr", "bias_ptr", "out_ptr")
@@ -297,7 +300,8 @@ def _attention_configs(kv_fp8: bool) -> list[CompiledConfig]:
 # one program per pair at 1 token, per token at 4), grouped on 16-row blocks, on tensor-core
 # blocks (a prefill).
 _MOE_TOKENS = (1, 4, 16, 4096)
-# Of those, the ones compiled over FP8 experts too (the same tiles, weights widened to bf16).
+# Of those, the ones compiled over FP8 experts too (the same tiles, weights widened to bf16),
+# and MXFP4 ones decoded in PTX too.
 _FP8_MOE_TOKENS = (1, 4096)
 
 
@@ -315,12 +319,19 @@ def moe_configs() -> list[CompiledConfig]:
     results = []
     for name, shape in MOE_SHAPES.items():
         for tokens in _MOE_TOKENS:
-            for fp8 in _moe_fp8_forms(shape, tokens):
-                weights = empty_expert_weights(shape, fp8=fp8)
+            for form in _moe_forms(shape, tokens):
+                weights = empty_expert_weights(shape, fp8=form == "fp8")
                 inputs = {**weights, **token_inputs(shape, tokens, device="cpu")}
-                case = f"{name} T={tokens}" + (", fp8 experts" if fp8 else "")
+                tiles = MoeTuning().tiles_for(shape, tokens)
+                if form == "ptx":  # MXFP4 decoded in PTX (`mxfp4_tile_k_major`)
+                    tiles = replace(
+                        tiles,
+                        gate_up=replace(tiles.gate_up, mxfp4_in_registers=True),
+                        down=replace(tiles.down, mxfp4_in_registers=True),
+                    )
+                case = f"{name} T={tokens}" + _MOE_FORM_CASES[form]
                 with compile_offline(90) as compiled:
-                    fused_moe(**inputs, tiles=MoeTuning().tiles_for(shape, tokens))
+                    fused_moe(**inputs, tiles=tiles)
                 for kernel in compiled:
                     config = CompiledConfig(
                         kernel.name.strip("_"),
@@ -333,12 +344,16 @@ def moe_configs() -> list[CompiledConfig]:
     return results
 
 
-def _moe_fp8_forms(shape, tokens: int) -> tuple[bool, ...]:
-    """Whether ``shape``'s experts are compiled as FP8 at ``tokens``: an MXFP4 shape in its own
-    form only; the others in bf16, and in FP8 too at `_FP8_MOE_TOKENS`."""
-    if shape.mxfp4:
-        return (False,)
-    return (False, True) if tokens in _FP8_MOE_TOKENS else (False,)
+def _moe_forms(shape, tokens: int) -> tuple[str, ...]:
+    """How ``shape``'s experts are compiled at ``tokens``: an MXFP4 shape through
+    `tl.dot_scaled` ("packed"), and decoded in PTX too at `_FP8_MOE_TOKENS`; the others in bf16,
+    and in FP8 too at `_FP8_MOE_TOKENS`."""
+    extra = ("ptx" if shape.mxfp4 else "fp8",) if tokens in _FP8_MOE_TOKENS else ()
+    return ("packed" if shape.mxfp4 else "bf16", *extra)
+
+
+# Each form's case suffix.
+_MOE_FORM_CASES = {"bf16": "", "packed": "", "fp8": ", fp8 experts", "ptx": ", ptx decode"}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -40,7 +40,7 @@ from ember.kernels.activation import silu_mul_rounded
 from ember.kernels.compile_ahead import kernels_interpreted, launch
 from ember.kernels.moe_align import MoeBlocks
 from ember.kernels.moe_tiles import MIN_DOT_ROWS, GemmTiles
-from ember.kernels.mxfp4 import mxfp4_tile
+from ember.kernels.mxfp4 import mxfp4_tile, mxfp4_tile_k_major
 
 # The activations `fused_moe` takes, by their kernel constant.
 ACTIVATIONS = {"silu": 0, "swiglu_oai": 1}
@@ -51,7 +51,7 @@ SWIGLU_OAI_ALPHA = tl.constexpr(1.702)
 # Columns a program of the sum over k adds: 16-byte accesses for 4 warps.
 _SUM_BLOCK = 1024
 # The weights' forms, by their kernel constant (`weight_format`).
-W_PLAIN, W_FP8, W_MXFP4, W_MXFP4_SCALED = 0, 1, 2, 3
+W_PLAIN, W_FP8, W_MXFP4, W_MXFP4_SCALED, W_MXFP4_PTX = 0, 1, 2, 3, 4
 
 
 @triton.jit
@@ -71,10 +71,17 @@ def _dot_weight_tile(
     and the weight rows ``row_ptrs`` ``[BLOCK_N, 1]`` point at (zeros past ``k_size`` unless
     ``EVEN_K``), their tile widened to ``a``'s dtype. MXFP4 rows (``scale_row_ptrs``: their
     scales) decode to their even and odd K columns, which multiply ``a``'s (split in registers:
-    an interleaved [N, K] weight operand did not compile for Hopper's wgmma) in two dots."""
+    an interleaved [N, K] weight operand did not compile for Hopper's wgmma) in two dots:
+    through `tl.dot_scaled` (3), in PTX to a K-major tile (4), or in Triton (2)."""
     # One return at the end: Triton would still trace the code after an early one.
     if W_FORMAT == 3:
         acc = _dot_scaled_mxfp4_tile(a, acc, row_ptrs, scale_row_ptrs, k0, k_size, EVEN_K, BLOCK_K)
+    elif W_FORMAT == 4:
+        even, odd = tl.split(tl.reshape(a, (a.shape[0], BLOCK_K // 2, 2)))
+        col_ptrs, scale_col_ptrs = tl.trans(row_ptrs), tl.trans(scale_row_ptrs)
+        low, high = mxfp4_tile_k_major(col_ptrs, scale_col_ptrs, k0, k_size, EVEN_K, BLOCK_K)
+        acc = tl.dot(even, low, acc, input_precision=DOT_PRECISION)
+        acc = tl.dot(odd, high, acc, input_precision=DOT_PRECISION)
     elif W_FORMAT == 2:
         even, odd = tl.split(tl.reshape(a, (a.shape[0], BLOCK_K // 2, 2)))
         low, high = mxfp4_tile(row_ptrs, scale_row_ptrs, k0, k_size, a.dtype, EVEN_K, BLOCK_K)
@@ -430,14 +437,16 @@ def weight_format(
     """The kernels' ``W_FORMAT`` of stacked experts: plain (no scale), FP8 (float8 weights with
     float32 row scales) or MXFP4 (uint8 packed weights with uint8 group scales) with activations
     of ``dtype``. Compiled MXFP4 products on bf16 activations go through `tl.dot_scaled`
-    (Triton's upcast) unless the tiles say ``mxfp4_in_registers``; the interpreter (no
-    `tl.dot_scaled`) and fp16/fp32 activations decode in registers."""
+    (Triton's upcast), or where the tiles say ``mxfp4_in_registers`` decode in PTX
+    (`ember.kernels.mxfp4.mxfp4_tile_k_major`); the interpreter (no `tl.dot_scaled`, no PTX)
+    and fp16/fp32 activations decode in Triton (`ember.kernels.mxfp4.mxfp4_tile`)."""
     if scale is None:
         return W_PLAIN
     if weight.dtype != torch.uint8:
         return W_FP8
-    scaled = dtype == torch.bfloat16 and not kernels_interpreted() and not mxfp4_in_registers
-    return W_MXFP4_SCALED if scaled else W_MXFP4
+    if dtype != torch.bfloat16 or kernels_interpreted():
+        return W_MXFP4
+    return W_MXFP4_PTX if mxfp4_in_registers else W_MXFP4_SCALED
 
 
 def expert_operands(w: torch.Tensor, scale, bias) -> tuple[torch.Tensor, ...]:

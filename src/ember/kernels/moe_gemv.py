@@ -245,6 +245,12 @@ def _down_gemv_kernel(
     tl.store(out, total.to(dtype), mask=cols < hidden)
 
 
+def _gemv_weight_format(weight: torch.Tensor, scale: torch.Tensor | None) -> int:
+    """`W_FORMAT` of the GEMV's weights: it decodes MXFP4 on the CUDA cores itself whatever the
+    activations' dtype (as `weight_format` has it for fp32 activations)."""
+    return weight_format(weight, scale, torch.float32)
+
+
 def gate_up_gemv(x, w13, b13, ids, top_k, activation, tiles: GemmTiles, scale=None) -> torch.Tensor:
     """``[T * k, I]`` in pair order, as `ember.kernels.moe_gemm.gate_up_by_pair`'s."""
     pairs = ids.numel()
@@ -265,7 +271,7 @@ def gate_up_gemv(x, w13, b13, ids, top_k, activation, tiles: GemmTiles, scale=No
         out.stride(0),
         TOP_K=top_k,
         ACTIVATION=ACTIVATIONS[activation],
-        W_FORMAT=weight_format(w13, scale, x.dtype, mxfp4_in_registers=True),
+        W_FORMAT=_gemv_weight_format(w13, scale),
         HAS_BIAS=b13 is not None,
         **tile_args(tiles, x.shape[1]),
     )
@@ -292,7 +298,7 @@ def down_gemv_by_token(
         *expert_strides(w2, scale, b2),
         out.stride(0),
         TOP_K=top_k,
-        W_FORMAT=weight_format(w2, scale, a.dtype, mxfp4_in_registers=True),
+        W_FORMAT=_gemv_weight_format(w2, scale),
         HAS_BIAS=b2 is not None,
         **tile_args(tiles, a.shape[1]),
     )

@@ -72,8 +72,8 @@ class GemmTiles:
     stages: int
     num_warps: int
     group_m: int = 1
-    # MXFP4 weights on bf16 activations, compiled: decode each tile in registers
-    # (`ember.kernels.mxfp4.mxfp4_tile`) rather than through `tl.dot_scaled`'s upcast.
+    # MXFP4 weights on bf16 activations, compiled: decode each tile in registers, in PTX
+    # (`ember.kernels.mxfp4.mxfp4_tile_k_major`), rather than through `tl.dot_scaled`'s upcast.
     mxfp4_in_registers: bool = False
 
     def name(self) -> str:
