@@ -355,8 +355,8 @@ def add_fast_path_arguments(parser: argparse.ArgumentParser) -> None:
         "--fp8-widen-in-registers",
         action="store_true",
         default=None,
-        help="the skinny GEMM widens FP8 weight tiles to bf16 with integer and bf16 operations "
-        "instead of Triton's conversions",
+        help="FP8 weight tiles (the skinny GEMM's) and an FP8 KV cache's (attention's) widen to "
+        "bf16 by their bits in PTX instead of Triton's conversions",
     )
     parser.add_argument(
         "--compile-workers",

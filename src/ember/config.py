@@ -497,8 +497,9 @@ class EngineConfig:
     # adds to the stream, 1/rms in the kernel that reads the next projection
     # (bench/results/README.md, "Deferred norms").
     defer_norms: bool = True
-    # The skinny GEMM widens FP8 weights with integer and bf16 operations, not Triton's
-    # conversions (Triton path; `ember.kernels.fp8_widen`; off until measured on a GPU).
+    # FP8 weight tiles (the skinny GEMM's) and an FP8 cache's (attention's) widen to bf16 by
+    # their bits in PTX, not Triton's conversions (Triton path; `ember.kernels.fp8_widen`; off
+    # until measured on a GPU).
     fp8_widen_in_registers: bool = False
     overlap: bool | None = None  # None: overlap CPU and GPU work when on a GPU
     policy: ModelPolicy = field(default_factory=ModelPolicy)

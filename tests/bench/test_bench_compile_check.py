@@ -75,7 +75,8 @@ def test_every_default_configuration_fits_an_h200():
         "decode, chunks, NoPE",
         "mixed chunks, window, sinks",
     }
-    assert set(attention) == launches | {f"{case}, fp8 kv" for case in launches} | variants
+    fp8 = {f"{case}, fp8 kv" for case in launches} | {f"{c}, fp8 kv, ptx widen" for c in launches}
+    assert set(attention) == launches | fp8 | variants
     switches = ("SPLIT_KV", "ROPE", "PRELOAD_KV", "TILE_MAP", "KV_FP8", "KEY_START", "SINKS")
     for switch in (*switches, "QK_RMS_NORM", "QK_L2_NORM"):
         assert any(constexprs[switch] for constexprs in attention.values()), switch

@@ -30,7 +30,7 @@ def tiny_dir(request, tmp_path_factory):
     return make_tiny_model(request.param, tmp_path_factory.mktemp(request.param))
 
 
-def _run(path, backend: str, dtype: str, prompts, params):
+def _run(path, backend: str, dtype: str, prompts, params, **options):
     """Greedy tokens and logprobs on an FP8 cache whose layers carry ``KV_SCALES``, set before
     the first step: CUDA graphs bake the scales in when they capture (lazily, at first use)."""
     llm = LLM(
@@ -42,6 +42,7 @@ def _run(path, backend: str, dtype: str, prompts, params):
         max_model_len=256,
         kv_cache_memory_bytes=1 << 30,
         lazy_cuda_graphs=True,
+        **options,
     )
     assert llm.instance.kv_cache.dtype == torch.float8_e4m3fn
     for layer in llm.instance.model.layers:
@@ -65,3 +66,13 @@ def test_triton_fp8_path_matches_reference_fp8_path(tiny_dir, dtype):
     fast = _run(tiny_dir, "triton", dtype, prompts, params)
     rows = [compare_greedy(a, b) for a, b in zip(fast, reference)]
     assert all(row["near_tie"] for row in rows), rows
+
+
+def test_fp8_tiles_widened_in_ptx_give_the_tokens_of_the_conversions(tiny_dir):
+    """`--fp8-widen-in-registers`: the cache's tiles widen to the same bf16 values by their
+    bits as by Triton's conversions, so the greedy tokens and logprobs are the same."""
+    prompts = random_prompts(8)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=5)
+    converted = _run(tiny_dir, "triton", "bfloat16", prompts, params)
+    in_ptx = _run(tiny_dir, "triton", "bfloat16", prompts, params, fp8_widen_in_registers=True)
+    assert in_ptx == converted

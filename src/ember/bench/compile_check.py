@@ -180,18 +180,25 @@ _PLAIN_LAYER = {
 
 
 def attention_configs() -> list[CompiledConfig]:
-    """The paged attention's launches (`_attention_configs`) on a bf16 cache and on an FP8 one,
-    and the variants of windowed, chunked, sink and NoPE layers on bf16."""
-    return _attention_configs(kv_fp8=False) + _attention_configs(kv_fp8=True)
+    """The paged attention's launches (`_attention_configs`) on a bf16 cache and on an FP8 one
+    (its tiles widened by Triton's conversions, and in PTX), and the variants of windowed,
+    chunked, sink and NoPE layers on bf16."""
+    return (
+        _attention_configs(kv_fp8=False)
+        + _attention_configs(kv_fp8=True)
+        + _attention_configs(kv_fp8=True, widen_in_ptx=True)
+    )
 
 
-def _attention_configs(kv_fp8: bool) -> list[CompiledConfig]:
+def _attention_configs(kv_fp8: bool, widen_in_ptx: bool = False) -> list[CompiledConfig]:
     """The paged attention's launches as `AttentionPlanner` plans them for the 8B shape (GQA 4,
     head 128, bf16) on an H200: decode steps split and unsplit (with RoPE, the deferred norm
     and, split under one wave, the K/V preload: the most state a program holds), a full grid's
     one-warp tiles, and a mixed step's two launches (its decodes on decode tiles, long ones in
     segments; its chunks on prefill tiles over the chunk tile map). ``kv_fp8``: over a float8
-    e4m3 cache (its cases named ", fp8 kv"), tiles planned for its 1-byte elements."""
+    e4m3 cache (its cases named ", fp8 kv"), tiles planned for its 1-byte elements;
+    ``widen_in_ptx``: its tiles widened in PTX (``KV_FP8`` 2, cases named ", fp8 kv, ptx
+    widen")."""
     import torch
 
     from ember.bench.tune import AttentionShape, attention_planner
@@ -285,13 +292,14 @@ def _attention_configs(kv_fp8: bool) -> list[CompiledConfig]:
             "PRELOAD_KV": rope and launch.preload_kv,
             "SEQUENCES": int(launch.sequences),
             "TILE_MAP": launch.chunk_map,
-            "KV_FP8": kv_fp8,
+            "KV_FP8": 2 if widen_in_ptx else int(kv_fp8),
             **layer,
             **scales,
             **config,
         }
         shared = compile_for_sm90(_paged_attention_kernel, types, divisible, constexprs, num_warps)
         name = f"{name}, fp8 kv" if kv_fp8 else name
+        name = f"{name}, ptx widen" if widen_in_ptx else name
         results.append(CompiledConfig("paged_attention", name, constexprs, num_warps, shared))
     return results
 

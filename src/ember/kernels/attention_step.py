@@ -46,6 +46,7 @@ def rope_and_attention(
     use_rope: bool = True,
     qk_norm: QkNorm | None = None,
     qk_l2_norm_eps: float | None = None,
+    fp8_widen_in_registers: bool = False,
 ) -> torch.Tensor:
     """`rope_and_cache_write` then `paged_attention` (its ``launches``) over the step's metadata
     ``ctx``; writes and returns ``out``. With ``fuse_decode`` (the default), decode-only steps
@@ -55,7 +56,8 @@ def rope_and_attention(
     (k_scale, v_scale), for its writes and its reads (`ember.kernels.kv_fp8`). ``use_rope``
     False (a NoPE layer) skips the rotation; ``qk_norm`` RMS-normalises each head of q and k
     before it (Qwen3's), ``qk_l2_norm_eps`` after it (Llama 4's); ``window``, ``chunk_size`` and
-    ``sinks`` shape the attention (`paged_attention`)."""
+    ``sinks`` shape the attention, ``fp8_widen_in_registers`` how an FP8 cache's tiles widen
+    (`paged_attention`)."""
     rope = None
     if fuse_decode and ctx.max_query_len == 1:
         rope = DecodeRope(
@@ -104,4 +106,5 @@ def rope_and_attention(
         window=window,
         chunk_size=chunk_size,
         sinks=sinks,
+        fp8_widen_in_registers=fp8_widen_in_registers,
     )

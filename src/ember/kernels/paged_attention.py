@@ -49,6 +49,7 @@ from ember.kernels.attention_plan import (
     next_power_of_2,
 )
 from ember.kernels.compile_ahead import launch
+from ember.kernels.fp8_widen import fp8_in_registers, widen_e4m3
 from ember.kernels.head_norm import head_inv_rms, qk_norm_args, rms_norm_heads
 from ember.kernels.kv_fp8 import is_fp8_cache, kv_scale_args, to_cache
 from ember.kernels.pdl import wait_for_producer
@@ -140,6 +141,15 @@ def _kv_tile_offsets(
 
 
 @triton.jit
+def _widened(tile, dtype: tl.constexpr, KV_FP8: tl.constexpr):
+    """A K or V tile as the dots take it, in ``dtype``: an FP8 cache's widened by Triton's
+    conversions (``KV_FP8`` 1) or in PTX (2, `ember.kernels.fp8_widen`)."""
+    if KV_FP8:
+        return widen_e4m3(tile, dtype, KV_FP8 == 2)
+    return tile.to(dtype)
+
+
+@triton.jit
 def _softmax_step(
     q,
     k,
@@ -152,12 +162,14 @@ def _softmax_step(
     MASKED: tl.constexpr,
     LOCAL: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     """Scores of one K tile and the online-softmax update: (new max, new sum, p, rescale). An
-    FP8 tile widens to the queries' dtype (its k_scale is in ``qk_scale``). ``LOCAL``: each row
-    sees keys from ``row_lo`` on only (a window's or chunk's start), and a masked tile may hold
-    none of a row's keys."""
-    scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * qk_scale
+    FP8 tile widens to the queries' dtype (`_widened`; its k_scale is in ``qk_scale``).
+    ``LOCAL``: each row sees keys from ``row_lo`` on only (a window's or chunk's start), and a
+    masked tile may hold none of a row's keys."""
+    k = _widened(k, q.dtype, KV_FP8)
+    scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
     if MASKED:
         # Causal; also hides positions past the sequence since row_pos < seq_len.
         visible = kv_pos[None, :] <= row_pos[:, None]
@@ -196,6 +208,7 @@ def _attend_kv_tile(
     MASKED: tl.constexpr,
     LOCAL: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     """One online-softmax step over KV positions [kv_start, kv_start + BLOCK_N)."""
     kv_pos = kv_start + tl.arange(0, BLOCK_N)
@@ -216,20 +229,23 @@ def _attend_kv_tile(
     else:
         k = tl.load(k_cache_ptr + kv_offsets)
     m_new, l_i, p, alpha = _softmax_step(
-        q, k, m_i, l_i, kv_pos, row_pos, row_lo, qk_scale, MASKED, LOCAL, DOT_PRECISION
+        q, k, m_i, l_i, kv_pos, row_pos, row_lo, qk_scale, MASKED, LOCAL, DOT_PRECISION, KV_FP8
     )
     if MASKED:
         v = tl.load(v_cache_ptr + kv_offsets, mask=kv_in_range[:, None], other=0.0)
     else:
         v = tl.load(v_cache_ptr + kv_offsets)
-    return m_new, l_i, _accumulate_values(acc, alpha, p, v, q.dtype, DOT_PRECISION)
+    return m_new, l_i, _accumulate_values(acc, alpha, p, v, q.dtype, DOT_PRECISION, KV_FP8)
 
 
 @triton.jit
-def _accumulate_values(acc, alpha, p, v, dot_ty: tl.constexpr, DOT_PRECISION: tl.constexpr):
+def _accumulate_values(
+    acc, alpha, p, v, dot_ty: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr
+):
     """``acc`` rescaled by ``alpha`` plus ``p @ v``, both in ``dot_ty`` (the queries' dtype: an
-    FP8 tile widens to it; its v_scale is applied to the finished ``acc``)."""
-    return acc * alpha[:, None] + tl.dot(p.to(dot_ty), v.to(dot_ty), input_precision=DOT_PRECISION)
+    FP8 tile widens to it, `_widened`; its v_scale is applied to the finished ``acc``)."""
+    v = _widened(v, dot_ty, KV_FP8)
+    return acc * alpha[:, None] + tl.dot(p.to(dot_ty), v, input_precision=DOT_PRECISION)
 
 
 @triton.jit
@@ -612,9 +628,20 @@ def _paged_attention_kernel(
                 pre_v = tl.where(is_new, new_v[None, :], pre_v)
         if PRELOAD_KV and tile_lo < tile_hi:
             m_i, l_i, p, alpha = _softmax_step(
-                q, pre_k, m_i, l_i, pre_pos, row_pos, row_lo, qk_scale, True, LOCAL, DOT_PRECISION
+                q,
+                pre_k,
+                m_i,
+                l_i,
+                pre_pos,
+                row_pos,
+                row_lo,
+                qk_scale,
+                True,
+                LOCAL,
+                DOT_PRECISION,
+                KV_FP8,
             )
-            acc = _accumulate_values(acc, alpha, p, pre_v, q.dtype, DOT_PRECISION)
+            acc = _accumulate_values(acc, alpha, p, pre_v, q.dtype, DOT_PRECISION, KV_FP8)
 
     # Loop-level pipelining also prefetches the block-table loads the K/V addresses depend on.
     unmasked_lo = tile_lo_loop
@@ -645,6 +672,7 @@ def _paged_attention_kernel(
                 True,
                 LOCAL,
                 DOT_PRECISION,
+                KV_FP8,
             )
     for kv_tile in tl.range(unmasked_lo, tl.minimum(tile_hi, num_full_tiles), num_stages=KV_STAGES):
         m_i, l_i, acc = _attend_kv_tile(
@@ -669,6 +697,7 @@ def _paged_attention_kernel(
             False,
             False,  # every row sees every key of these tiles
             DOT_PRECISION,
+            KV_FP8,
         )
     for kv_tile in tl.range(tl.maximum(unmasked_lo, num_full_tiles), tile_hi, num_stages=KV_STAGES):
         m_i, l_i, acc = _attend_kv_tile(
@@ -693,6 +722,7 @@ def _paged_attention_kernel(
             True,
             LOCAL,
             DOT_PRECISION,
+            KV_FP8,
         )
 
     if KV_FP8:  # the values were read as stored; merging partials is linear, so scale them here
@@ -925,6 +955,14 @@ def _check_decode_rope(rope: DecodeRope, q: torch.Tensor, k_cache: torch.Tensor,
     check_qk_norms(rope.qk_norm, rope.qk_l2_norm_eps)
 
 
+def _kv_fp8_mode(k_cache: torch.Tensor, widen_in_registers: bool) -> int:
+    """The kernel's ``KV_FP8``: 0 a cache of the queries' kind, 1 FP8 widened by Triton's
+    conversions, 2 FP8 widened in PTX."""
+    if not is_fp8_cache(k_cache):
+        return 0
+    return 2 if fp8_in_registers(widen_in_registers) else 1
+
+
 def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -944,6 +982,7 @@ def paged_attention(
     window: int | None = None,
     chunk_size: int | None = None,
     sinks: torch.Tensor | None = None,
+    fp8_widen_in_registers: bool = False,
 ) -> torch.Tensor:
     """Causal attention of this step's queries over the paged KV cache; writes and returns ``out``.
 
@@ -974,6 +1013,8 @@ def paged_attention(
             chunk_size .. p``. At most one of ``window`` and ``chunk_size``.
         sinks: ``[num_q_heads]`` (any float dtype, read as float32): each head's sink logit,
             a key of value zero in its softmax denominator (gpt-oss).
+        fp8_widen_in_registers: an FP8 cache's tiles widen to bf16 queries' dtype in PTX
+            (`ember.kernels.fp8_widen`), not by Triton's conversions.
 
     The split path allocates its fp32 partials (``num_seqs * num_q_heads * splits * (head_dim+2)``
     floats) with ``torch.empty``: no sync and capturable, but the only scratch this op uses.
@@ -1027,6 +1068,7 @@ def paged_attention(
             kv_scales,
             key_range,
             sinks,
+            fp8_widen_in_registers,
         )
     return out
 
@@ -1048,10 +1090,12 @@ def _launch_kernel(
     kv_scales=(1.0, 1.0),
     key_range=(KeyStart.CAUSAL, 0),
     sinks=None,
+    fp8_widen_in_registers=False,
 ):
     """One launch of `_paged_attention_kernel` over the step as ``plan`` says; over the tiles
     of ``chunk_tiles`` when given (``kv_scales``: an FP8 cache's, ``key_range``: `key_start`'s
-    answer for the layer's window or chunks, ``sinks``: see `paged_attention`)."""
+    answer for the layer's window or chunks, ``sinks`` and ``fp8_widen_in_registers``: see
+    `paged_attention`)."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     num_seqs = seq_lens.shape[0]
@@ -1145,7 +1189,7 @@ def _launch_kernel(
         PRELOAD_KV=rope is not None and plan.preload_kv,
         SEQUENCES=int(plan.sequences),
         TILE_MAP=chunk_tiles is not None,
-        KV_FP8=is_fp8_cache(k_cache),
+        KV_FP8=_kv_fp8_mode(k_cache, fp8_widen_in_registers),
         KEY_START=int(key_range[0]),
         SINKS=sinks is not None,
         ROTATE=rope is None or rope.rotate,

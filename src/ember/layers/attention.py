@@ -245,6 +245,7 @@ class TritonAttention(AttentionBackend):
             chunk_tiles=step.chunk_tiles,
             fuse_decode=self.fuse_decode,
             pdl=self.launches_with_pdl(q.shape[0]),
+            fp8_widen_in_registers=self.planner.tuning.kv_fp8_widen_in_registers,
             **options,
         )
 
