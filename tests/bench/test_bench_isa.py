@@ -84,3 +84,29 @@ def test_fp8_weights_widened_in_registers_leave_the_conversion_units_out(tmp_pat
             assert hot["conversions"] == 0, row
         if row["weights"] == "fp8_in_registers":
             assert kernel["constants"]["FP8_IN_REGISTERS"] is True
+
+
+def test_an_fp8_caches_tiles_widened_in_ptx_leave_the_conversion_units_out(tmp_path):
+    """The paged attention's KV loops, compiled for sm_90 as `compile_check` launches them:
+    over an FP8 cache Triton's widening converts each K and V value (1.5 conversions a value),
+    the PTX one does not (none but the few a bf16 cache's loop has too)."""
+    out = tmp_path / "isa.json"
+    command = [sys.executable, "-m", "ember.cli", "bench", "isa", "--sections", "attention"]
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    done = subprocess.run(
+        [*command, "--output-json", str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads(out.read_text())["attention"]
+    by_form = {form: [r for r in rows if r["kv_fp8"] == form] for form in (0, 1, 2)}
+    assert all(by_form.values()) and len(by_form[1]) == len(by_form[2])
+    for converted, in_ptx in zip(by_form[1], by_form[2], strict=True):
+        assert in_ptx["case"] == f"{converted['case']}, ptx widen"
+        assert converted["conversions_per_kv_value"] >= 1.5
+        bf16 = next(r for r in by_form[0] if r["case"] == converted["case"].split(", fp8")[0])
+        assert in_ptx["conversions_per_kv_value"] == bf16["conversions_per_kv_value"]

@@ -19,7 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 
 # An sm_90 block's shared memory ceiling (opt-in), as Triton reports it on an H200.
 SM90_SHARED_MEMORY_LIMIT = 232448
@@ -41,6 +41,8 @@ class CompiledConfig:
     constexprs: dict
     num_warps: int
     shared_bytes: int
+    # The compiled machine code, for `ember bench isa` (empty where not kept).
+    cubin: bytes = field(default=b"", repr=False, compare=False)
 
     @property
     def fits(self) -> bool:
@@ -49,9 +51,10 @@ class CompiledConfig:
 
 def compile_for_sm90(
     kernel, types: dict[str, str], divisible: set[str], constexprs: dict, num_warps: int
-) -> int:
-    """Shared bytes of ``kernel`` compiled for sm_90 with these argument ``types`` (names not
-    given are i32), ``constexprs``, and 16-divisibility on the ``divisible`` arguments."""
+) -> tuple[int, bytes]:
+    """Shared bytes and cubin of ``kernel`` compiled for sm_90 with these argument ``types``
+    (names not given are i32), ``constexprs``, and 16-divisibility on the ``divisible``
+    arguments."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -67,7 +70,7 @@ def compile_for_sm90(
         target=GPUTarget("cuda", 90, 32),
         options={"num_warps": num_warps},
     )
-    return compiled.metadata.shared
+    return compiled.metadata.shared, compiled.asm["cubin"]
 
 
 def skinny_gemm_config(
@@ -116,9 +119,9 @@ def skinny_gemm_config(
         "stride_wn",
         "stride_om",
     }
-    shared = compile_for_sm90(_skinny_gemm_kernel, types, divisible, constexprs, num_warps)
+    shared, cubin = compile_for_sm90(_skinny_gemm_kernel, types, divisible, constexprs, num_warps)
     case = f"{name} m={m}" + (", fp8 weights" if fp8 else "")
-    return CompiledConfig("skinny_gemm", case, constexprs, num_warps, shared)
+    return CompiledConfig("skinny_gemm", case, constexprs, num_warps, shared, cubin)
 
 
 def skinny_gemm_configs() -> list[CompiledConfig]:
@@ -154,8 +157,8 @@ def stream_k_gemm_configs() -> list[CompiledConfig]:
         "counters_ptr": "*i32",
     }
     divisible = {"out_ptr", "partials_ptr", "counters_ptr", "stride_om"}
-    shared = compile_for_sm90(_stream_k_gemm_kernel, types, divisible, constexprs, num_warps)
-    return [CompiledConfig("stream_k_gemm", "gate_up m=128", constexprs, num_warps, shared)]
+    shared, cubin = compile_for_sm90(_stream_k_gemm_kernel, types, divisible, constexprs, num_warps)
+    return [CompiledConfig("stream_k_gemm", "gate_up m=128", constexprs, num_warps, shared, cubin)]
 
 
 # Layers that attend otherwise (docs/CONTRACTS.md, "Windows, sinks, chunks"), compiled on a bf16
@@ -297,10 +300,13 @@ def _attention_configs(kv_fp8: bool, widen_in_ptx: bool = False) -> list[Compile
             **scales,
             **config,
         }
-        shared = compile_for_sm90(_paged_attention_kernel, types, divisible, constexprs, num_warps)
+        shared, cubin = compile_for_sm90(
+            _paged_attention_kernel, types, divisible, constexprs, num_warps
+        )
         name = f"{name}, fp8 kv" if kv_fp8 else name
         name = f"{name}, ptx widen" if widen_in_ptx else name
-        results.append(CompiledConfig("paged_attention", name, constexprs, num_warps, shared))
+        config = CompiledConfig("paged_attention", name, constexprs, num_warps, shared, cubin)
+        results.append(config)
     return results
 
 
@@ -364,13 +370,17 @@ def _moe_forms(shape, tokens: int) -> tuple[str, ...]:
 _MOE_FORM_CASES = {"bf16": "", "packed": "", "fp8": ", fp8 experts", "ptx": ", ptx decode"}
 
 
+def _without_cubin(row: dict) -> dict:
+    return {key: value for key, value in row.items() if key != "cubin"}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", action="store_true", help="one JSON list on stdout")
     args = parser.parse_args(argv)
     results = skinny_gemm_configs() + stream_k_gemm_configs() + attention_configs() + moe_configs()
     if args.json:
-        print(json.dumps([{**asdict(r), "fits": r.fits} for r in results]))
+        print(json.dumps([{**_without_cubin(asdict(r)), "fits": r.fits} for r in results]))
     else:
         for r in results:
             verdict = "fits" if r.fits else "DOES NOT FIT"

@@ -1,6 +1,7 @@
-"""`ember bench isa`: the fused MoE's kernels (and, ``--sections linear``, the skinny GEMM over
-a dense model's layers in bf16 and FP8) compiled for an NVIDIA GPU without one, and what their K
-loops issue per weight value.
+"""`ember bench isa`: the fused MoE's kernels (``--sections linear``: the skinny GEMM over a
+dense model's layers in bf16 and FP8; ``attention``: the paged attention's launches over a bf16
+and an FP8 cache) compiled for an NVIDIA GPU without one, and what their K loops issue per
+weight (or K/V) value.
 
 For each expert shape of ``--moe-shapes`` and token count of ``--moe-tokens``, every path
 `ember bench tune --sections moe` would time (``--candidates``: with each of its tile candidates
@@ -22,7 +23,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import tempfile
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 
@@ -176,15 +179,44 @@ def bench_linear_isa(preset: str, rows: tuple[int, ...], arch: int) -> list[dict
     return result
 
 
+def bench_attention_isa() -> list[dict]:
+    """The paged attention's launches as `ember.bench.compile_check` compiles them (the 8B
+    shape on an H200's plan; bf16 cache, FP8 cache widened by Triton's conversions and in PTX):
+    each launch's KV loop, per K/V value a thread takes an iteration (``2 * BLOCK_N *
+    HEAD_DIM / threads``)."""
+    from ember.bench.compile_check import attention_configs
+
+    result = []
+    with tempfile.TemporaryDirectory() as folder:
+        for config in attention_configs():
+            cubin = Path(folder) / "kernel.cubin"
+            cubin.write_bytes(config.cubin)
+            hot = max(loops(disassemble(cubin)), key=lambda loop: len(loop.body))
+            constants = config.constexprs
+            values = 2 * constants["BLOCK_N"] * constants["HEAD_DIM"] / (config.num_warps * 32)
+            conversions = sum(i.mnemonic in CONVERSIONS for i in hot.body)
+            row = {
+                "case": config.case,
+                "kv_fp8": constants["KV_FP8"],
+                "instructions": len(hot.body),
+                "kv_values_per_thread": values,
+                "per_kv_value": round(len(hot.body) / values, 2),
+                "conversions_per_kv_value": round(conversions / values, 2),
+            }
+            print(json.dumps(row), flush=True)
+            result.append({**row, "mix": hot.mix(12)})
+    return result
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90")
     parser.add_argument(
         "--sections",
         nargs="+",
-        choices=("moe", "linear"),
+        choices=("moe", "linear", "attention"),
         default=["moe"],
         help="moe: the fused MoE's paths; linear: the skinny GEMM over --preset's layers in "
-        "bf16 and FP8",
+        "bf16 and FP8; attention: the paged attention's launches over a bf16 and an FP8 cache",
     )
     parser.add_argument("--preset", default="llama-3.1-8b", help="linear: the layers' shapes")
     parser.add_argument("--rows", nargs="+", type=int, default=[1, 16], help="linear: rows")
@@ -212,6 +244,8 @@ def run(args: argparse.Namespace) -> int:
         )
     if "linear" in args.sections:
         report["linear"] = bench_linear_isa(args.preset, tuple(args.rows), args.arch)
+    if "attention" in args.sections:  # compile_check's launches: sm_90
+        report["attention"] = bench_attention_isa()
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(report, f, indent=2)
