@@ -8,13 +8,14 @@ conversions"), against 64 for integer logic and 128 for fp32 arithmetic: 1.5 a v
 SM at about 11 weight values a clock, where an H200's bandwidth brings 18 (4.8 TB/s over 132
 SMs at 1.98 GHz). The measured FP8 decode step sits at 0.45 of its bytes floor.
 
-``IN_REGISTERS`` widens four codes in eight instructions on the integer and bf16 units instead
-(`_E4M3X4_TO_BF16X4`; about as many instructions a value as the conversions, so whether it pays
-depends on which limit binds, a question for the GPU): a byte permute spreads two codes over a register's 16-bit halves, each
-code's sign replicated into its high byte; shifted left by 4 and masked, each half holds the
-code's sign, exponent and mantissa in a bf16's sign, lowest exponent and top mantissa bits,
-which is its value times 2^-120 (e4m3's exponent bias is 7, bf16's 127; a subnormal for the
-exponent-0 codes, which bf16 arithmetic keeps); one bf16x2 multiply by 2^120 makes both exact.
+``IN_REGISTERS`` widens four codes in eight instructions on the integer and bf16 units
+instead (`_E4M3X4_TO_BF16X4`; about as many instructions a value as the conversions, so whether
+it pays depends on which limit binds, a question for the GPU). A byte permute spreads two codes
+over a register's 16-bit halves, each code's sign replicated into its high byte; shifted left
+by 4 and masked, each half holds the code's sign, exponent and mantissa in a bf16's sign, lowest
+exponent and top mantissa bits, which is its value times 2^-120 (e4m3's exponent bias is 7,
+bf16's 127; a subnormal for the exponent-0 codes, which bf16 arithmetic keeps); one bf16x2
+multiply by 2^120 makes both exact.
 Every finite code widens to the value the conversion gives; the NaN codes (0x7F, 0xFF) read as
 +-480, which weights and caches never hold (they store values clamped to +-448). The
 interpreter (no inline assembly) and other dtypes take the conversion.
