@@ -86,44 +86,36 @@ def mxfp4_tile(
     return even, odd
 
 
+def _codes_to_bf16_pair(out: str, source: str, code_shift: int, sign_shift: int) -> str:
+    """PTX: two codes of ``source`` 16 bits apart, as the bf16 pair ``out``: their mantissa and
+    exponent bits shifted to bits 6-8 of each half, their signs to bit 15, times 2^126."""
+    return (
+        f"shl.b32 {out}, {source}, {code_shift};\n"
+        f"shl.b32 s, {source}, {sign_shift};\n"
+        f"and.b32 {out}, {out}, 0x01C001C0;\n"
+        "and.b32 s, s, 0x80008000;\n"
+        f"or.b32 {out}, {out}, s;\n"
+        f"fma.rn.bf16x2 {out}, {out}, scale, zero;\n"
+    )
+
+
 # $0, $1: the low nibbles' values (even K columns) of bytes 0-1 and 2-3 of $4, as bf16 pairs;
 # $2, $3: the high nibbles' (odd columns). prmt 0x3120 orders the bytes 0, 2, 1, 3: bytes 0 and
-# 1 (and, shifted down 8, 2 and 3) sit 16 bits apart. Each code's mantissa and exponent bits
-# go to bits 6-8 of its half (0x01C001C0), its sign to bit 15 (0x80008000); fma by 2^126 (bf16
-# 0x7E80) with -0.0 added makes the value.
-_E2M1_BYTES_TO_BF16 = tl.constexpr("""
-{
-.reg .b32 a, b, s, scale, zero;
-mov.b32 scale, 0x7E807E80;
-mov.b32 zero, 0x80008000;
-prmt.b32 a, $4, 0, 0x3120;
-shr.b32 b, a, 8;
-shl.b32 $0, a, 6;
-shl.b32 s, a, 12;
-and.b32 $0, $0, 0x01C001C0;
-and.b32 s, s, 0x80008000;
-or.b32 $0, $0, s;
-fma.rn.bf16x2 $0, $0, scale, zero;
-shl.b32 $1, b, 6;
-shl.b32 s, b, 12;
-and.b32 $1, $1, 0x01C001C0;
-and.b32 s, s, 0x80008000;
-or.b32 $1, $1, s;
-fma.rn.bf16x2 $1, $1, scale, zero;
-shl.b32 $2, a, 2;
-shl.b32 s, a, 8;
-and.b32 $2, $2, 0x01C001C0;
-and.b32 s, s, 0x80008000;
-or.b32 $2, $2, s;
-fma.rn.bf16x2 $2, $2, scale, zero;
-shl.b32 $3, b, 2;
-shl.b32 s, b, 8;
-and.b32 $3, $3, 0x01C001C0;
-and.b32 s, s, 0x80008000;
-or.b32 $3, $3, s;
-fma.rn.bf16x2 $3, $3, scale, zero;
-}
-""")
+# 1 (and, shifted down 8 into b, 2 and 3) sit 16 bits apart. A low nibble's code takes a shift
+# of 6, its sign (bit 3) 12; a high nibble's 2 and 8. fma by 2^126 (bf16 0x7E80) with -0.0
+# added makes each value.
+_E2M1_BYTES_TO_BF16 = tl.constexpr(
+    "{\n.reg .b32 a, b, s, scale, zero;\n"
+    "mov.b32 scale, 0x7E807E80;\n"
+    "mov.b32 zero, 0x80008000;\n"
+    "prmt.b32 a, $4, 0, 0x3120;\n"
+    "shr.b32 b, a, 8;\n"
+    + _codes_to_bf16_pair("$0", "a", 6, 12)
+    + _codes_to_bf16_pair("$1", "b", 6, 12)
+    + _codes_to_bf16_pair("$2", "a", 2, 8)
+    + _codes_to_bf16_pair("$3", "b", 2, 8)
+    + "}"
+)
 # bf16 bits of 2^-127, e8m0's smallest scale (a subnormal: no exponent bits to build it from).
 _SMALLEST_SCALE_BF16_BITS = tl.constexpr(0x40)
 
