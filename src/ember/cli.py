@@ -353,10 +353,11 @@ def add_fast_path_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--fp8-widen-in-registers",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
         default=None,
         help="FP8 weight tiles (the skinny GEMM's) and an FP8 KV cache's (attention's) widen to "
-        "bf16 by their bits in PTX instead of Triton's conversions",
+        "bf16 by their bits in PTX instead of Triton's conversions (default: on; the same "
+        "values, faster where the conversions bound the step)",
     )
     parser.add_argument(
         "--compile-workers",

@@ -498,9 +498,9 @@ class EngineConfig:
     # (bench/results/README.md, "Deferred norms").
     defer_norms: bool = True
     # FP8 weight tiles (the skinny GEMM's) and an FP8 cache's (attention's) widen to bf16 by
-    # their bits in PTX, not Triton's conversions (Triton path; `ember.kernels.fp8_widen`; off
-    # until measured on a GPU).
-    fp8_widen_in_registers: bool = False
+    # their bits in PTX, not Triton's conversions (Triton path; `ember.kernels.fp8_widen`;
+    # bench/results/README.md, "FP8 widened in PTX").
+    fp8_widen_in_registers: bool = True
     overlap: bool | None = None  # None: overlap CPU and GPU work when on a GPU
     policy: ModelPolicy = field(default_factory=ModelPolicy)
     # One of QUANTIZATION_CHOICES, or None: the checkpoint as it is (FP8 weights stay FP8).

@@ -69,10 +69,11 @@ def test_triton_fp8_path_matches_reference_fp8_path(tiny_dir, dtype):
 
 
 def test_fp8_tiles_widened_in_ptx_give_the_tokens_of_the_conversions(tiny_dir):
-    """`--fp8-widen-in-registers`: the cache's tiles widen to the same bf16 values by their
-    bits as by Triton's conversions, so the greedy tokens and logprobs are the same."""
+    """The default (FP8 widened in PTX) against `--no-fp8-widen-in-registers`: the cache's
+    tiles widen to the same bf16 values by their bits as by Triton's conversions, so the greedy
+    tokens and logprobs are the same."""
     prompts = random_prompts(8)
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=5)
-    converted = _run(tiny_dir, "triton", "bfloat16", prompts, params)
+    converted = _run(tiny_dir, "triton", "bfloat16", prompts, params, fp8_widen_in_registers=False)
     in_ptx = _run(tiny_dir, "triton", "bfloat16", prompts, params, fp8_widen_in_registers=True)
     assert in_ptx == converted

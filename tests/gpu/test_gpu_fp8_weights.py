@@ -117,11 +117,12 @@ def test_triton_path_matches_reference_quantized_at_load(tiny_dir, fold, monkeyp
 
 
 def test_fp8_weights_widened_in_ptx_give_the_tokens_of_the_conversions(tiny_dir):
-    """`--fp8-widen-in-registers`: the skinny kernel's FP8 tiles widen to the same bf16 values
-    by their bits as by Triton's conversions, so tokens and logprobs are the same."""
+    """The default (FP8 widened in PTX) against `--no-fp8-widen-in-registers`: the skinny
+    kernel's FP8 tiles widen to the same bf16 values by their bits as by Triton's conversions,
+    so tokens and logprobs are the same."""
     prompts = random_prompts(8)
     options = {"max_num_batched_tokens": SKINNY_STEP_ROWS, "quantization": "fp8"}
-    converted = _tokens(_run(tiny_dir, "triton", prompts, **options))
+    converted = _tokens(_run(tiny_dir, "triton", prompts, fp8_widen_in_registers=False, **options))
     in_ptx = _tokens(_run(tiny_dir, "triton", prompts, fp8_widen_in_registers=True, **options))
     assert in_ptx == converted
 

@@ -173,12 +173,12 @@ def test_the_router_sends_decode_sized_fp8_products_to_the_skinny_kernel():
     assert not router.takes_fp8_skinny(4, bf16, torch.device("cpu"))
 
 
-def test_fp8_products_off_the_scaled_mm_path_run_dequantized(gen):
+def test_fp8_products_off_the_scaled_mm_path_run_dequantized(gen, device):
     """On a CPU (and for float32 or misaligned products on a GPU) the weight is dequantized:
     the reference's product exactly, through each of the router's ops (the SiLU kernel after
     it rounds as the reference's SiLU, but for its last bits)."""
-    x = torch.randn(70, 64, generator=gen)
-    weight = fp8_weight(gen, 96, 64, "cpu")
+    x = torch.randn(70, 64, generator=gen).to(device)  # float32: no _scaled_mm on a GPU either
+    weight = fp8_weight(gen, 96, 64, device)
     assert not takes_scaled_mm(x, weight)
     router = LinearRouter(LinearRoutes())
     expected = linear_reference(x, weight)

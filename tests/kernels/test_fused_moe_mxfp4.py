@@ -238,20 +238,26 @@ def test_mxfp4_operands_that_do_not_pair_are_refused():
 
 @triton.jit
 def _gemv_group_sums_kernel(
-    blocks_ptr, scales_ptr, x_ptr, out_ptr, K: tl.constexpr, ROWS: tl.constexpr
+    blocks_ptr,
+    scales_ptr,
+    x_ptr,
+    out_ptr,
+    K: tl.constexpr,
+    ROWS: tl.constexpr,
+    W_FORMAT: tl.constexpr,
 ):
     """The GEMV step's ``[ROWS, K / 32]`` group sums of packed rows against ``x``."""
     rows = tl.arange(0, ROWS)[:, None]
     acc = tl.zeros([ROWS, K // 32], dtype=tl.float32)
     acc = _gemv_tile(
         acc, x_ptr, blocks_ptr + rows * (K // 2), scales_ptr + rows * (K // 32), 0, K,
-        W_MXFP4, True, K,
+        W_FORMAT, True, K,
     )  # fmt: skip
     tl.store(out_ptr + rows * (K // 32) + tl.arange(0, K // 32)[None, :], acc)
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered")  # 6 * 2^97 * 2^30 is infinite
-def test_the_gemv_step_decodes_every_code_at_every_scale_it_takes():
+def test_the_gemv_step_decodes_every_code_at_every_scale_it_takes(device):
     """Every byte value under scales from 2^-127 to 2^97 (e8m0 byte 224, the largest the GEMV
     takes): against a one-hot activation at one place of every group, each group's sum is the
     dequantized value there (a byte past 224 reads as infinite)."""
@@ -260,14 +266,18 @@ def test_the_gemv_step_decodes_every_code_at_every_scale_it_takes():
     blocks = torch.arange(256, dtype=torch.uint8).repeat(rows, 1).view(rows, k // 32, 16)
     group_scales = scales[:, None].expand(rows, k // 32).contiguous()
     expected = dequantize_mxfp4(blocks, group_scales, torch.float32).view(rows, k // 32, 32)
-    for place in range(32):
-        x = torch.zeros(k // 32, 32)
+    blocks, group_scales = blocks.to(device), group_scales.to(device)
+    out = torch.empty(rows, k // 32, device=device)
+
+    def group_sums(scales: torch.Tensor, place: int) -> torch.Tensor:
+        x = torch.zeros(k // 32, 32, device=device)
         x[:, place] = 1.0
-        out = torch.empty(rows, k // 32)
-        _gemv_group_sums_kernel[(1,)](blocks, group_scales, x.view(-1), out, K=k, ROWS=rows)
-        assert torch.equal(out, expected[:, :, place]), place
-    beyond = torch.full_like(group_scales, 225)
-    x = torch.zeros(k // 32, 32)
-    x[:, 2] = 1.0  # each group's byte 1: its low code, 0.5
-    _gemv_group_sums_kernel[(1,)](blocks, beyond, x.view(-1), out, K=k, ROWS=rows)
+        _gemv_group_sums_kernel[(1,)](
+            blocks, scales, x.view(-1), out, K=k, ROWS=rows, W_FORMAT=W_MXFP4
+        )
+        return out.cpu()
+
+    for place in range(32):
+        assert torch.equal(group_sums(group_scales, place), expected[:, :, place]), place
+    out = group_sums(torch.full_like(group_scales, 225), 2)  # each group's byte 1: code 0.5
     assert torch.isposinf(out).all()

@@ -119,6 +119,9 @@ def test_fast_path_flags_reach_the_engine_config_and_default_to_its_defaults():
     assert config.decode_rope_in_attention is False and config.programmatic_launch == "on"
     assert config.defer_norms is False
     assert engine_config("m", **engine_options(parser.parse_args([]))) == engine_config("m")
+    assert engine_config("m").fp8_widen_in_registers
+    off = engine_options(parser.parse_args(["--no-fp8-widen-in-registers"]))
+    assert engine_config("m", **off).fp8_widen_in_registers is False
 
 
 class DecoderChain:

@@ -486,6 +486,7 @@ def run_step_bench(
         decode_rope_in_attention=inst.config.decode_rope_in_attention,
         defer_norms=inst.model.defers_norms,
         defer_norms_max_rows=inst.ops.defer_norms_max_rows,
+        fp8_widen_in_registers=inst.config.fp8_widen_in_registers,
         weight_gib=bench.weight_bytes / 2**30,
         kv_pool_tokens=inst.kv_manager.pool.capacity * inst.kv_manager.block_size,
         load_seconds=inst.load_report.seconds,

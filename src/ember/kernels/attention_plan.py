@@ -63,8 +63,9 @@ class AttentionTuning:
     prefill_tiles: tuple[int, int, int] = (128, 8, 2)
     shared_memory_budget: int = SHARED_MEMORY_BUDGET
     # An FP8 cache's K/V tiles widen to bf16 in PTX (`ember.kernels.fp8_widen`), not by
-    # Triton's conversions. Off until a GPU measures it (`--fp8-widen-in-registers`).
-    kv_fp8_widen_in_registers: bool = False
+    # Triton's conversions (bench/results/README.md, "FP8 widened in PTX";
+    # `--no-fp8-widen-in-registers` turns it off).
+    kv_fp8_widen_in_registers: bool = True
 
     @classmethod
     def for_device(cls, device: torch.device) -> AttentionTuning:

@@ -58,9 +58,9 @@ class LinearRoutes:
     fp8_skinny_max_rows: int = SKINNY_GEMM_MAX_ROWS
     # The skinny kernel widens FP8 weight tiles to bf16 with integer and bf16 operations rather
     # than Triton's two conversions (`ember.kernels.fp8_widen`), whose rate on the SM's
-    # conversion units is below what an H200's bandwidth brings. Off until a GPU measures it
-    # (`--fp8-widen-in-registers` turns it on for an A/B).
-    fp8_widen_in_registers: bool = False
+    # conversion units is below what the HBM brings (bench/results/README.md, "FP8 widened in
+    # PTX"; `--no-fp8-widen-in-registers` turns it off).
+    fp8_widen_in_registers: bool = True
 
 
 @dataclass(frozen=True)
@@ -85,7 +85,7 @@ class KernelTuning:
         cls,
         device: torch.device,
         tuning_file: str | None = None,
-        fp8_widen_in_registers: bool = False,
+        fp8_widen_in_registers: bool = True,
     ) -> KernelTuning:
         """The table for ``device``: the H200's, with the device's SM count, and the fused
         MoE's rows measured on this GPU model (shipped with ember), then those of
