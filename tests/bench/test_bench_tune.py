@@ -13,6 +13,7 @@ from ember.bench.tune import (
     AttentionShape,
     attend,
     attention_planner,
+    decode_attention_bytes,
     decode_inputs,
     fastest,
     linear_shapes,
@@ -81,6 +82,33 @@ def test_every_swept_attention_launch_computes_the_planned_attention(context):
         attend(inputs, out, launches, counters)
         torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4, msg=name)
     assert not counters.any()  # the split path leaves its arrival counters at zero
+
+
+def test_the_fp8_cache_sweep_reads_half_the_kv_bytes_and_computes_the_planned_attention():
+    """`bench tune --kv-cache-dtype fp8`: the FP8 planner's tiles, the roofline's K/V at one
+    byte, and every swept launch over an e4m3 cache with bf16 queries agreeing with the
+    planner's own launch (to bf16 rounding: the splits sum in another order)."""
+    shape = AttentionShape(num_q_heads=4, num_kv_heads=2, head_dim=16, block_size=4)
+    bf16_bytes = decode_attention_bytes(shape, 3, 64, 2)
+    fp8_bytes = decode_attention_bytes(shape, 3, 64, 2, cache_elem=1)
+    assert bf16_bytes - fp8_bytes == 2 * 3 * 64 * 2 * 16  # K and V of every token, a byte less
+    planner = attention_planner(shape, torch.device("cpu"), 1, query_elem_bytes=2)
+    assert planner.elem_bytes == 1 and planner.query_elem_bytes == 2
+    torch.manual_seed(0)
+    batch, context = 3, 40
+    inputs = decode_inputs(
+        shape, batch, context, torch.bfloat16, device="cpu", cache_dtype=torch.float8_e4m3fn
+    )
+    assert inputs["k_cache"].dtype == inputs["v_cache"].dtype == torch.float8_e4m3fn
+    counters = torch.zeros(batch * shape.num_kv_heads, dtype=torch.int32)
+    expected = torch.empty_like(inputs["q"])
+    attend(inputs, expected, planner.plan(batch, 1, context), counters)
+    for name, launches in sweep_launches(
+        planner, context, tiles=((16, 1, 2), (32, 2, 1)), splits=(1, 4)
+    ).items():
+        out = torch.full_like(inputs["q"], float("nan"))
+        attend(inputs, out, launches, counters)
+        torch.testing.assert_close(out, expected, atol=2e-2, rtol=2e-2, msg=name)
 
 
 # -- moe -------------------------------------------------------------------------------------

@@ -94,28 +94,40 @@ class AttentionShape:
 
 
 def decode_inputs(
-    shape: AttentionShape, batch: int, context: int, dtype: torch.dtype, device: str = "cuda"
+    shape: AttentionShape,
+    batch: int,
+    context: int,
+    dtype: torch.dtype,
+    device: str = "cuda",
+    cache_dtype: torch.dtype | None = None,
 ) -> dict[str, torch.Tensor]:
     """`paged_attention`'s step tensors for a decode step over a shuffled block pool (block 0
-    left unused, as in the engine)."""
+    left unused, as in the engine); the cache in ``cache_dtype`` (None: ``dtype``; float8 e4m3:
+    an FP8 cache of unit scales)."""
     blocks_per_seq = -(-context // shape.block_size)
     num_blocks = 1 + batch * blocks_per_seq
     cache_shape = (num_blocks, shape.block_size, shape.num_kv_heads, shape.head_dim)
     ids = torch.randperm(num_blocks - 1, device=device, dtype=torch.int32) + 1
+
+    def cache() -> torch.Tensor:
+        return torch.randn(cache_shape, dtype=dtype, device=device).to(cache_dtype or dtype)
+
     return {
         "q": torch.randn(batch, shape.num_q_heads, shape.head_dim, dtype=dtype, device=device),
-        "k_cache": torch.randn(cache_shape, dtype=dtype, device=device),
-        "v_cache": torch.randn(cache_shape, dtype=dtype, device=device),
+        "k_cache": cache(),
+        "v_cache": cache(),
         "query_start_loc": torch.arange(batch + 1, dtype=torch.int32, device=device),
         "seq_lens": torch.full((batch,), context, dtype=torch.int32, device=device),
         "block_tables": ids.view(batch, blocks_per_seq),
     }
 
 
-def decode_attention_bytes(shape: AttentionShape, batch: int, context: int, elem: int) -> int:
-    """Bytes a decode step's attention must move: K and V of every cached token, q in, out out,
-    and the block tables."""
-    kv = 2 * batch * context * shape.num_kv_heads * shape.head_dim * elem
+def decode_attention_bytes(
+    shape: AttentionShape, batch: int, context: int, elem: int, cache_elem: int | None = None
+) -> int:
+    """Bytes a decode step's attention must move: K and V of every cached token (``cache_elem``
+    bytes each; None: ``elem``), q in, out out, and the block tables."""
+    kv = 2 * batch * context * shape.num_kv_heads * shape.head_dim * (cache_elem or elem)
     q_and_out = 2 * batch * shape.num_q_heads * shape.head_dim * elem
     tables = batch * -(-context // shape.block_size) * 4
     return kv + q_and_out + tables
@@ -328,20 +340,45 @@ def sweep_launches(
     return sweep
 
 
-def attend(inputs: dict[str, torch.Tensor], out: torch.Tensor, launches, counters) -> None:
-    """`paged_attention` of a `decode_inputs` step on ``launches``, into ``out``."""
+def attend(
+    inputs: dict[str, torch.Tensor],
+    out: torch.Tensor,
+    launches,
+    counters,
+    fp8_widen_in_registers: bool = False,
+) -> None:
+    """`paged_attention` of a `decode_inputs` step on ``launches``, into ``out`` (an FP8 cache's
+    tiles widened in PTX where ``fp8_widen_in_registers``, as the engine's tuning says)."""
     from ember.kernels.paged_attention import paged_attention
 
     scale = inputs["q"].shape[-1] ** -0.5
-    paged_attention(**inputs, scale=scale, out=out, launches=launches, split_counters=counters)
+    paged_attention(
+        **inputs,
+        scale=scale,
+        out=out,
+        launches=launches,
+        split_counters=counters,
+        fp8_widen_in_registers=fp8_widen_in_registers,
+    )
 
 
-def decode_attention_step(shape: AttentionShape, batch: int, context: int):
+def decode_attention_step(
+    shape: AttentionShape, batch: int, context: int, planner=None, fp8_cache: bool = False
+):
     """``run(launches)``: `attend` over one decode step's new inputs, into one output, with
-    split counters kept across calls as the engine keeps them."""
-    inputs = decode_inputs(shape, batch, context, torch.bfloat16)
+    split counters kept across calls as the engine keeps them; ``fp8_cache``: an FP8 cache,
+    widened as ``planner``'s tuning says."""
+    cache_dtype = torch.float8_e4m3fn if fp8_cache else None
+    inputs = decode_inputs(shape, batch, context, torch.bfloat16, cache_dtype=cache_dtype)
     counters = torch.zeros(batch * shape.num_kv_heads, dtype=torch.int32, device="cuda")
-    return partial(attend, inputs, torch.empty_like(inputs["q"]), counters=counters)
+    widen = fp8_cache and planner is not None and planner.tuning.kv_fp8_widen_in_registers
+    return partial(
+        attend,
+        inputs,
+        torch.empty_like(inputs["q"]),
+        counters=counters,
+        fp8_widen_in_registers=widen,
+    )
 
 
 def bench_attention_tiles(
@@ -350,22 +387,26 @@ def bench_attention_tiles(
     points=ATTENTION_POINTS,
     tiles=ATTENTION_TILES,
     splits=ATTENTION_SPLITS,
+    fp8_cache: bool = False,
 ) -> list[dict]:
     """Per (batch, context): µs of every launch of `sweep_launches` (``tiles`` x ``splits``),
-    the fastest against the bytes' roofline, and the planner's launch with its time."""
+    the fastest against the bytes' roofline, and the planner's launch with its time; over a bf16
+    cache, or an FP8 one (``fp8_cache``: bf16 queries, the engine's FP8 planner)."""
     shape = AttentionShape.of(preset)
-    planner = attention_planner(shape, torch.device("cuda"))
+    cache_elem = 1 if fp8_cache else 2
+    planner = attention_planner(shape, torch.device("cuda"), cache_elem, query_elem_bytes=2)
     rows = []
     for batch, context in points:
-        run = decode_attention_step(shape, batch, context)
+        run = decode_attention_step(shape, batch, context, planner, fp8_cache)
         times = {
             key: _us(gpu_seconds, partial(run, launches))
             for key, launches in sweep_launches(planner, context, tiles, splits).items()
         }
         best = fastest(times)
         planned = planner.plan(batch, 1, context)
-        moved = decode_attention_bytes(shape, batch, context, 2)
+        moved = decode_attention_bytes(shape, batch, context, 2, cache_elem)
         row = {
+            "kv_cache_dtype": "fp8" if fp8_cache else "bf16",
             "batch": batch,
             "context": context,
             "bytes": moved,
@@ -551,6 +592,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="what to sweep (default: all), in this order",
     )
     parser.add_argument(
+        "--kv-cache-dtype",
+        choices=("auto", "fp8"),
+        default="auto",
+        help="the attention section's cache: auto the preset's dtype (bf16), fp8 float8 e4m3 "
+        "read by bf16 queries, as `ember serve --kv-cache-dtype fp8` runs it",
+    )
+    parser.add_argument(
         "--moe-shapes",
         nargs="+",
         choices=sorted(MOE_SHAPES),
@@ -580,7 +628,9 @@ def run(args: argparse.Namespace) -> int:
     path = args.out / "tune.json"
     sweeps = {
         "gemm": lambda: bench_gemms(args.preset, hbm),
-        "attention": lambda: bench_attention_tiles(args.preset, hbm),
+        "attention": lambda: bench_attention_tiles(
+            args.preset, hbm, fp8_cache=args.kv_cache_dtype == "fp8"
+        ),
         "split_k": lambda: bench_split_k(args.preset),
         "stream_k": lambda: bench_stream_k(args.preset),
         "moe": lambda: bench_moe(
