@@ -13,11 +13,14 @@ from ember.bench.tune import (
     AttentionShape,
     attend,
     attention_planner,
+    cublas_layer,
     decode_attention_bytes,
     decode_inputs,
     fastest,
+    fp8_sequence_weights,
     linear_shapes,
     skinny_configs,
+    skinny_layer,
     sweep_launches,
 )
 
@@ -42,6 +45,35 @@ def test_tune_names_each_skinny_tile_once_with_m_padded():
         "num_warps": 4,
     }
     assert {c["BLOCK_M"] for c in skinny_configs(33).values()} == {64}
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_the_fp8_gemm_sweep_runs_twice_the_k_and_computes_the_engines_product(gated):
+    """`bench tune --weight-dtype fp8`: the configs at twice their K (none past K), and each one
+    the skinny kernel runs on the FP8 weights computes the product the engine computes past the
+    skinny rows (here, with no `_scaled_mm` on the CPU, the dequantized weight's), to bf16
+    rounding."""
+    configs = ((16, 64, 2, 4), (32, 128, 2, 4), (32, 256, 2, 4))
+    swept = skinny_configs(2, configs, k_scale=2, k=256)
+    assert set(swept) == {"n16_k128_s2_w4", "n32_k256_s2_w4"}
+    torch.manual_seed(0)
+    n, k = 64, 256
+    weights = fp8_sequence_weights(n, k, 2, device="cpu")
+    assert weights[1].weight.dtype == torch.float8_e4m3fn and weights[1].scale.shape == (n,)
+    x = torch.randn(2, k).to(torch.bfloat16)
+    width = n // 2 if gated else n
+    expected = torch.empty(2, width, dtype=torch.bfloat16)
+    cublas_layer(
+        x, weights, torch.empty(2, n, dtype=torch.bfloat16), expected if gated else None, 1
+    )
+    if not gated:
+        from ember.kernels.fp8_gemm import fp8_linear
+
+        expected = fp8_linear(x, weights[1])
+    for name, config in swept.items():
+        out = torch.full((2, width), float("nan"), dtype=torch.bfloat16)
+        skinny_layer(x, weights, out, gated, False, dict(config), 1)
+        torch.testing.assert_close(out, expected, atol=3e-2, rtol=3e-2, msg=name)
 
 
 def test_fastest_leaves_out_what_did_not_launch():

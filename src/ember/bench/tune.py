@@ -145,6 +145,19 @@ def sequence_weights(n: int, k: int, layers: int, device: str = "cuda") -> list[
     return [torch.randn(n, k, dtype=torch.bfloat16, device=device) / k**0.5 for _ in range(layers)]
 
 
+def fp8_sequence_weights(n: int, k: int, layers: int, device: str = "cuda") -> list:
+    """`sequence_weights` quantized as `--quantization fp8` quantizes a model's at load: float8
+    e4m3 with a scale per output row (`ember.layers.fp8.Fp8Weight`)."""
+    from ember.layers.fp8 import Fp8Weight, quantize_rows
+
+    weights = []
+    for weight in sequence_weights(n, k, layers, device):
+        q, scale = quantize_rows(weight)
+        weights.append(Fp8Weight(q, scale[:, 0].contiguous()))
+        del weight
+    return weights
+
+
 def _router():
     """The linear routes of this GPU's `KernelTuning`, as the engine routes by them."""
     from ember.kernels.linear import LinearRouter
@@ -173,66 +186,92 @@ GEMM_CONFIGS = (
 )
 
 
-def skinny_configs(m: int, configs=GEMM_CONFIGS) -> dict[str, dict[str, int]]:
-    """The skinny GEMM's swept tile configurations for ``m`` rows, by name."""
+def skinny_configs(
+    m: int, configs=GEMM_CONFIGS, k_scale: int = 1, k: int | None = None
+) -> dict[str, dict[str, int]]:
+    """The skinny GEMM's swept tile configurations for ``m`` rows, by name; ``k_scale``: each
+    BLOCK_K times this (2 for FP8 weights: a stage then moves a bf16 tile's weight bytes, as
+    `default_config` sizes them), where it stays within ``k``."""
     from ember.kernels.skinny_gemm import block_m_for
 
     return {
-        f"n{block_n}_k{block_k}_s{stages}_w{warps}": {
+        f"n{block_n}_k{block_k * k_scale}_s{stages}_w{warps}": {
             "BLOCK_M": block_m_for(m),
             "BLOCK_N": block_n,
-            "BLOCK_K": block_k,
+            "BLOCK_K": block_k * k_scale,
             "STAGES": stages,
             "num_warps": warps,
         }
         for block_n, block_k, stages, warps in configs
+        if k is None or block_k * k_scale <= k
     }
 
 
-def _cublas_layer(x, weights, product, silu_out, layer: int) -> None:
-    """cuBLAS's product, and for a gated weight the SiLU-and-mul kernel after it."""
+def cublas_layer(x, weights, product, silu_out, layer: int) -> None:
+    """cuBLAS's product into ``product`` (an FP8 weight's as the engine runs it past the skinny
+    kernel's rows, into a new tensor: the activations quantized per row, then cuBLASLt's FP8
+    GEMM), and for a gated weight the SiLU-and-mul kernel after it, into ``silu_out``."""
     from ember.kernels.activation import silu_and_mul
+    from ember.kernels.fp8_gemm import fp8_linear
+    from ember.layers.fp8 import Fp8Weight
 
-    torch.matmul(x, weights[layer].t(), out=product)
+    weight = weights[layer]
+    if isinstance(weight, Fp8Weight):
+        product = fp8_linear(x, weight)
+    else:
+        torch.matmul(x, weight.t(), out=product)
     if silu_out is not None:
         silu_and_mul(product, out=silu_out)
 
 
-def _skinny_layer(x, weights, out, gated: bool, config, layer: int) -> None:
+def skinny_layer(x, weights, out, gated: bool, widen: bool, config, layer: int) -> None:
+    """The skinny GEMM (its SiLU-and-mul form for a gated weight) on ``config`` (None: its
+    default tiles); ``widen``: FP8 tiles widened in PTX."""
     from ember.kernels.skinny_gemm import skinny_gemm, skinny_gemm_silu
 
-    if gated:
-        skinny_gemm_silu(x, weights[layer], out=out, config=config)
-    else:
-        skinny_gemm(x, weights[layer], out=out, config=config)
+    gemm = skinny_gemm_silu if gated else skinny_gemm
+    gemm(x, weights[layer], out=out, config=config, fp8_widen_in_registers=widen)
 
 
 def bench_gemms(
-    preset: str, hbm_bytes_per_s: float, batches=GEMM_BATCHES, configs=GEMM_CONFIGS
+    preset: str,
+    hbm_bytes_per_s: float,
+    batches=GEMM_BATCHES,
+    configs=GEMM_CONFIGS,
+    fp8_weights: bool = False,
 ) -> list[dict]:
     """Per linear layer and batch: µs per layer of cuBLAS, of the skinny GEMM on its default
     tiles and on each of ``configs``, the bytes' roofline, and whether the tables route the
-    product (with plain launches; under PDL every decode-sized one) to the skinny kernel."""
+    product (with plain launches; under PDL every decode-sized one) to the skinny kernel.
+    ``fp8_weights``: the weights in FP8 (`fp8_sequence_weights`), the configs at twice their
+    K, cuBLAS as cuBLASLt's FP8 GEMM, widened as the engine's routes say."""
     router = _router()
+    widen = fp8_weights and router.routes.fp8_widen_in_registers
     rows = []
     for name, n, k in linear_shapes(preset):
         layers = _LAYERS.get(name, SEQUENCE_LAYERS)
         gated = name == "gate_up"
-        weights = sequence_weights(n, k, layers)
+        weights = (fp8_sequence_weights if fp8_weights else sequence_weights)(n, k, layers)
         for m in batches:
             x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
             out = torch.empty(m, n // 2 if gated else n, dtype=torch.bfloat16, device="cuda")
             product = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
-            cublas = partial(_cublas_layer, x, weights, product, out if gated else None)
-            skinny = partial(_skinny_layer, x, weights, out, gated)
+            cublas = partial(cublas_layer, x, weights, product, out if gated else None)
+            skinny = partial(skinny_layer, x, weights, out, gated, widen)
+            swept = skinny_configs(m, configs, 2 if fp8_weights else 1, k)
             by_config = {
                 key: _us(sequence_seconds, partial(skinny, config), layers)
-                for key, config in skinny_configs(m, configs).items()
+                for key, config in swept.items()
             }
             best = fastest(by_config)
-            moved = 2 * (n * k + m * k + m * n)
-            takes_skinny = router.takes_gated_skinny if gated else router.takes_skinny
+            moved = (1 if fp8_weights else 2) * n * k + 2 * (m * k + m * n)
+            if fp8_weights:
+                routed = router.takes_fp8_skinny(m, x.dtype, x.device)
+            else:
+                takes = router.takes_gated_skinny if gated else router.takes_skinny
+                routed = takes(m, n, k, x.dtype, x.device)
             row = {
+                "weight_dtype": "fp8" if fp8_weights else "bf16",
                 "shape": name,
                 "n": n,
                 "k": k,
@@ -244,7 +283,7 @@ def bench_gemms(
                 "skinny_us": _us(sequence_seconds, partial(skinny, None), layers),
                 "best_config": best,
                 "best_us": by_config.get(best),
-                "routed_to_skinny": takes_skinny(m, n, k, x.dtype, x.device),
+                "routed_to_skinny": routed,
                 "skinny_us_by_config": by_config,
             }
             rows.append(row)
@@ -554,7 +593,7 @@ def bench_stream_k(preset: str, rows=STREAM_K_ROWS, configs=STREAM_K_CONFIGS) ->
             "m": m,
             "cublas_us": _us(
                 sequence_seconds,
-                partial(_cublas_layer, x, weights, product, out),
+                partial(cublas_layer, x, weights, product, out),
                 SEQUENCE_LAYERS,
             ),
             "stream_k_us": stream_k_us,
@@ -592,6 +631,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="what to sweep (default: all), in this order",
     )
     parser.add_argument(
+        "--weight-dtype",
+        choices=("auto", "fp8"),
+        default="auto",
+        help="the gemm section's weights: auto the preset's dtype (bf16), fp8 float8 e4m3 with "
+        "a scale per row, as `--quantization fp8` loads them",
+    )
+    parser.add_argument(
         "--kv-cache-dtype",
         choices=("auto", "fp8"),
         default="auto",
@@ -627,7 +673,7 @@ def run(args: argparse.Namespace) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "tune.json"
     sweeps = {
-        "gemm": lambda: bench_gemms(args.preset, hbm),
+        "gemm": lambda: bench_gemms(args.preset, hbm, fp8_weights=args.weight_dtype == "fp8"),
         "attention": lambda: bench_attention_tiles(
             args.preset, hbm, fp8_cache=args.kv_cache_dtype == "fp8"
         ),
