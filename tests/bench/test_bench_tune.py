@@ -252,7 +252,7 @@ def test_mxfp4_moe_shapes_sweep_whole_scale_groups_and_count_packed_bytes():
     assert packed._replace(mxfp4=False) == plain
     for tokens in (1, 64, 4096):
         for tiles in paths_for(packed, tokens, 132).values():
-            swept = [tiles.gate_up, tiles.down, *candidates(tiles, mxfp4=True)]
+            swept = [tiles.gate_up, tiles.down, *candidates(tiles, narrow_weights=True)]
             assert all(gemm.block_k % MXFP4_GROUP == 0 for gemm in swept)
     ids = torch.tensor([[0, 1, 2, 3], [0, 1, 2, 4]], dtype=torch.int32)  # five experts chosen
     x_bytes = 2 * 2 * 2880 * 2
@@ -260,24 +260,70 @@ def test_mxfp4_moe_shapes_sweep_whole_scale_groups_and_count_packed_bytes():
     assert selected_bytes(plain, ids) - x_bytes == 5 * 3 * 2880 * 2880 * 2
 
 
+def test_fp8_moe_shapes_sweep_fp8_experts_with_longer_k_steps_and_count_one_byte():
+    """The -fp8 shapes: `expert_weights` quantizes each expert's rows to e4m3 (`Fp8Weight`),
+    the stream candidates take the longer K steps, the floor counts a byte an element, and a
+    table row written for one reads back as its own (`MoeShape.fp8`); a row written before
+    the field existed reads back as a bf16 one."""
+    from ember.bench.tune_moe import (
+        LONG_K_STREAM_CANDIDATES,
+        MOE_SHAPES,
+        candidates,
+        expert_weights,
+        paths_for,
+        selected_bytes,
+    )
+    from ember.kernels.moe_tiles import MeasuredMoeTiles, MoeShape
+    from ember.kernels.tuning_files import measured_as_dict, measured_rows
+    from ember.layers.fp8 import Fp8Weight
+
+    quantized = MOE_SHAPES["qwen3-30b-a3b-fp8"]
+    assert quantized._replace(fp8=False) == MOE_SHAPES["qwen3-30b-a3b"]
+    ids = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7]], dtype=torch.int32)
+    x_bytes = 2 * 1 * 2048 * 2
+    assert selected_bytes(quantized, ids) - x_bytes == 8 * 3 * 2048 * 768
+    stream = paths_for(quantized, 1, 132)["by_pair"]
+    long_k = [(g.block_n, g.block_k, g.stages, g.num_warps) for g in candidates(stream, True)]
+    assert set(LONG_K_STREAM_CANDIDATES) <= set(long_k)
+    small = MoeShape(4, 64, 32, 2, fp8=True)
+    weights = expert_weights(small, device="cpu")
+    for name, rows, cols in (("w13", 64, 64), ("w2", 64, 32)):
+        weight = weights[name]
+        assert isinstance(weight, Fp8Weight) and weight.weight.dtype == torch.float8_e4m3fn
+        assert weight.weight.shape == (4, rows, cols) and weight.scale.shape == (4, rows)
+    tiles = paths_for(small, 1, 132)["by_pair"]
+    (row,) = measured_rows([measured_as_dict(MeasuredMoeTiles(small, 1, tiles))])
+    assert row.shape == small
+    written_before = measured_as_dict(MeasuredMoeTiles(small, 1, tiles))
+    del written_before["shape"]["fp8"]
+    assert measured_rows([written_before])[0].shape == small._replace(fp8=False)
+
+
+@pytest.mark.parametrize("weights_format", ["mxfp4", "fp8"])
 @pytest.mark.parametrize("tokens", [3, 40])
-def test_every_swept_mxfp4_moe_tiling_computes_the_reference(tokens):
-    """The moe sweep over MXFP4 experts (`expert_weights` of an -mxfp4 shape, on the CPU): each
-    candidate runs the kernels to the reference's result on the dequantized weights."""
+def test_every_swept_quantized_moe_tiling_computes_the_reference(tokens, weights_format):
+    """The moe sweep over MXFP4 or FP8 experts (`expert_weights` of an -mxfp4 or -fp8 shape,
+    on the CPU): each candidate, the longer K steps included, runs the kernels to the float64
+    loop's result on the dequantized weights."""
     from helpers.moe_reference import moe_reference, routing
 
     from ember.bench.tune_moe import expert_weights, paths_for, sweep_path
     from ember.kernels.fused_moe import fused_moe
     from ember.kernels.moe_tiles import MoeShape
+    from ember.layers.fp8 import Fp8Weight, dense_weight
     from ember.layers.mxfp4 import Mxfp4Weight
 
-    shape = MoeShape(6, 64, 96, 2, elem_bytes=4, mxfp4=True)
+    shape = MoeShape(6, 64, 96, 2, elem_bytes=4, **{weights_format: True})
     weights = expert_weights(shape, seed=tokens, device="cpu")
-    assert all(isinstance(w, Mxfp4Weight) for w in weights.values())
+    kind = Mxfp4Weight if shape.mxfp4 else Fp8Weight
+    assert all(isinstance(w, kind) for w in weights.values())
     gen = torch.Generator().manual_seed(tokens)
     x = torch.randn(tokens, 64, generator=gen)
     topk_ids, topk_weights = routing("random", tokens, 6, 2, gen)
-    dense = {name: w.dequantize(torch.float64) for name, w in weights.items()}
+    dense = {
+        name: w.dequantize(torch.float64) if shape.mxfp4 else dense_weight(w, torch.float64)
+        for name, w in weights.items()
+    }
     expected = moe_reference(x, **dense, topk_weights=topk_weights, topk_ids=topk_ids)
     ran = []
 
@@ -290,4 +336,4 @@ def test_every_swept_mxfp4_moe_tiling_computes_the_reference(tokens):
     for tiles in paths_for(shape, tokens, num_sms=132).values():
         sweep_path(measure, tiles, shape)
     assert any(t.by_pair for t in ran) == (tokens <= 16)
-    assert any(t.gate_up.block_k == 512 for t in ran)  # the longer MXFP4 steps, fitted
+    assert any(t.gate_up.block_k == 512 for t in ran)  # the longer steps, fitted

@@ -24,8 +24,9 @@ pytestmark = [
 ]
 
 
-# The shapes in bf16 (the MXFP4 ones: tests/gpu/test_gpu_fused_moe_mxfp4.py).
-BF16_SHAPES = sorted(name for name, shape in MOE_SHAPES.items() if not shape.mxfp4)
+# The shapes in bf16 (the MXFP4 ones: tests/gpu/test_gpu_fused_moe_mxfp4.py; FP8 experts:
+# tests/gpu/test_gpu_fp8_weights.py and the CPU tests of the sweep).
+BF16_SHAPES = sorted(n for n, shape in MOE_SHAPES.items() if not (shape.mxfp4 or shape.fp8))
 
 
 @pytest.fixture(scope="module", params=BF16_SHAPES)

@@ -155,3 +155,31 @@ def test_fp8_experts_need_their_scales():
         fused_moe(x, Fp8Weight(w13.weight, w13.scale.double()), w2, topk_weights, ids)
     with pytest.raises(ValueError, match="dtype"):  # FP8 gate/up, float down
         fused_moe(x, w13, weights["w2"], topk_weights, ids)
+
+
+def test_fp8_experts_look_up_their_own_rows_on_the_heuristics_of_their_activations():
+    """`moe_shape` marks FP8 experts (`MoeShape.fp8`): a table's rows for the bf16 experts of
+    the same size do not serve them, nor theirs the bf16 ones; with no row of their own they
+    take the bf16 heuristics' tiles (until a tune measures theirs)."""
+    from dataclasses import replace
+
+    from ember.kernels.fused_moe import moe_shape
+    from ember.kernels.moe_tiles import MeasuredMoeTiles, MoeShape, MoeTuning, default_moe_tiles
+
+    x = torch.zeros(3, 64, dtype=torch.bfloat16)
+    ids = torch.zeros(3, 2, dtype=torch.int32)
+    bf16 = torch.zeros(4, 2 * 96, 64, dtype=torch.bfloat16)
+    fp8 = Fp8Weight(bf16.to(torch.float8_e4m3fn), torch.ones(4, 2 * 96))
+    assert moe_shape(x, bf16, ids) == MoeShape(4, 64, 96, 2)
+    assert moe_shape(x, fp8, ids) == MoeShape(4, 64, 96, 2, fp8=True)
+    assert MoeShape(4, 64, 96, 2, fp8=True).weight_bytes == 1
+    plain, quantized = MoeShape(128, 2048, 768, 8), MoeShape(128, 2048, 768, 8, fp8=True)
+    for tokens in (1, 4, 16, 64, 256, 4096):
+        assert default_moe_tiles(quantized, tokens) == default_moe_tiles(plain, tokens)
+    measured = replace(default_moe_tiles(plain, 4), block_m=32)
+    tuning = MoeTuning().with_measured(MeasuredMoeTiles(plain, 8, measured))
+    assert tuning.tiles_for(plain, 4) == measured
+    assert tuning.tiles_for(quantized, 4) == default_moe_tiles(quantized, 4)
+    tuning = MoeTuning().with_measured(MeasuredMoeTiles(quantized, 8, measured))
+    assert tuning.tiles_for(quantized, 4) == measured
+    assert tuning.tiles_for(plain, 4) == default_moe_tiles(plain, 4)

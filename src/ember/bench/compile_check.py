@@ -360,8 +360,10 @@ def moe_configs() -> list[CompiledConfig]:
 
 def _moe_forms(shape, tokens: int) -> tuple[str, ...]:
     """How ``shape``'s experts are compiled at ``tokens``: an MXFP4 shape through
-    `tl.dot_scaled` ("packed"), and decoded in PTX too at `_FP8_MOE_TOKENS`; the others in bf16,
-    and in FP8 too at `_FP8_MOE_TOKENS`."""
+    `tl.dot_scaled` ("packed"), and decoded in PTX too at `_FP8_MOE_TOKENS`; an FP8 shape in FP8
+    at `_FP8_MOE_TOKENS` only; the others in bf16, and in FP8 too at `_FP8_MOE_TOKENS`."""
+    if shape.fp8:
+        return ("fp8",) if tokens in _FP8_MOE_TOKENS else ()
     extra = ("ptx" if shape.mxfp4 else "fp8",) if tokens in _FP8_MOE_TOKENS else ()
     return ("packed" if shape.mxfp4 else "bf16", *extra)
 

@@ -36,6 +36,7 @@ from ember.bench.tune_moe import (
     candidates,
     empty_expert_weights,
     fit,
+    narrow_weights,
     paths_for,
     token_inputs,
 )
@@ -55,7 +56,7 @@ def tile_variants(tiles: MoeTiles, shape: MoeShape) -> list[MoeTiles]:
     registers."""
     variants = [tiles]
     for product in ("gate_up", "down"):
-        for gemm in candidates(tiles, shape.mxfp4):
+        for gemm in candidates(tiles, narrow_weights(shape)):
             variants.append(fit(replace(tiles, **{product: gemm}), shape))
     if shape.mxfp4 and not tiles.gemv:
         in_registers = {

@@ -16,7 +16,10 @@ library path would pay at large prefills. The section's ``table`` holds the best
 
 The ``-mxfp4`` shapes are gpt-oss's experts as its checkpoints hold them, packed in MXFP4
 (`ember.layers.mxfp4`): the same sweep over the kernels' MXFP4 variant, its floor counting the
-packed bytes (and their scales), its rows of the table their own (`MoeShape.mxfp4`).
+packed bytes (and their scales), its rows of the table their own (`MoeShape.mxfp4`). The
+``-fp8`` shapes are experts in float8 e4m3 with a scale a row (`--quantization fp8`, FP8
+checkpoints), swept likewise on one byte an element (`MoeShape.fp8`): until a tune measures
+them, FP8 experts run on the heuristics' tiles of their activations' dtype.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from ember.kernels.moe_tiles import (
     gemv_moe_tiles,
 )
 from ember.kernels.tuning_files import measured_as_dict
-from ember.layers.fp8 import FP8_DTYPE, Fp8Weight
+from ember.layers.fp8 import FP8_DTYPE, Fp8Weight, quantize_rows
 from ember.layers.mxfp4 import BLOCK_BYTES, Mxfp4Weight
 from ember.weights.mxfp4 import BLOCK_COLUMNS, quantize_mxfp4
 
@@ -48,6 +51,9 @@ MOE_SHAPES = {
     "qwen3-30b-a3b": MoeShape(num_experts=128, hidden=2048, intermediate=768, top_k=8),
     "gpt-oss-20b-mxfp4": MoeShape(32, 2880, 2880, 4, mxfp4=True),
     "gpt-oss-120b-mxfp4": MoeShape(128, 2880, 2880, 4, mxfp4=True),
+    # FP8 experts (`--quantization fp8`, FP8 checkpoints): bf16 activations, e4m3 weights.
+    "qwen3-30b-a3b-fp8": MoeShape(128, 2048, 768, 8, fp8=True),
+    "llama-4-scout-fp8": MoeShape(16, 5120, 8192, 1, fp8=True),
 }
 MOE_TOKENS = (1, 2, 4, 8, 16, 64, 256, 1024, 4096)
 BY_PAIR_MAX_TOKENS = 16
@@ -61,8 +67,8 @@ STREAM_CANDIDATES = (
     (64, 128, 4, 4),
     (64, 256, 3, 8),
 )
-# MXFP4 weights move a quarter of bf16's bytes a K step: longer steps too.
-MXFP4_STREAM_CANDIDATES = ((16, 512, 4, 4), (32, 512, 3, 8))
+# MXFP4 and FP8 weights move a quarter and a half of bf16's bytes a K step: longer steps too.
+LONG_K_STREAM_CANDIDATES = ((16, 512, 4, 4), (32, 512, 3, 8))
 # GEMV candidates (by pair on the CUDA cores): (block_n, block_k, stages, num_warps).
 GEMV_CANDIDATES = (
     (4, 256, 2, 4),
@@ -123,13 +129,14 @@ def _grouped_tiles(tiles: MoeTiles, block_m: int) -> MoeTiles:
     return MoeTiles(False, block_m, GemmTiles(64, 64, 4, warps, 8), GemmTiles(64, 64, 4, warps, 8))
 
 
-def candidates(tiles: MoeTiles, mxfp4: bool = False) -> list[GemmTiles]:
+def candidates(tiles: MoeTiles, narrow_weights: bool = False) -> list[GemmTiles]:
     """The product tiles swept for a path: GEMV ones for the CUDA-core path, weight-stream
-    ones at 16 rows (longer K steps too for ``mxfp4`` weights), tensor-core above."""
+    ones at 16 rows (longer K steps too for ``narrow_weights``, MXFP4's or FP8's: fewer bytes
+    an element than the activations), tensor-core above."""
     if tiles.gemv:
         return [GemmTiles(*c) for c in GEMV_CANDIDATES]
     if tiles.block_m <= 16:
-        extra = MXFP4_STREAM_CANDIDATES if mxfp4 else ()
+        extra = LONG_K_STREAM_CANDIDATES if narrow_weights else ()
         return [GemmTiles(*c) for c in (*STREAM_CANDIDATES, *extra)]
     return [GemmTiles(*c) for c in GEMM_CANDIDATES]
 
@@ -144,28 +151,39 @@ def selected_bytes(shape: MoeShape, topk_ids: torch.Tensor) -> int:
 
 def expert_weights(shape: MoeShape, seed: int = 0, device: str = "cuda") -> dict:
     """Random bf16 ``w13`` and ``w2`` of ``shape``, scaled to keep products near unit size;
-    for an ``mxfp4`` shape, quantized (an expert at a time) into `Mxfp4Weight`s."""
+    for an ``mxfp4`` shape, quantized (an expert at a time) into `Mxfp4Weight`s, for an ``fp8``
+    one into `Fp8Weight`s (a scale a row, as `--quantization fp8` quantizes experts)."""
     g = torch.Generator(device=device).manual_seed(seed)
     e, h, i = shape.num_experts, shape.hidden, shape.intermediate
 
-    def draw(rows: int, cols: int) -> torch.Tensor | Mxfp4Weight:
-        if not shape.mxfp4:
+    def draw(rows: int, cols: int) -> torch.Tensor | Mxfp4Weight | Fp8Weight:
+        if not (shape.mxfp4 or shape.fp8):
             drawn = torch.randn(e, rows, cols, generator=g, device=device) / cols**0.5
             return drawn.to(torch.bfloat16)
+        quantize = quantize_mxfp4 if shape.mxfp4 else _fp8_rows
         experts = [
-            quantize_mxfp4(torch.randn(rows, cols, generator=g, device=device) / cols**0.5)
+            quantize(torch.randn(rows, cols, generator=g, device=device) / cols**0.5)
             for _ in range(e)
         ]
-        return Mxfp4Weight(*(torch.stack(parts) for parts in zip(*experts, strict=True)))
+        stacked = (torch.stack(parts) for parts in zip(*experts, strict=True))
+        return Mxfp4Weight(*stacked) if shape.mxfp4 else Fp8Weight(*stacked)
 
     return {"w13": draw(2 * i, h), "w2": draw(h, i)}
+
+
+def _fp8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One expert's ``(e4m3 weight, float32 row scales [rows])``."""
+    q, scale = quantize_rows(weight)
+    return q, scale[:, 0].contiguous()
 
 
 def empty_expert_weights(shape: MoeShape, fp8: bool = False) -> dict:
     """Unfilled ``w13`` and ``w2`` of ``shape`` on the CPU, for compiling the kernels that take
     them (a compile reads only their dtypes and strides): bf16, packed MXFP4 for an ``mxfp4``
-    shape, or ``fp8`` experts (`Fp8Weight`, float32 row scales)."""
+    shape, or FP8 experts for an ``fp8`` shape or with ``fp8`` (`Fp8Weight`, float32 row
+    scales)."""
     e, h, i = shape.num_experts, shape.hidden, shape.intermediate
+    fp8 = fp8 or shape.fp8
 
     def weight(rows: int, cols: int) -> torch.Tensor | Mxfp4Weight | Fp8Weight:
         if shape.mxfp4:
@@ -222,13 +240,18 @@ def sweep_path(measure, tiles: MoeTiles, shape: MoeShape) -> tuple[MoeTiles, dic
     best = tiles
     timed(best)
     for product in ("gate_up", "down"):
-        gemms = candidates(tiles, shape.mxfp4)
+        gemms = candidates(tiles, narrow_weights(shape))
         best = keep_fastest([fit(replace(best, **{product: gemm}), shape) for gemm in gemms])
     if shape.mxfp4 and not best.gemv:  # each product's tiles decoding in registers instead
         for product in ("gate_up", "down"):
             gemm = replace(getattr(best, product), mxfp4_in_registers=True)
             best = keep_fastest([replace(best, **{product: gemm})])
     return best, times
+
+
+def narrow_weights(shape: MoeShape) -> bool:
+    """Whether ``shape``'s weights take fewer bytes an element than its activations."""
+    return shape.weight_bytes < shape.elem_bytes
 
 
 def tiles_key(tiles: MoeTiles) -> str:
@@ -240,7 +263,7 @@ def _products_us(inputs: dict, tiles: MoeTiles, tuning: MoeTuning) -> dict[str, 
     """µs of the grouped path's two products alone, Triton's and torch's grouped GEMM's, on
     the same aligned blocks (the alignment, gathers and sum left out of both). MXFP4 experts:
     torch's grouped GEMM on their dequantized bf16 weights (what dequantizing at load would
-    run)."""
+    run); FP8 experts: on theirs too."""
     from ember.bench.roofline import gpu_seconds
     from ember.bench.tune import _us
     from ember.kernels.moe_align import align_pairs
@@ -248,7 +271,8 @@ def _products_us(inputs: dict, tiles: MoeTiles, tuning: MoeTuning) -> dict[str, 
 
     x, w13, w2 = inputs["x"], inputs["w13"], inputs["w2"]
     w13_scale = w2_scale = None
-    if isinstance(w13, Mxfp4Weight):
+    quantized = w13
+    if isinstance(w13, Mxfp4Weight | Fp8Weight):
         (w13, w13_scale), (w2, w2_scale) = w13, w2
     ids = inputs["topk_ids"].reshape(-1).contiguous()
     weights = inputs["topk_weights"].reshape(-1).contiguous()
@@ -260,9 +284,12 @@ def _products_us(inputs: dict, tiles: MoeTiles, tuning: MoeTuning) -> dict[str, 
         inter = gate_up_grouped(x, w13, None, blocks, k, "silu", tiles.gate_up, w13_scale)
         down_grouped(inter, w2, None, weights, blocks, tiles.down, parts, scale=w2_scale)
 
-    if w13_scale is not None:
+    if isinstance(quantized, Mxfp4Weight):
         w13 = Mxfp4Weight(w13, w13_scale).dequantize(x.dtype)
         w2 = Mxfp4Weight(w2, w2_scale).dequantize(x.dtype)
+    elif isinstance(quantized, Fp8Weight):
+        w13 = (w13.float() * w13_scale[..., None]).to(x.dtype)
+        w2 = (w2.float() * w2_scale[..., None]).to(x.dtype)
 
     # torch's grouped GEMM on the same rows: x gathered into sorted order, each expert's run
     # ending at its padded end.

@@ -56,12 +56,14 @@ ExpertWeight = torch.Tensor | Fp8Weight | Mxfp4Weight
 
 
 def moe_shape(x: torch.Tensor, w13: ExpertWeight, topk_ids: torch.Tensor) -> MoeShape:
-    """The `MoeShape` a call on these operands looks its tiles up by (FP8 experts take the
-    tiles of the activations' dtype; MXFP4 ones their own)."""
-    weight = w13.weight if isinstance(w13, Fp8Weight) else w13
+    """The `MoeShape` a call on these operands looks its tiles up by (FP8 and MXFP4 experts
+    their own rows)."""
+    fp8 = isinstance(w13, Fp8Weight)
+    weight = w13.weight if fp8 else w13
     num_experts, two_inter, hidden = weight.shape
     mxfp4 = isinstance(w13, Mxfp4Weight)
-    return MoeShape(num_experts, hidden, two_inter // 2, topk_ids.shape[1], x.element_size(), mxfp4)
+    top_k = topk_ids.shape[1]
+    return MoeShape(num_experts, hidden, two_inter // 2, top_k, x.element_size(), mxfp4, fp8)
 
 
 def _unpacked(weights: ExpertWeight, name: str) -> tuple[torch.Tensor, torch.Tensor | None]:

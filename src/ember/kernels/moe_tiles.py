@@ -43,8 +43,9 @@ def next_power_of_2(n: int) -> int:
 
 class MoeShape(NamedTuple):
     """A MoE layer's experts: ``w13 [E, 2I, H]``, ``w2 [E, H, I]``, ``top_k`` experts a token,
-    activations of ``elem_bytes`` an element (bf16 and FP8 weights take their tiles);
-    ``mxfp4``: the weights packed in MXFP4 (their own rows of the table)."""
+    activations of ``elem_bytes`` an element; ``mxfp4``: the weights packed in MXFP4, ``fp8``:
+    float8 e4m3 with row scales (each its own rows of the table; until a tune measures FP8's,
+    the heuristics give it the tiles of the activations' dtype)."""
 
     num_experts: int
     hidden: int
@@ -52,12 +53,15 @@ class MoeShape(NamedTuple):
     top_k: int
     elem_bytes: int = 2
     mxfp4: bool = False
+    fp8: bool = False
 
     @property
     def weight_bytes(self) -> float:
         """Bytes a weight element takes in memory: MXFP4's half a byte and its scale's 1/32,
-        else the activations' size (FP8 experts run on those tiles too)."""
-        return MXFP4_BYTES_PER_ELEMENT if self.mxfp4 else self.elem_bytes
+        FP8's one, else the activations' size."""
+        if self.mxfp4:
+            return MXFP4_BYTES_PER_ELEMENT
+        return 1 if self.fp8 else self.elem_bytes
 
 
 @dataclass(frozen=True)
@@ -175,6 +179,9 @@ def default_moe_tiles(shape: MoeShape, tokens: int, tuning: MoeTuning | None = N
     pairs = tokens * shape.top_k
     budget = tuning.shared_memory_budget
     mxfp4 = shape.mxfp4
+    # FP8 experts keep the tiles of the activations' dtype (fitted as if their weights took its
+    # bytes) until `ember bench tune --sections moe` measures theirs.
+    fit_bytes = shape.elem_bytes if shape.fp8 else shape.weight_bytes
     if tokens <= tuning.by_pair_max_tokens:
         # Down by token while the tokens' column tiles fill the GPU twice, else by pair.
         down_by_token = tokens * cdiv(shape.hidden, 16) >= 2 * tuning.num_sms
@@ -188,7 +195,7 @@ def default_moe_tiles(shape: MoeShape, tokens: int, tuning: MoeTuning | None = N
             ),
             down_by_token=down_by_token,
         )
-        return fit_shared_memory(tiles, shape.elem_bytes, budget // 2, shape.weight_bytes)
+        return fit_shared_memory(tiles, shape.elem_bytes, budget // 2, fit_bytes)
     rows_per_expert = pairs / shape.num_experts
     block_m = next((m for m in (16, 32, 64) if rows_per_expert <= m * 1.5), 128)
     if block_m == 16:  # one or two tokens an expert: still a weight stream
@@ -196,12 +203,12 @@ def default_moe_tiles(shape: MoeShape, tokens: int, tuning: MoeTuning | None = N
         gate_up = _stream_tiles(shape.intermediate, shape.hidden, blocks, tuning.num_sms, mxfp4)
         down = _stream_tiles(shape.hidden, shape.intermediate, blocks, tuning.num_sms, mxfp4)
         tiles = MoeTiles(False, block_m, gate_up, down)
-        return fit_shared_memory(tiles, shape.elem_bytes, budget // 2, shape.weight_bytes)
+        return fit_shared_memory(tiles, shape.elem_bytes, budget // 2, fit_bytes)
     warps = 4 if block_m <= 32 else 8
     gate_up = GemmTiles(64, 64, 4, warps, group_m=8)
     down = GemmTiles(128 if block_m >= 64 else 64, 64, 4, warps, group_m=8)
     tiles = MoeTiles(False, block_m, gate_up, down)
-    return fit_shared_memory(tiles, shape.elem_bytes, budget, shape.weight_bytes)
+    return fit_shared_memory(tiles, shape.elem_bytes, budget, fit_bytes)
 
 
 def gemv_moe_tiles(shape: MoeShape, tokens: int, tuning: MoeTuning | None = None) -> MoeTiles:
