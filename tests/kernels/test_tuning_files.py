@@ -21,6 +21,8 @@ from ember.kernels.tuning_files import (
     TuningFileError,
     file_rows,
     measured_as_dict,
+    merge_tune_into,
+    merged_tunes,
     shipped_rows,
 )
 
@@ -48,6 +50,37 @@ def test_the_files_rows_replace_the_heuristics_up_to_their_token_bounds(tmp_path
     other = SHAPE._replace(mxfp4=True)  # its own rows: none measured
     assert moe.tiles_for(other, 1) == default_moe_tiles(other, 1, moe) != small
     assert KernelTuning.for_device(torch.device("cpu")).moe.measured == ()
+
+
+def test_a_tune_merged_into_an_earlier_one_replaces_its_rows_and_keeps_the_others(tmp_path):
+    """`bench tune --merge-into FILE`: a second call's rows for 64 tokens join the first's for
+    1 and 256, its row for 256 replaces the first's, and the engine reads all three back; the
+    file is created by a first merge; a tune of another GPU is refused."""
+    small, large = default_moe_tiles(SHAPE, 300), default_moe_tiles(SHAPE, 3000)
+
+    def tune(gpu, *rows):
+        table = [measured_as_dict(row) for row in rows]
+        measured = [{"shape": "s", "tokens": row.max_tokens, "us": 1.0} for row in rows]
+        return {"gpu": gpu, "attention": [len(rows)], "moe": {"rows": measured, "table": table}}
+
+    path = tmp_path / "h200.json"
+    first = tune(
+        "NVIDIA H200", MeasuredMoeTiles(SHAPE, 1, small), MeasuredMoeTiles(SHAPE, 256, small)
+    )
+    assert merge_tune_into(path, first) == first and json.loads(path.read_text()) == first
+    second = tune(
+        "NVIDIA H200", MeasuredMoeTiles(SHAPE, 256, large), MeasuredMoeTiles(SHAPE, 64, large)
+    )
+    merged = merge_tune_into(path, second)
+    assert [r["max_tokens"] for r in merged["moe"]["table"]] == [1, 64, 256]
+    assert [r["tokens"] for r in merged["moe"]["rows"]] == [1, 64, 256]
+    assert merged["attention"] == [2]  # another section: the later run's
+    assert json.loads(path.read_text()) == merged
+    moe = KernelTuning.for_device(torch.device("cpu"), str(path)).moe
+    assert moe.tiles_for(SHAPE, 1) == small
+    assert moe.tiles_for(SHAPE, 64) == moe.tiles_for(SHAPE, 256) == large
+    with pytest.raises(TuningFileError, match="NVIDIA H100"):
+        merged_tunes(merged, tune("NVIDIA H100", MeasuredMoeTiles(SHAPE, 1, large)))
 
 
 def test_a_file_from_another_gpu_is_used_with_a_warning(tmp_path, caplog):

@@ -34,6 +34,7 @@ import torch
 from ember.bench.make_model import DENSE_PRESETS, PRESETS
 from ember.bench.roofline import gpu_seconds, measure_ceilings, sequence_seconds
 from ember.bench.tune_moe import MOE_SHAPES, MOE_TOKENS, bench_moe
+from ember.kernels.tuning_files import merge_tune_into
 
 SECTIONS = ("gemm", "attention", "split_k", "stream_k", "moe")
 
@@ -658,6 +659,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=list(MOE_TOKENS),
         help="the token counts the moe section sweeps",
     )
+    parser.add_argument(
+        "--merge-into",
+        type=Path,
+        metavar="FILE",
+        help="also merge this run into FILE, a tune.json of earlier runs on this GPU (e.g. the "
+        "shipped src/ember/kernels/tuned/<gpu>.json): its moe rows and table entries of the same "
+        "shape and token count replaced, other sections replaced whole; created if absent",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -687,4 +696,7 @@ def run(args: argparse.Namespace) -> int:
         result[name] = sweeps[name]()
         # Written after every section, so a later failure keeps what was measured.
         path.write_text(json.dumps(result, indent=1))
+    if args.merge_into is not None:
+        merge_tune_into(args.merge_into, result)
+        print(f"merged into {args.merge_into}")
     return 0

@@ -49,6 +49,47 @@ def measured_rows(table: list[dict]) -> tuple[MeasuredMoeTiles, ...]:
     )
 
 
+def merged_tunes(earlier: dict, later: dict) -> dict:
+    """Two tune.json results of one GPU as one: ``later``'s moe rows and table entries replace
+    ``earlier``'s of the same shape and token count (the others kept, in order of shape and
+    count); any other section of ``later`` replaces ``earlier``'s whole. `TuningFileError` if
+    they name different GPUs."""
+    if earlier.get("gpu") != later.get("gpu"):
+        raise TuningFileError(
+            f"cannot merge a tune of {later.get('gpu')} into one of {earlier.get('gpu')}"
+        )
+    merged = {**earlier, **{key: value for key, value in later.items() if key != "moe"}}
+    if "moe" in later:
+        before = earlier.get("moe", {})
+
+        def union(part: str, key) -> list[dict]:
+            entries = {key(e): e for e in (*before.get(part, ()), *later["moe"].get(part, ()))}
+            return [entries[k] for k in sorted(entries)]
+
+        def shape_key(entry: dict) -> str:
+            return json.dumps(entry["shape"], sort_keys=True)
+
+        merged["moe"] = {
+            "rows": union("rows", lambda r: (r["shape"], r["tokens"])),
+            "table": union("table", lambda r: (shape_key(r), r["max_tokens"])),
+        }
+    return merged
+
+
+def merge_tune_into(path: str | Path, result: dict) -> dict:
+    """Merge ``result`` (a tune run's) into the tune.json at ``path`` (`merged_tunes`; a new
+    file if there is none), write it and return it."""
+    path = Path(path)
+    if path.exists():
+        try:
+            earlier = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as error:
+            raise TuningFileError(f"kernel tuning file {path}: {error}") from None
+        result = merged_tunes(earlier, result)
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    return result
+
+
 def _read(text: str, where: str) -> tuple[str | None, tuple[MeasuredMoeTiles, ...]]:
     """The GPU name and the moe rows of one tune.json's ``text``."""
     try:
