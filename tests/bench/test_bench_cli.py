@@ -118,12 +118,19 @@ def test_cpu_step_decodes_every_request_on_the_stand_in_model():
     loop.scheduler.check_invariants()
 
 
-@pytest.mark.parametrize("benchmark", ["step", "profile", "tune"])
-def test_gpu_benchmarks_refuse_without_a_gpu(capsys, benchmark):
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["step", "--model", "unused"],
+        ["profile", "--model", "unused"],
+        ["tune"],
+        ["tune", "--weight-dtype", "fp8", "--kv-cache-dtype", "fp8", "--merge-into", "t.json"],
+    ],
+)
+def test_gpu_benchmarks_refuse_without_a_gpu(capsys, argv):
     if torch.cuda.is_available():
         return
-    args = ["--model", "unused"] if benchmark != "tune" else []
-    assert main(["bench", benchmark, *args]) == 2
+    assert main(["bench", *argv]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().out
 
 
