@@ -355,7 +355,7 @@ def add_fast_path_arguments(parser: argparse.ArgumentParser) -> None:
         "--fp8-widen-in-registers",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="FP8 weight tiles (the skinny GEMM's) and an FP8 KV cache's (attention's) widen to "
+        help="FP8 weight tiles (the skinny GEMM's, the fused MoE's) and an FP8 KV cache's widen to "
         "bf16 by their bits in PTX instead of Triton's conversions (default: on; the same "
         "values, faster where the conversions bound the step)",
     )

@@ -497,7 +497,7 @@ class EngineConfig:
     # adds to the stream, 1/rms in the kernel that reads the next projection
     # (bench/results/README.md, "Deferred norms").
     defer_norms: bool = True
-    # FP8 weight tiles (the skinny GEMM's) and an FP8 cache's (attention's) widen to bf16 by
+    # FP8 weight tiles (the skinny GEMM's, the experts') and an FP8 cache's widen to bf16 by
     # their bits in PTX, not Triton's conversions (Triton path; `ember.kernels.fp8_widen`;
     # bench/results/README.md, "FP8 widened in PTX").
     fp8_widen_in_registers: bool = True

@@ -47,6 +47,10 @@ def test_every_default_configuration_fits_an_h200():
     assert ("down_kernel", "gpt-oss-20b T=4096") in cases
     for kernel in ("gate_up_kernel", "down_kernel"):  # FP8 experts, widened to bf16
         assert (kernel, "qwen3-30b-a3b T=1, fp8 experts") in cases
+        assert (kernel, "llama-4-scout-fp8 T=4096, fp8 experts") in cases
+    # ... in PTX, as the engine's tables launch them by default (W_FP8_PTX).
+    fp8_experts = [r for r in results if r["case"].endswith("fp8 experts")]
+    assert {r["constexprs"].get("W_FORMAT") for r in fp8_experts} - {None} == {5}
     assert ("down_kernel", "gpt-oss-20b T=4096, fp8 experts") in cases
     # MXFP4 experts through tl.dot_scaled: every path, tensor-core tiles included.
     for tokens in (1, 4, 16, 4096):

@@ -120,6 +120,23 @@ def test_fp8_experts_match_the_reference_on_their_dequantized_weights(experts, t
     assert_near_reference(out, x, dequantized, topk_ids, topk_weights, activation)
 
 
+@pytest.mark.parametrize("tokens", [1, 24, 300])
+def test_fp8_experts_widened_in_ptx_compute_what_the_conversions_compute(experts, tokens):
+    """`MoeTuning.fp8_widen_in_registers` (the default): FP8 expert tiles widened to bf16 by
+    their bits in PTX give exactly the outputs of Triton's conversions, on each path."""
+    shape, weights, activation = experts
+    fp8 = {**weights, "w13": fp8_experts(weights["w13"]), "w2": fp8_experts(weights["w2"])}
+    g = torch.Generator(device="cuda").manual_seed(tokens)
+    x = torch.randn(tokens, shape.hidden, generator=g, device="cuda").bfloat16()
+    topk_ids, topk_weights = random_routing(tokens, shape.num_experts, shape.top_k, tokens)
+    routed = {"topk_weights": topk_weights, "topk_ids": topk_ids, "activation": activation}
+    outs = [
+        fused_moe(x, **fp8, **routed, tuning=MoeTuning(fp8_widen_in_registers=in_ptx))
+        for in_ptx in (False, True)
+    ]
+    assert torch.equal(outs[0], outs[1])
+
+
 # Llama-4-Scout-17B-16E's experts: 16 of [2 x 8192, 5120], one a token (`make-model`'s preset).
 SCOUT = MoeShape(num_experts=16, hidden=5120, intermediate=8192, top_k=1)
 

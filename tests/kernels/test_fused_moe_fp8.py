@@ -183,3 +183,25 @@ def test_fp8_experts_look_up_their_own_rows_on_the_heuristics_of_their_activatio
     tuning = MoeTuning().with_measured(MeasuredMoeTiles(quantized, 8, measured))
     assert tuning.tiles_for(quantized, 4) == measured
     assert tuning.tiles_for(plain, 4) == default_moe_tiles(plain, 4)
+
+
+def test_fp8_tiles_widen_in_ptx_where_compiled_on_bf16_and_asked(monkeypatch):
+    """`weight_format`: FP8 experts on bf16 activations widen in PTX (`W_FP8_PTX`) when asked
+    and compiled; on other activations, in the interpreter (no PTX) or unasked, by Triton's
+    conversions. The engine's switch reaches the MoE table (`KernelTuning.for_device`)."""
+    from ember.kernels import moe_gemm
+    from ember.kernels.moe_gemm import W_FP8, W_FP8_PTX, W_PLAIN, weight_format
+    from ember.kernels.tuning import KernelTuning
+
+    weight = torch.zeros(2, 4, 32, dtype=torch.float8_e4m3fn)
+    scale = torch.ones(2, 4)
+    assert weight_format(weight, scale, torch.bfloat16, fp8_in_registers=True) == W_FP8
+    monkeypatch.setattr(moe_gemm, "widens_in_registers", lambda requested: requested)
+    assert weight_format(weight, scale, torch.bfloat16, fp8_in_registers=True) == W_FP8_PTX
+    assert weight_format(weight, scale, torch.bfloat16) == W_FP8
+    assert weight_format(weight, scale, torch.float32, fp8_in_registers=True) == W_FP8
+    assert weight_format(weight.float(), None, torch.float32, fp8_in_registers=True) == W_PLAIN
+    cpu = torch.device("cpu")
+    assert KernelTuning.for_device(cpu).moe.fp8_widen_in_registers
+    off = KernelTuning.for_device(cpu, fp8_widen_in_registers=False)
+    assert not off.moe.fp8_widen_in_registers

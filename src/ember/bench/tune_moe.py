@@ -280,9 +280,11 @@ def _products_us(inputs: dict, tiles: MoeTiles, tuning: MoeTuning) -> dict[str, 
     blocks = align_pairs(ids, w13.shape[0], tiles.block_m, tuning.align_kernel_max_pairs)
     parts = torch.empty(ids.numel(), x.shape[1], dtype=x.dtype, device=x.device)
 
+    in_ptx = {"fp8_in_registers": tuning.fp8_widen_in_registers}
+
     def triton_products() -> None:
-        inter = gate_up_grouped(x, w13, None, blocks, k, "silu", tiles.gate_up, w13_scale)
-        down_grouped(inter, w2, None, weights, blocks, tiles.down, parts, scale=w2_scale)
+        inter = gate_up_grouped(x, w13, None, blocks, k, "silu", tiles.gate_up, w13_scale, **in_ptx)
+        down_grouped(inter, w2, None, weights, blocks, tiles.down, parts, w2_scale, **in_ptx)
 
     if isinstance(quantized, Mxfp4Weight):
         w13 = Mxfp4Weight(w13, w13_scale).dequantize(x.dtype)

@@ -17,8 +17,10 @@ row padded to `tl.dot`'s 16, and stores the intermediate in pair order ``[T * k,
 one pipelined loop and stores the sum itself: two launches, no alignment.
 
 FP8 experts (``scale`` given: float32 ``[E, rows]``, one per expert and weight row): each
-weight tile is widened to the activations' dtype for the dot and the expert's fp32 accumulator
-multiplied by its rows' scales before the bias and the roundings below. MXFP4 experts (``w``
+weight tile is widened to the activations' dtype for the dot (bf16 with ``fp8_in_registers``
+by its bits in PTX, `ember.kernels.fp8_widen`, else by Triton's conversions: the same values)
+and the expert's fp32 accumulator multiplied by its rows' scales before the bias and the
+roundings below. MXFP4 experts (``w``
 uint8 ``[E, rows, K / 32, 16]`` packed, ``scale`` uint8 ``[E, rows, K / 32]``): each tile is
 read packed and decoded with its group scales to the activations' dtype before the dot, exactly
 the dequantized weights: compiled on bf16 activations by `tl.dot_scaled`, else by the
@@ -38,6 +40,8 @@ import triton.language as tl
 
 from ember.kernels.activation import silu_mul_rounded
 from ember.kernels.compile_ahead import kernels_interpreted, launch
+from ember.kernels.fp8_widen import fp8_in_registers as widens_in_registers
+from ember.kernels.fp8_widen import widen_e4m3
 from ember.kernels.moe_align import MoeBlocks
 from ember.kernels.moe_tiles import MIN_DOT_ROWS, GemmTiles
 from ember.kernels.mxfp4 import mxfp4_tile, mxfp4_tile_k_major
@@ -51,7 +55,7 @@ SWIGLU_OAI_ALPHA = tl.constexpr(1.702)
 # Columns a program of the sum over k adds: 16-byte accesses for 4 warps.
 _SUM_BLOCK = 1024
 # The weights' forms, by their kernel constant (`weight_format`).
-W_PLAIN, W_FP8, W_MXFP4, W_MXFP4_SCALED, W_MXFP4_PTX = 0, 1, 2, 3, 4
+W_PLAIN, W_FP8, W_MXFP4, W_MXFP4_SCALED, W_MXFP4_PTX, W_FP8_PTX = 0, 1, 2, 3, 4, 5
 
 
 @triton.jit
@@ -93,7 +97,8 @@ def _dot_weight_tile(
             w = tl.load(row_ptrs + ks[None, :])
         else:
             w = tl.load(row_ptrs + ks[None, :], mask=ks[None, :] < k_size, other=0.0)
-        w = w.to(a.dtype)  # FP8 widened; the activations' own dtype as it is
+        # FP8 widened (in PTX for W_FP8_PTX); the activations' own dtype as it is.
+        w = widen_e4m3(w, a.dtype, W_FORMAT == 5)
         acc = tl.dot(a, tl.trans(w), acc, input_precision=DOT_PRECISION)
     return acc
 
@@ -224,7 +229,7 @@ def _gate_up_kernel(
         acc_up = _dot_weight_tile(
             x, acc_up, up_ptrs, up_scales, k0, hidden, W_FORMAT, EVEN_K, BLOCK_K, DOT_PRECISION
         )
-    if W_FORMAT == 1:  # FP8: each row's scale
+    if (W_FORMAT == 1) | (W_FORMAT == 5):  # FP8: each row's scale
         scales = w_scale_ptr + expert.to(tl.int64) * stride_se
         acc_gate *= tl.load(scales + w_rows)[None, :]
         acc_up *= tl.load(scales + inter + w_rows)[None, :]
@@ -308,7 +313,7 @@ def _down_kernel(
         acc = _dot_weight_tile(
             a, acc, w_ptrs, s_ptrs, k0, inter, W_FORMAT, EVEN_K, BLOCK_K, DOT_PRECISION
         )
-    if W_FORMAT == 1:  # FP8: each row's scale
+    if (W_FORMAT == 1) | (W_FORMAT == 5):  # FP8: each row's scale
         acc *= tl.load(w_scale_ptr + expert.to(tl.int64) * stride_se + w_rows)[None, :]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + expert.to(tl.int64) * stride_be + w_rows).to(tl.float32)[None, :]
@@ -392,7 +397,7 @@ def _down_by_token_kernel(
         )
         last = k0 + BLOCK_K >= inter
         expert_out = acc
-        if W_FORMAT == 1:  # FP8: the expert's row scales, read at its last K step only
+        if (W_FORMAT == 1) | (W_FORMAT == 5):  # FP8: the expert's row scales, at its last K step
             scale_ptrs = w_scale_ptr + expert * stride_se + w_rows
             scales = tl.load(scale_ptrs, mask=(w_rows < hidden) & last, other=0.0)
             expert_out = expert_out * scales[None, :]
@@ -433,17 +438,21 @@ def weight_format(
     scale: torch.Tensor | None,
     dtype: torch.dtype,
     mxfp4_in_registers: bool = False,
+    fp8_in_registers: bool = False,
 ) -> int:
     """The kernels' ``W_FORMAT`` of stacked experts: plain (no scale), FP8 (float8 weights with
     float32 row scales) or MXFP4 (uint8 packed weights with uint8 group scales) with activations
-    of ``dtype``. Compiled MXFP4 products on bf16 activations go through `tl.dot_scaled`
-    (Triton's upcast), or where the tiles say ``mxfp4_in_registers`` decode in PTX
-    (`ember.kernels.mxfp4.mxfp4_tile_k_major`); the interpreter (no `tl.dot_scaled`, no PTX)
-    and fp16/fp32 activations decode in Triton (`ember.kernels.mxfp4.mxfp4_tile`)."""
+    of ``dtype``. Compiled FP8 tiles on bf16 activations widen in PTX where
+    ``fp8_in_registers`` (`ember.kernels.fp8_widen`). Compiled MXFP4 products on bf16
+    activations go through `tl.dot_scaled` (Triton's upcast), or where the tiles say
+    ``mxfp4_in_registers`` decode in PTX (`ember.kernels.mxfp4.mxfp4_tile_k_major`); the
+    interpreter (no `tl.dot_scaled`, no PTX) and fp16/fp32 activations decode in Triton
+    (`ember.kernels.mxfp4.mxfp4_tile`)."""
     if scale is None:
         return W_PLAIN
     if weight.dtype != torch.uint8:
-        return W_FP8
+        in_ptx = dtype == torch.bfloat16 and widens_in_registers(fp8_in_registers)
+        return W_FP8_PTX if in_ptx else W_FP8
     if dtype != torch.bfloat16 or kernels_interpreted():
         return W_MXFP4
     return W_MXFP4_PTX if mxfp4_in_registers else W_MXFP4_SCALED
@@ -486,6 +495,7 @@ def _launch_gate_up(
     tiles,
     block_m,
     by_pair,
+    fp8_in_registers=False,
 ):
     pairs = x.shape[0] * top_k
     inter = w13.shape[1] // 2
@@ -509,7 +519,7 @@ def _launch_gate_up(
         TOP_K=top_k,
         BY_PAIR=by_pair,
         ACTIVATION=ACTIVATIONS[activation],
-        W_FORMAT=weight_format(w13, scale, x.dtype, tiles.mxfp4_in_registers),
+        W_FORMAT=weight_format(w13, scale, x.dtype, tiles.mxfp4_in_registers, fp8_in_registers),
         HAS_BIAS=b13 is not None,
         BLOCK_M=block_m,
         GROUP_M=tiles.group_m,
@@ -519,20 +529,31 @@ def _launch_gate_up(
 
 
 def gate_up_by_pair(
-    x, w13, b13, ids, top_k, activation, tiles: GemmTiles, scale=None
+    x, w13, b13, ids, top_k, activation, tiles: GemmTiles, scale=None, fp8_in_registers=False
 ) -> torch.Tensor:
     """``[T * k, I]`` in pair order: ``act`` of each pair's gate and up products. ``scale``:
     FP8 ``w13``'s float32 ``[E, 2I]``, or packed MXFP4 ``w13``'s uint8 ``[E, 2I, H / 32]``
-    (None: ``w13`` in ``x``'s dtype), as for each product."""
+    (None: ``w13`` in ``x``'s dtype), as for each product; ``fp8_in_registers``: FP8 tiles
+    widen in PTX (`weight_format`), as for each product."""
     out = torch.empty(ids.numel(), w13.shape[1] // 2, dtype=x.dtype, device=x.device)
     _launch_gate_up(
-        x, w13, scale, b13, out, ids, ids, 0, top_k, activation, tiles, MIN_DOT_ROWS, by_pair=True
+        *(x, w13, scale, b13, out, ids, ids, 0, top_k, activation, tiles, MIN_DOT_ROWS),
+        by_pair=True,
+        fp8_in_registers=fp8_in_registers,
     )
     return out
 
 
 def gate_up_grouped(
-    x, w13, b13, blocks: MoeBlocks, top_k, activation, tiles: GemmTiles, scale=None
+    x,
+    w13,
+    b13,
+    blocks: MoeBlocks,
+    top_k,
+    activation,
+    tiles: GemmTiles,
+    scale=None,
+    fp8_in_registers=False,
 ) -> torch.Tensor:
     """``[max_blocks * block_m, I]`` in sorted order (padding rows left unwritten)."""
     rows = blocks.sorted_ids.numel()
@@ -551,16 +572,26 @@ def gate_up_grouped(
         tiles,
         blocks.block_m,
         by_pair=False,
+        fp8_in_registers=fp8_in_registers,
     )
     return out
 
 
 def down_grouped(
-    a, w2, b2, weights, blocks: MoeBlocks, tiles: GemmTiles, out: torch.Tensor, scale=None
+    a,
+    w2,
+    b2,
+    weights,
+    blocks: MoeBlocks,
+    tiles: GemmTiles,
+    out: torch.Tensor,
+    scale=None,
+    fp8_in_registers=False,
 ) -> torch.Tensor:
     """``out [T * k, H]``: each pair's expert output times its routing weight, from ``a`` in
     sorted order. ``scale``: FP8 ``w2``'s float32 ``[E, H]`` or MXFP4 ``w2``'s uint8
-    ``[E, H, I / 32]`` (None: ``w2`` in ``a``'s dtype)."""
+    ``[E, H, I / 32]`` (None: ``w2`` in ``a``'s dtype); ``fp8_in_registers``: FP8 tiles widen
+    in PTX (`weight_format`)."""
     num_blocks = blocks.expert_of_block.numel()
     _launch_down(
         a,
@@ -575,22 +606,39 @@ def down_grouped(
         scale,
         blocks.block_m,
         by_pair=False,
+        fp8_in_registers=fp8_in_registers,
     )
     return out
 
 
 def down_by_pair(
-    a, w2, b2, ids, weights, tiles: GemmTiles, out: torch.Tensor, scale=None
+    a, w2, b2, ids, weights, tiles: GemmTiles, out: torch.Tensor, scale=None, fp8_in_registers=False
 ) -> torch.Tensor:
     """``out [T * k, H]`` as `down_grouped`'s, from ``a`` in pair order (`gate_up_by_pair`'s),
     one program per pair and column tile: no alignment, and k times the programs of
     `down_by_token` for a GPU that one token's column tiles would leave half idle."""
-    _launch_down(a, w2, b2, weights, ids, ids, 0, tiles, out, scale, MIN_DOT_ROWS, by_pair=True)
+    _launch_down(
+        *(a, w2, b2, weights, ids, ids, 0, tiles, out, scale, MIN_DOT_ROWS),
+        by_pair=True,
+        fp8_in_registers=fp8_in_registers,
+    )
     return out
 
 
 def _launch_down(
-    a, w2, b2, weights, sorted_ids, experts, num_blocks, tiles, out, scale, block_m, by_pair
+    a,
+    w2,
+    b2,
+    weights,
+    sorted_ids,
+    experts,
+    num_blocks,
+    tiles,
+    out,
+    scale,
+    block_m,
+    by_pair,
+    fp8_in_registers=False,
 ):
     pairs, hidden = out.shape
     grid = (pairs if by_pair else num_blocks) * triton.cdiv(hidden, tiles.block_n)
@@ -611,7 +659,7 @@ def _launch_down(
         *expert_strides(w2, scale, b2),
         out.stride(0),
         BY_PAIR=by_pair,
-        W_FORMAT=weight_format(w2, scale, a.dtype, tiles.mxfp4_in_registers),
+        W_FORMAT=weight_format(w2, scale, a.dtype, tiles.mxfp4_in_registers, fp8_in_registers),
         HAS_BIAS=b2 is not None,
         BLOCK_M=block_m,
         GROUP_M=tiles.group_m,
@@ -621,10 +669,19 @@ def _launch_down(
 
 
 def down_by_token(
-    a, w2, b2, ids, weights, top_k, tiles: GemmTiles, out: torch.Tensor, scale=None
+    a,
+    w2,
+    b2,
+    ids,
+    weights,
+    top_k,
+    tiles: GemmTiles,
+    out: torch.Tensor,
+    scale=None,
+    fp8_in_registers=False,
 ) -> torch.Tensor:
-    """``out [T, H]``: each token's k weighted expert outputs, summed in slot order. ``scale``:
-    as `down_grouped`'s."""
+    """``out [T, H]``: each token's k weighted expert outputs, summed in slot order. ``scale``
+    and ``fp8_in_registers``: as `down_grouped`'s."""
     tokens, hidden = out.shape
     launch(
         _down_by_token_kernel,
@@ -642,7 +699,7 @@ def down_by_token(
         out.stride(0),
         TOP_K=top_k,
         SLOTS=triton.next_power_of_2(top_k),
-        W_FORMAT=weight_format(w2, scale, a.dtype, tiles.mxfp4_in_registers),
+        W_FORMAT=weight_format(w2, scale, a.dtype, tiles.mxfp4_in_registers, fp8_in_registers),
         HAS_BIAS=b2 is not None,
         BLOCK_M=MIN_DOT_ROWS,
         DOT_PRECISION=_dot_precision(a.dtype),

@@ -151,6 +151,9 @@ class MoeTuning:
     # stable sort (more launches, but parallel). Both are capturable.
     align_kernel_max_pairs: int = 2048
     shared_memory_budget: int = SHARED_MEMORY_BUDGET
+    # FP8 experts' tiles widen to bf16 in PTX (`ember.kernels.fp8_widen`), as the dense FP8
+    # products do (`LinearRoutes.fp8_widen_in_registers`; `--no-fp8-widen-in-registers`).
+    fp8_widen_in_registers: bool = True
     measured: tuple[MeasuredMoeTiles, ...] = field(default=())
 
     def tiles_for(self, shape: MoeShape, tokens: int) -> MoeTiles:

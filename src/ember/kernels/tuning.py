@@ -90,14 +90,16 @@ class KernelTuning:
         """The table for ``device``: the H200's, with the device's SM count, and the fused
         MoE's rows measured on this GPU model (shipped with ember), then those of
         ``tuning_file`` (`ember bench tune`'s tune.json; `ember.kernels.tuning_files`);
-        ``fp8_widen_in_registers`` sets `LinearRoutes.fp8_widen_in_registers` and
-        `AttentionTuning.kv_fp8_widen_in_registers`."""
+        ``fp8_widen_in_registers`` sets `LinearRoutes.fp8_widen_in_registers`,
+        `AttentionTuning.kv_fp8_widen_in_registers` and `MoeTuning.fp8_widen_in_registers`."""
         attention = AttentionTuning.for_device(device)
         attention = replace(attention, kv_fp8_widen_in_registers=fp8_widen_in_registers)
         gpu_name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
         rows = shipped_rows(gpu_name) if gpu_name else ()
         if tuning_file is not None:
             rows += file_rows(tuning_file, gpu_name)
-        moe = MoeTuning(num_sms=attention.num_sms).with_measured(*rows)
+        moe = MoeTuning(
+            num_sms=attention.num_sms, fp8_widen_in_registers=fp8_widen_in_registers
+        ).with_measured(*rows)
         linear = LinearRoutes(fp8_widen_in_registers=fp8_widen_in_registers)
         return cls(linear=linear, attention=attention, moe=moe)
