@@ -149,14 +149,9 @@ def sequence_weights(n: int, k: int, layers: int, device: str = "cuda") -> list[
 def fp8_sequence_weights(n: int, k: int, layers: int, device: str = "cuda") -> list:
     """`sequence_weights` quantized as `--quantization fp8` quantizes a model's at load: float8
     e4m3 with a scale per output row (`ember.layers.fp8.Fp8Weight`)."""
-    from ember.layers.fp8 import Fp8Weight, quantize_rows
+    from ember.layers.fp8 import fp8_weight_of
 
-    weights = []
-    for weight in sequence_weights(n, k, layers, device):
-        q, scale = quantize_rows(weight)
-        weights.append(Fp8Weight(q, scale[:, 0].contiguous()))
-        del weight
-    return weights
+    return [fp8_weight_of(weight) for weight in sequence_weights(n, k, layers, device)]
 
 
 def _router():

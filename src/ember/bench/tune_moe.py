@@ -40,7 +40,7 @@ from ember.kernels.moe_tiles import (
     gemv_moe_tiles,
 )
 from ember.kernels.tuning_files import measured_as_dict
-from ember.layers.fp8 import FP8_DTYPE, Fp8Weight, quantize_rows
+from ember.layers.fp8 import FP8_DTYPE, Fp8Weight, dense_weight, fp8_weight_of
 from ember.layers.mxfp4 import BLOCK_BYTES, Mxfp4Weight
 from ember.weights.mxfp4 import BLOCK_COLUMNS, quantize_mxfp4
 
@@ -160,7 +160,7 @@ def expert_weights(shape: MoeShape, seed: int = 0, device: str = "cuda") -> dict
         if not (shape.mxfp4 or shape.fp8):
             drawn = torch.randn(e, rows, cols, generator=g, device=device) / cols**0.5
             return drawn.to(torch.bfloat16)
-        quantize = quantize_mxfp4 if shape.mxfp4 else _fp8_rows
+        quantize = quantize_mxfp4 if shape.mxfp4 else fp8_weight_of
         experts = [
             quantize(torch.randn(rows, cols, generator=g, device=device) / cols**0.5)
             for _ in range(e)
@@ -169,12 +169,6 @@ def expert_weights(shape: MoeShape, seed: int = 0, device: str = "cuda") -> dict
         return Mxfp4Weight(*stacked) if shape.mxfp4 else Fp8Weight(*stacked)
 
     return {"w13": draw(2 * i, h), "w2": draw(h, i)}
-
-
-def _fp8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One expert's ``(e4m3 weight, float32 row scales [rows])``."""
-    q, scale = quantize_rows(weight)
-    return q, scale[:, 0].contiguous()
 
 
 def empty_expert_weights(shape: MoeShape, fp8: bool = False) -> dict:
@@ -270,8 +264,14 @@ def _products_us(inputs: dict, tiles: MoeTiles, tuning: MoeTuning) -> dict[str, 
     from ember.kernels.moe_gemm import down_grouped, gate_up_grouped
 
     x, w13, w2 = inputs["x"], inputs["w13"], inputs["w2"]
+
+    def dense(weight) -> torch.Tensor:
+        if isinstance(weight, Mxfp4Weight):
+            return weight.dequantize(x.dtype)
+        return dense_weight(weight, x.dtype)
+
+    w13_dense, w2_dense = dense(w13), dense(w2)
     w13_scale = w2_scale = None
-    quantized = w13
     if isinstance(w13, Mxfp4Weight | Fp8Weight):
         (w13, w13_scale), (w2, w2_scale) = w13, w2
     ids = inputs["topk_ids"].reshape(-1).contiguous()
@@ -286,13 +286,6 @@ def _products_us(inputs: dict, tiles: MoeTiles, tuning: MoeTuning) -> dict[str, 
         inter = gate_up_grouped(x, w13, None, blocks, k, "silu", tiles.gate_up, w13_scale, **in_ptx)
         down_grouped(inter, w2, None, weights, blocks, tiles.down, parts, w2_scale, **in_ptx)
 
-    if isinstance(quantized, Mxfp4Weight):
-        w13 = Mxfp4Weight(w13, w13_scale).dequantize(x.dtype)
-        w2 = Mxfp4Weight(w2, w2_scale).dequantize(x.dtype)
-    elif isinstance(quantized, Fp8Weight):
-        w13 = (w13.float() * w13_scale[..., None]).to(x.dtype)
-        w2 = (w2.float() * w2_scale[..., None]).to(x.dtype)
-
     # torch's grouped GEMM on the same rows: x gathered into sorted order, each expert's run
     # ending at its padded end.
     pairs = ids.numel()
@@ -301,11 +294,11 @@ def _products_us(inputs: dict, tiles: MoeTiles, tuning: MoeTuning) -> dict[str, 
     counts = torch.bincount(ids.long(), minlength=w13.shape[0])
     ends = ((counts + tiles.block_m - 1) // tiles.block_m * tiles.block_m).cumsum(0).int()
     # The activation is left out of this side: a lower bound for a library path.
-    hidden_rows = torch.randn(rows.numel(), w2.shape[2], device=x.device).to(x.dtype)
+    hidden_rows = torch.randn(rows.numel(), w2_dense.shape[2], device=x.device).to(x.dtype)
 
     def library_products() -> None:
-        torch._grouped_mm(x_sorted, w13.transpose(1, 2), offs=ends)
-        torch._grouped_mm(hidden_rows, w2.transpose(1, 2), offs=ends)
+        torch._grouped_mm(x_sorted, w13_dense.transpose(1, 2), offs=ends)
+        torch._grouped_mm(hidden_rows, w2_dense.transpose(1, 2), offs=ends)
 
     return {
         "triton_products_us": _us(gpu_seconds, triton_products),

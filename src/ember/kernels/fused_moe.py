@@ -200,18 +200,24 @@ def fused_moe(
         return down_gemv_by_token(inter, w2, b2, ids, weights, top_k, tiles.down, out, w2_scale)
     in_ptx = {"fp8_in_registers": tuning.fp8_widen_in_registers}
     if tiles.by_pair:
-        gate_up = (x, w13, b13, ids, top_k, activation, tiles.gate_up, w13_scale)
-        inter = gate_up_by_pair(*gate_up, **in_ptx)
-        down = (inter, w2, b2, ids, weights)
+        inter = gate_up_by_pair(
+            x, w13, b13, ids, top_k, activation, tiles.gate_up, w13_scale, **in_ptx
+        )
         if tiles.down_by_token:
-            return down_by_token(*down, top_k, tiles.down, out, w2_scale, **in_ptx)
-        down = partial(down_by_pair, *down, tiles.down, scale=w2_scale, **in_ptx)
+            return down_by_token(
+                inter, w2, b2, ids, weights, top_k, tiles.down, out, w2_scale, **in_ptx
+            )
+        down = partial(
+            down_by_pair, inter, w2, b2, ids, weights, tiles.down, scale=w2_scale, **in_ptx
+        )
     else:
         blocks = align_pairs(ids, w13.shape[0], tiles.block_m, tuning.align_kernel_max_pairs)
-        gate_up = (x, w13, b13, blocks, top_k, activation, tiles.gate_up, w13_scale)
-        inter = gate_up_grouped(*gate_up, **in_ptx)
-        down = (inter, w2, b2, weights, blocks, tiles.down)
-        down = partial(down_grouped, *down, scale=w2_scale, **in_ptx)
+        inter = gate_up_grouped(
+            x, w13, b13, blocks, top_k, activation, tiles.gate_up, w13_scale, **in_ptx
+        )
+        down = partial(
+            down_grouped, inter, w2, b2, weights, blocks, tiles.down, scale=w2_scale, **in_ptx
+        )
     if top_k == 1:  # pair rows are token rows
         return down(out)
     parts = torch.empty(tokens * top_k, hidden, dtype=x.dtype, device=x.device)

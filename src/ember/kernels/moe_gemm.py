@@ -104,6 +104,12 @@ def _dot_weight_tile(
 
 
 @triton.jit
+def _fp8_format(W_FORMAT: tl.constexpr):
+    """Whether ``W_FORMAT`` is FP8 rows (`W_FP8`, `W_FP8_PTX`), scaled per row after the K loop."""
+    return (W_FORMAT == 1) | (W_FORMAT == 5)
+
+
+@triton.jit
 def _dot_scaled_mxfp4_tile(
     a, acc, row_ptrs, scale_row_ptrs, k0, k_size, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr
 ):
@@ -229,7 +235,7 @@ def _gate_up_kernel(
         acc_up = _dot_weight_tile(
             x, acc_up, up_ptrs, up_scales, k0, hidden, W_FORMAT, EVEN_K, BLOCK_K, DOT_PRECISION
         )
-    if (W_FORMAT == 1) | (W_FORMAT == 5):  # FP8: each row's scale
+    if _fp8_format(W_FORMAT):  # FP8: each row's scale
         scales = w_scale_ptr + expert.to(tl.int64) * stride_se
         acc_gate *= tl.load(scales + w_rows)[None, :]
         acc_up *= tl.load(scales + inter + w_rows)[None, :]
@@ -313,7 +319,7 @@ def _down_kernel(
         acc = _dot_weight_tile(
             a, acc, w_ptrs, s_ptrs, k0, inter, W_FORMAT, EVEN_K, BLOCK_K, DOT_PRECISION
         )
-    if (W_FORMAT == 1) | (W_FORMAT == 5):  # FP8: each row's scale
+    if _fp8_format(W_FORMAT):  # FP8: each row's scale
         acc *= tl.load(w_scale_ptr + expert.to(tl.int64) * stride_se + w_rows)[None, :]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + expert.to(tl.int64) * stride_be + w_rows).to(tl.float32)[None, :]
@@ -397,7 +403,7 @@ def _down_by_token_kernel(
         )
         last = k0 + BLOCK_K >= inter
         expert_out = acc
-        if (W_FORMAT == 1) | (W_FORMAT == 5):  # FP8: the expert's row scales, at its last K step
+        if _fp8_format(W_FORMAT):  # FP8: the expert's row scales, read at its last K step only
             scale_ptrs = w_scale_ptr + expert * stride_se + w_rows
             scales = tl.load(scale_ptrs, mask=(w_rows < hidden) & last, other=0.0)
             expert_out = expert_out * scales[None, :]

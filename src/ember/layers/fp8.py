@@ -65,6 +65,12 @@ def quantize_rows(
     return (xf / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(FP8_DTYPE), scale
 
 
+def fp8_weight_of(weight: torch.Tensor) -> Fp8Weight:
+    """``weight [out, in]`` quantized per row (`quantize_rows`) as an `Fp8Weight`."""
+    q, scale = quantize_rows(weight)
+    return Fp8Weight(q, scale[:, 0].contiguous())
+
+
 @torch.no_grad()
 def quantize_rows_into(
     source: torch.Tensor,
