@@ -411,6 +411,13 @@ def test_a_moe_decode_row_has_a_floor_for_its_chosen_experts(tmp_path):
     assert row["sequential_roofline_ms"] - row["chosen_experts_roofline_ms"] == pytest.approx(
         skipped / 1e11 * 1e3, rel=1e-6
     )
+    # Each token multiplies by its top-k experts only, not by all of them.
+    sparse = sum(cfg.is_moe_layer(layer) for layer in range(cfg.num_layers))
+    experts = sparse * cfg.num_experts * 3 * cfg.hidden_size * cfg.moe_intermediate_size
+    per_token = bench.matmul_params - experts * (1 - cfg.num_experts_per_tok / cfg.num_experts)
+    assert bench.token_matmul_params == per_token < bench.matmul_params
+    attention = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * 2 * (32 + 1 + 2 / 2)
+    assert row["flops"] == pytest.approx(2 * per_token * 2 + attention, rel=1e-9)
 
 
 def test_the_chosen_experts_floor_counts_packed_mxfp4_bytes(tmp_path):

@@ -75,6 +75,13 @@ class StepBench:
             if cfg.tie_word_embeddings or name != "embed_tokens.weight"
         ]
         self.matmul_params = sum(_matmul_elements(name, p) for name, p in streamed)
+        # A token multiplies by its top-k experts only: of a mixture of experts' stacked
+        # experts, k/E of the elements count in each token's FLOPs.
+        expert_elements = sum(
+            _matmul_elements(name, p) for name, p in streamed if _is_expert_weight(name)
+        )
+        unchosen = 1 - cfg.num_experts_per_tok / cfg.num_experts if expert_elements else 0
+        self.token_matmul_params = self.matmul_params - expert_elements * unchosen
         self.weight_bytes = sum(p.numel() * p.element_size() for _, p in streamed)
         # A mixture of experts' decode step reads only its tokens' chosen experts.
         self.expert_bytes = sum(
@@ -162,7 +169,7 @@ class StepBench:
         ctx = context + (warmup + steps / 2)
         kv_bytes = batch * ctx * self.kv_bytes_per_token
         bytes_moved = self.weight_bytes + kv_bytes
-        gemm_flops, attn_flops = 2 * self.matmul_params * batch, self._attn_flops(batch, ctx)
+        gemm_flops, attn_flops = 2 * self.token_matmul_params * batch, self._attn_flops(batch, ctx)
         flops = gemm_flops + attn_flops
         floor = self.ceil.floor_seconds(bytes_moved, flops)
         # The GEMMs and attention run one after the other, so a step can't overlap the GEMMs'
@@ -356,7 +363,7 @@ class StepBench:
             times.append(time.perf_counter() - start)
             self.drain([rid])
         seconds = sorted(times[1:])[len(times[1:]) // 2]
-        flops = 2 * self.matmul_params * chunk + self._attn_flops(chunk, chunk / 2)
+        flops = 2 * self.token_matmul_params * chunk + self._attn_flops(chunk, chunk / 2)
         floor = self.ceil.floor_seconds(self.weight_bytes + chunk * self.kv_bytes_per_token, flops)
         return {
             "chunk": chunk,
