@@ -52,12 +52,15 @@ def test_every_default_configuration_fits_an_h200():
     fp8_experts = [r for r in results if r["case"].endswith("fp8 experts")]
     assert {r["constexprs"].get("W_FORMAT") for r in fp8_experts} - {None} == {5}
     assert ("down_kernel", "gpt-oss-20b T=4096, fp8 experts") in cases
-    # MXFP4 experts through tl.dot_scaled: every path, tensor-core tiles included.
-    for tokens in (1, 4, 16, 4096):
+    # MXFP4 experts: the GEMV at a decode's token counts, tl.dot_scaled past them.
+    for tokens in (1, 4):
+        assert ("gate_up_gemv_kernel", f"gpt-oss-120b-mxfp4 T={tokens}") in cases
+        assert ("down_gemv_kernel", f"gpt-oss-20b-mxfp4 T={tokens}") in cases
+    for tokens in (16, 4096):
         assert ("gate_up_kernel", f"gpt-oss-120b-mxfp4 T={tokens}") in cases
-    assert ("down_by_token_kernel", "gpt-oss-20b-mxfp4 T=4") in cases
     assert ("down_kernel", "gpt-oss-20b-mxfp4 T=4096") in cases
-    # MXFP4 decoded in PTX (the tiles' mxfp4_in_registers): the products compile for sm_90.
+    # MXFP4 decoded in PTX (the tiles' mxfp4_in_registers), by pair at one token and grouped:
+    # the products compile for sm_90.
     for tokens in (1, 4096):
         assert ("gate_up_kernel", f"gpt-oss-120b-mxfp4 T={tokens}, ptx decode") in cases
     assert ("down_kernel", "gpt-oss-20b-mxfp4 T=1, ptx decode") in cases

@@ -115,16 +115,17 @@ def test_every_decode_of_mxfp4_experts_computes_the_same_products(experts, path,
     as their dots' summation orders allow."""
     from dataclasses import replace
 
-    from ember.kernels.moe_tiles import default_moe_tiles, gemv_moe_tiles
+    from ember.kernels.moe_tiles import by_pair_moe_tiles, default_moe_tiles
 
     packed, dense, biases = experts
     g = torch.Generator(device="cuda").manual_seed(tokens)
     x = torch.randn(tokens, SHAPE.hidden, generator=g, device="cuda").bfloat16()
     ids, weights = random_routing(tokens, tokens)
     routed = {"topk_weights": weights, "topk_ids": ids, "activation": "swiglu_oai", **biases}
-    by_pair = path != "grouped"
-    tuning = MoeTuning(by_pair_max_tokens=tokens if by_pair else 0)
-    scaled = default_moe_tiles(SHAPE, tokens, tuning)
+    if path == "grouped":
+        scaled = default_moe_tiles(SHAPE, tokens, MoeTuning(by_pair_max_tokens=0))
+    else:
+        scaled = by_pair_moe_tiles(SHAPE, tokens)
     registers = replace(
         scaled,
         gate_up=replace(scaled.gate_up, mxfp4_in_registers=True),
@@ -132,7 +133,7 @@ def test_every_decode_of_mxfp4_experts_computes_the_same_products(experts, path,
     )
     expected = moe_reference(x, **dense, **routed, compute_dtype=torch.float32)
     if path == "by_pair_gemv":
-        runs = [gemv_moe_tiles(SHAPE, tokens, tuning)]
+        runs = [by_pair_moe_tiles(SHAPE, tokens, gemv=True)]
     else:
         runs = [scaled, registers]
     outs = [fused_moe(x, **packed, **routed, tiles=tiles) for tiles in runs]

@@ -56,10 +56,29 @@ def test_mxfp4_streams_keep_64_columns_however_few_programs_that_makes():
     program's threads; bf16 streams narrow to fill the GPU."""
     mxfp4 = GPT_OSS._replace(mxfp4=True)
     for tokens in (1, 4, 16):
-        tiles = default_moe_tiles(mxfp4, tokens, MoeTuning(num_sms=132))
+        tiles = default_moe_tiles(mxfp4, tokens, MoeTuning(num_sms=132, by_pair_max_tokens=0))
         assert (tiles.gate_up.block_n, tiles.down.block_n) == (64, 64), tokens
         assert (tiles.gate_up.block_k, tiles.down.block_k) == (128, 128), tokens
     assert default_moe_tiles(GPT_OSS, 1, MoeTuning(num_sms=132)).gate_up.block_n < 64
+
+
+def test_mxfp4_decode_runs_the_gemv_on_the_tiles_both_hoppers_measured_fastest():
+    """MXFP4 experts up to `MoeTuning.by_pair_max_tokens` tokens: the CUDA-core GEMV on 8-column
+    tiles, K steps of 256 in one stage on two warps; down in K steps of 512, two stages, four
+    warps while one token's programs fill under four waves (the H100 and H200 tables' rows at
+    1 and 4 tokens). Past the by-pair bound, and for bf16 experts, `tl.dot`'s tiles."""
+    mxfp4 = GPT_OSS._replace(mxfp4=True)
+    tuning = MoeTuning(num_sms=132)
+    short = GemmTiles(8, 256, 1, 2)
+    one, four = default_moe_tiles(mxfp4, 1, tuning), default_moe_tiles(mxfp4, 4, tuning)
+    assert one.gemv and four.gemv and one.by_pair and one.down_by_token
+    assert (one.gate_up, one.down) == (short, GemmTiles(8, 512, 2, 4))
+    assert (four.gate_up, four.down) == (short, short)
+    assert not default_moe_tiles(mxfp4, 5, tuning).gemv
+    assert not default_moe_tiles(GPT_OSS, 1, tuning).gemv
+    # A tiny shape's K steps stay within its K, in whole scale groups.
+    tiny = default_moe_tiles(MoeShape(4, 64, 32, 2, mxfp4=True), 1, tuning)
+    assert (tiny.gate_up.block_k, tiny.down.block_k) == (64, 32)
 
 
 def test_heuristic_tiles_fit_shared_memory():

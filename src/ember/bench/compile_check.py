@@ -311,8 +311,8 @@ def _attention_configs(kv_fp8: bool, widen_in_ptx: bool = False) -> list[Compile
 
 
 # Token counts at which the fused MoE's default tiles take each path: by pair (a decode; down
-# one program per pair at 1 token, per token at 4), grouped on 16-row blocks, on tensor-core
-# blocks (a prefill).
+# one program per pair at 1 token, per token at 4; MXFP4 experts on the GEMV), grouped on
+# 16-row blocks, on tensor-core blocks (a prefill).
 _MOE_TOKENS = (1, 4, 16, 4096)
 # Of those, the ones compiled over FP8 experts too (the same tiles, weights widened to bf16),
 # and MXFP4 ones decoded in PTX too.
@@ -328,7 +328,7 @@ def moe_configs() -> list[CompiledConfig]:
     from ember.bench.offline_compile import compile_offline
     from ember.bench.tune_moe import MOE_SHAPES, empty_expert_weights, token_inputs
     from ember.kernels.fused_moe import fused_moe
-    from ember.kernels.moe_tiles import MoeTuning
+    from ember.kernels.moe_tiles import MoeTuning, by_pair_moe_tiles
 
     results = []
     for name, shape in MOE_SHAPES.items():
@@ -338,6 +338,8 @@ def moe_configs() -> list[CompiledConfig]:
                 inputs = {**weights, **token_inputs(shape, tokens, device="cpu")}
                 tiles = MoeTuning().tiles_for(shape, tokens)
                 if form == "ptx":  # MXFP4 decoded in PTX (`mxfp4_tile_k_major`)
+                    if tiles.gemv:  # the heuristics' GEMV decodes on the CUDA cores
+                        tiles = by_pair_moe_tiles(shape, tokens)
                     tiles = replace(
                         tiles,
                         gate_up=replace(tiles.gate_up, mxfp4_in_registers=True),

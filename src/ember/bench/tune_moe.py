@@ -35,9 +35,9 @@ from ember.kernels.moe_tiles import (
     MoeShape,
     MoeTiles,
     MoeTuning,
+    by_pair_moe_tiles,
     default_moe_tiles,
     fit_shared_memory,
-    gemv_moe_tiles,
 )
 from ember.kernels.tuning_files import measured_as_dict
 from ember.layers.fp8 import FP8_DTYPE, Fp8Weight, dense_weight, fp8_weight_of
@@ -104,10 +104,10 @@ def paths_for(shape: MoeShape, tokens: int, num_sms: int) -> dict[str, MoeTiles]
     """The heuristic tiles of each path that can serve ``tokens``, by name."""
     paths = {}
     if tokens <= BY_PAIR_MAX_TOKENS:
-        by_pair = default_moe_tiles(shape, tokens, MoeTuning(num_sms, by_pair_max_tokens=tokens))
+        by_pair = by_pair_moe_tiles(shape, tokens, MoeTuning(num_sms))
         paths["by_pair"] = replace(by_pair, down_by_token=True)
         paths["by_pair_split"] = replace(by_pair, down_by_token=False)
-        paths["by_pair_gemv"] = fit(gemv_moe_tiles(shape, tokens, MoeTuning(num_sms)), shape)
+        paths["by_pair_gemv"] = by_pair_moe_tiles(shape, tokens, MoeTuning(num_sms), gemv=True)
     grouped_only = MoeTuning(num_sms=num_sms, by_pair_max_tokens=0)
     grouped = default_moe_tiles(shape, tokens, grouped_only)
     for block_m in block_ms_for(shape, tokens):

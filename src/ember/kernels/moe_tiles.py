@@ -182,23 +182,10 @@ def default_moe_tiles(shape: MoeShape, tokens: int, tuning: MoeTuning | None = N
     pairs = tokens * shape.top_k
     budget = tuning.shared_memory_budget
     mxfp4 = shape.mxfp4
-    # FP8 experts keep the tiles of the activations' dtype (fitted as if their weights took its
-    # bytes) until `ember bench tune --sections moe` measures theirs.
-    fit_bytes = shape.elem_bytes if shape.fp8 else shape.weight_bytes
+    fit_bytes = _fit_bytes(shape)
     if tokens <= tuning.by_pair_max_tokens:
-        # Down by token while the tokens' column tiles fill the GPU twice, else by pair.
-        down_by_token = tokens * cdiv(shape.hidden, 16) >= 2 * tuning.num_sms
-        down_programs = tokens if down_by_token else pairs
-        tiles = MoeTiles(
-            by_pair=True,
-            block_m=MIN_DOT_ROWS,
-            gate_up=_stream_tiles(shape.intermediate, shape.hidden, pairs, tuning.num_sms, mxfp4),
-            down=_stream_tiles(
-                shape.hidden, shape.intermediate, down_programs, tuning.num_sms, mxfp4
-            ),
-            down_by_token=down_by_token,
-        )
-        return fit_shared_memory(tiles, shape.elem_bytes, budget // 2, fit_bytes)
+        # MXFP4 decode on the CUDA cores: no tensor-core decode of whole tiles for one row.
+        return by_pair_moe_tiles(shape, tokens, tuning, gemv=mxfp4)
     rows_per_expert = pairs / shape.num_experts
     block_m = next((m for m in (16, 32, 64) if rows_per_expert <= m * 1.5), 128)
     if block_m == 16:  # one or two tokens an expert: still a weight stream
@@ -214,14 +201,49 @@ def default_moe_tiles(shape: MoeShape, tokens: int, tuning: MoeTuning | None = N
     return fit_shared_memory(tiles, shape.elem_bytes, budget, fit_bytes)
 
 
+def by_pair_moe_tiles(
+    shape: MoeShape, tokens: int, tuning: MoeTuning | None = None, gemv: bool = False
+) -> MoeTiles:
+    """Heuristic tiles of the by-pair path, on `tl.dot` or (``gemv``) on the CUDA cores
+    (`gemv_moe_tiles`), in half an SM's shared memory. On `tl.dot`: weight streams per pair
+    for gate/up, and down by token while the tokens' column tiles fill the GPU twice, else by
+    pair."""
+    tuning = tuning or MoeTuning()
+    if gemv:
+        tiles = gemv_moe_tiles(shape, tokens, tuning)
+    else:
+        pairs = tokens * shape.top_k
+        down_by_token = tokens * cdiv(shape.hidden, 16) >= 2 * tuning.num_sms
+        down_programs = tokens if down_by_token else pairs
+        sms, mxfp4 = tuning.num_sms, shape.mxfp4
+        tiles = MoeTiles(
+            by_pair=True,
+            block_m=MIN_DOT_ROWS,
+            gate_up=_stream_tiles(shape.intermediate, shape.hidden, pairs, sms, mxfp4),
+            down=_stream_tiles(shape.hidden, shape.intermediate, down_programs, sms, mxfp4),
+            down_by_token=down_by_token,
+        )
+    budget = tuning.shared_memory_budget // 2
+    return fit_shared_memory(tiles, shape.elem_bytes, budget, _fit_bytes(shape))
+
+
+def _fit_bytes(shape: MoeShape) -> float:
+    """A weight element's bytes in the shared-memory fit: FP8 experts keep the tiles of the
+    activations' dtype (fitted as if their weights took its bytes) until `ember bench tune
+    --sections moe` measures theirs."""
+    return shape.elem_bytes if shape.fp8 else shape.weight_bytes
+
+
 def gemv_moe_tiles(shape: MoeShape, tokens: int, tuning: MoeTuning | None = None) -> MoeTiles:
     """Heuristic tiles of the by-pair path on the CUDA cores (``MoeTiles.gemv``): column tiles
     narrow enough that the programs fill the GPU four times over (a GEMV program keeps fewer
     loads in flight than a pipelined `tl.dot` one), K steps of 256 values, and up to four warps
     while each thread still takes `GEMV_MIN_VALUES_PER_THREAD` values a step (fewer spend more
     instructions a value on the step's addressing and sums: `ember bench isa`, MXFP4 down at
-    4 columns 14.0 with four warps, 10.6 with one)."""
+    4 columns 14.0 with four warps, 10.6 with one). MXFP4 experts: `_mxfp4_gemv_tiles`."""
     tuning = tuning or MoeTuning()
+    if shape.mxfp4:
+        return _mxfp4_gemv_tiles(shape, tokens, tuning)
     pairs = tokens * shape.top_k
 
     def stream(cols: int, row_programs: int) -> GemmTiles:
@@ -234,6 +256,27 @@ def gemv_moe_tiles(shape: MoeShape, tokens: int, tuning: MoeTuning | None = None
 
     gate_up = stream(shape.intermediate, pairs)
     return MoeTiles(True, MIN_DOT_ROWS, gate_up, stream(shape.hidden, tokens), gemv=True)
+
+
+def _mxfp4_gemv_tiles(shape: MoeShape, tokens: int, tuning: MoeTuning) -> MoeTiles:
+    """The GEMV over MXFP4 experts: 8-column tiles, K steps of 256 values in one stage on two
+    warps (32 values a thread); down takes K steps of 512 in two stages on four warps while its
+    programs fill fewer than four waves: the tiles an H100's and an H200's tunes both measured
+    fastest at 1 and 4 tokens of gpt-oss, well ahead of the general GEMV tiles and `tl.dot`'s
+    (bench/results/README.md, "Fused MoE tables")."""
+
+    def tiles(k: int, longest: int, stages: int) -> GemmTiles:
+        block_k = min(longest, max(MXFP4_GROUP, next_power_of_2(k)))
+        warps = max(1, min(4, 8 * block_k // GEMV_MIN_VALUES_PER_THREAD // 32))
+        return GemmTiles(8, block_k, stages=stages, num_warps=warps)
+
+    few_down_programs = tokens * cdiv(shape.hidden, 8) < 4 * tuning.num_sms
+    down = (
+        tiles(shape.intermediate, 512, 2)
+        if few_down_programs
+        else tiles(shape.intermediate, 256, 1)
+    )
+    return MoeTiles(True, MIN_DOT_ROWS, tiles(shape.hidden, 256, 1), down, gemv=True)
 
 
 def _stream_tiles(cols: int, k: int, row_programs: int, num_sms: int, mxfp4: bool) -> GemmTiles:
