@@ -85,9 +85,11 @@ def test_greedy_generation_in_chunks_matches_transformers(tiny):
 
 
 def test_bf16_is_as_close_to_float32_as_transformers_bf16_is(model_dirs):
-    """In bf16 a one-token prompt's logits are transformers' bits; over longer prompts the
-    attention rounds differently (and a near tie may route a token to another expert), so
-    ember's bf16 logits must be about as far from the float32 ones as transformers' are."""
+    """In bf16 a one-token prompt's logits, run alone as transformers runs it, are
+    transformers' bits (in a batch beside longer prompts, a CPU's bf16 GEMM may round its row
+    differently with the batch's row count); over longer prompts the attention rounds
+    differently (and a near tie may route a token to another expert), so ember's bf16 logits
+    must be about as far from the float32 ones as transformers' are."""
     path = model_dirs["Llama4ForCausalLM"]
     hf_bf16 = text_model(path, "Llama4ForCausalLM", torch.bfloat16)
     hf_fp32 = text_model(path, "Llama4ForCausalLM", torch.float32)
@@ -98,7 +100,7 @@ def test_bf16_is_as_close_to_float32_as_transformers_bf16_is(model_dirs):
             theirs = hf_bf16(torch.tensor([prompt])).logits[0]
             exact = hf_fp32(torch.tensor([prompt])).logits[0]
         if len(prompt) == 1:
-            assert torch.equal(ours, theirs)
+            assert torch.equal(ember_prefill_logits(llm, [prompt])[0], theirs)
         their_error = (theirs.float() - exact).abs().max()
         assert (ours.float() - exact).abs().max() <= 2 * their_error
 
