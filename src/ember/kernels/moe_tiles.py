@@ -251,8 +251,7 @@ def gemv_moe_tiles(shape: MoeShape, tokens: int, tuning: MoeTuning | None = None
         while block_n > 2 and row_programs * cdiv(cols, block_n) < 4 * tuning.num_sms:
             block_n //= 2
         block_k = min(256, max(MXFP4_GROUP, next_power_of_2(shape.hidden)))
-        threads = block_n * block_k // GEMV_MIN_VALUES_PER_THREAD
-        return GemmTiles(block_n, block_k, stages=2, num_warps=max(1, min(4, threads // 32)))
+        return _gemv_gemm(block_n, block_k, stages=2)
 
     gate_up = stream(shape.intermediate, pairs)
     return MoeTiles(True, MIN_DOT_ROWS, gate_up, stream(shape.hidden, tokens), gemv=True)
@@ -266,9 +265,7 @@ def _mxfp4_gemv_tiles(shape: MoeShape, tokens: int, tuning: MoeTuning) -> MoeTil
     (bench/results/README.md, "Fused MoE tables")."""
 
     def tiles(k: int, longest: int, stages: int) -> GemmTiles:
-        block_k = min(longest, max(MXFP4_GROUP, next_power_of_2(k)))
-        warps = max(1, min(4, 8 * block_k // GEMV_MIN_VALUES_PER_THREAD // 32))
-        return GemmTiles(8, block_k, stages=stages, num_warps=warps)
+        return _gemv_gemm(8, min(longest, max(MXFP4_GROUP, next_power_of_2(k))), stages)
 
     few_down_programs = tokens * cdiv(shape.hidden, 8) < 4 * tuning.num_sms
     down = (
@@ -277,6 +274,13 @@ def _mxfp4_gemv_tiles(shape: MoeShape, tokens: int, tuning: MoeTuning) -> MoeTil
         else tiles(shape.intermediate, 256, 1)
     )
     return MoeTiles(True, MIN_DOT_ROWS, tiles(shape.hidden, 256, 1), down, gemv=True)
+
+
+def _gemv_gemm(block_n: int, block_k: int, stages: int) -> GemmTiles:
+    """A GEMV product's tiles: up to four warps while each thread still takes
+    `GEMV_MIN_VALUES_PER_THREAD` values a K step."""
+    threads = block_n * block_k // GEMV_MIN_VALUES_PER_THREAD
+    return GemmTiles(block_n, block_k, stages=stages, num_warps=max(1, min(4, threads // 32)))
 
 
 def _stream_tiles(cols: int, k: int, row_programs: int, num_sms: int, mxfp4: bool) -> GemmTiles:
